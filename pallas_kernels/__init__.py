@@ -1,0 +1,13 @@
+"""Attention kernels (no notion of patterns, models or modalities).
+
+One op per folder: `block_sparse/` (the core block-sparse flash attention).
+"""
+
+from pallas_kernels.block_sparse import (
+    BlockLayout,
+    block_sparse_attention,
+    default_implementation,
+    merge_attention,
+)
+
+__all__ = ["BlockLayout", "block_sparse_attention", "default_implementation", "merge_attention"]

@@ -1,0 +1,71 @@
+"""`block_sparse_attention`: validation and dispatch to an implementation."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.block_sparse import validation
+from pallas_kernels.block_sparse.layout import BlockLayout
+from pallas_kernels.block_sparse.reference import block_sparse_attention_reference
+from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
+
+IMPLEMENTATIONS = ("reference", "triton")
+
+
+def default_implementation(interpret: bool = False) -> str:
+    """triton on a GPU, or on CPU when ``interpret``; reference otherwise."""
+    if interpret or jax.default_backend() == "gpu":
+        return "triton"
+    return "reference"
+
+
+def block_sparse_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layout: BlockLayout,
+    *,
+    sm_scale: float | None = None,
+    causal: bool = True,
+    implementation: str | None = None,
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention over the (query block, key block) pairs a `BlockLayout` lists.
+
+    Args:
+      q: ``[B, T, N, D]`` queries, the last T of S positions; bf16, fp16 or fp32.
+      k, v: ``[B, S, K, D]`` keys and values, N % K == 0 (GQA: head n reads key head
+        n // (N / K)). Any D; non powers of two are zero-padded.
+      layout: a `BlockLayout` built for ``q_len=T, kv_len=S``.
+      sm_scale: softmax scale, default ``D ** -0.5``.
+      causal: mask keys after the query's original position.
+      implementation: ``"reference"`` (pure JAX) or ``"triton"`` (Pallas Triton); None picks
+        triton on a GPU, reference on CPU unless ``interpret``.
+      interpret: run the Pallas kernel in interpret mode (CPU).
+      num_warps, num_stages: Triton launch parameters (defaults by head dim).
+
+    Returns:
+      out ``[B, T, N, D]`` in q's dtype and lse ``[B, N, T]`` float32 (natural log). Rows
+      with no visible key give out 0 and lse -inf.
+    """
+    validation.check_qkv(q, k, v)
+    b, t, n, d = q.shape
+    validation.check_layout_shapes(layout, b, n, t, k.shape[1])
+    validation.check_layout_values(layout)
+    if implementation is None:
+        implementation = default_implementation(interpret)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}"
+        )
+    if sm_scale is None:
+        sm_scale = float(d) ** -0.5
+    sm_scale = float(sm_scale)
+    if implementation == "reference":
+        return block_sparse_attention_reference(q, k, v, layout, sm_scale=sm_scale, causal=causal)
+    return block_sparse_attention_triton(
+        q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
+        num_warps=num_warps, num_stages=num_stages,
+    )

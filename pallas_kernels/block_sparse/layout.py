@@ -1,0 +1,320 @@
+"""`BlockLayout`: which key blocks (and single key columns) each query block computes.
+
+Index spaces
+------------
+Queries and keys may be *permuted* (Grid heads, modality boundaries). A layout speaks in
+the permuted order:
+
+* query block ``i`` holds the permuted query rows ``[i * block_q, (i + 1) * block_q)``;
+  permuted row ``r`` is original query ``q_perm[r]`` (identity when ``q_perm`` is None);
+* key block ``j`` holds permuted key rows ``[j * block_k, (j + 1) * block_k)``; permuted key
+  ``c`` is original key ``kv_perm[c]``; ``kv_columns`` hold permuted key indices too.
+
+Causality is always decided on *original* positions. Queries are the last ``q_len`` of
+``kv_len`` positions (suffix / chunked prefill): original query ``t`` sits at position
+``t + kv_len - q_len``; key ``s`` sits at position ``s``.
+
+Every array has leading dims ``[B|1, N|1]``: a size-1 batch or head dim is broadcast, so one
+dense-causal list serves all heads.
+
+A layout lists distinct key blocks per query block, and single columns that do not fall
+inside a listed block: the kernel adds up what it is given, so a repeated block would be
+counted twice. `validate_layout_values` checks this on concrete layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """Block-sparse attention layout (a pytree; sizes are static).
+
+    Attributes:
+      kv_blocks: int32 ``[B|1, N|1, nq, max_blocks]`` key-block ids per query block,
+        ``nq = ceil(q_len / block_q)``. Entries past the count are ignored.
+      kv_block_count: int32 ``[B|1, N|1, nq]`` number of valid entries in ``kv_blocks``.
+      kv_columns: optional int32 ``[B|1, N|1, nq, max_cols]`` single key indices (permuted
+        key order) computed in addition to the blocks, gathered into dense tiles.
+      kv_column_count: int32 ``[B|1, N|1, nq]``, required with ``kv_columns``.
+      q_perm: optional int32 ``[B|1, N|1, q_len]``: original query index of each permuted row.
+      kv_perm: optional int32 ``[B|1, N|1, kv_len]``: original key index of each permuted key.
+      block_q, block_k: block sizes (static).
+      q_len, kv_len: the sequence lengths T and S the layout was built for (static).
+    """
+
+    kv_blocks: jax.Array
+    kv_block_count: jax.Array
+    kv_columns: jax.Array | None = None
+    kv_column_count: jax.Array | None = None
+    q_perm: jax.Array | None = None
+    kv_perm: jax.Array | None = None
+    block_q: int = dataclasses.field(default=128, metadata=dict(static=True))
+    block_k: int = dataclasses.field(default=128, metadata=dict(static=True))
+    q_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+    kv_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_q_blocks(self) -> int:
+        return cdiv(self.q_len, self.block_q)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return cdiv(self.kv_len, self.block_k)
+
+    @property
+    def max_blocks(self) -> int:
+        return int(self.kv_blocks.shape[-1])
+
+    @property
+    def max_columns(self) -> int:
+        return 0 if self.kv_columns is None else int(self.kv_columns.shape[-1])
+
+    @property
+    def q_offset(self) -> int:
+        """Original position of query 0 (queries are the last ``q_len`` positions)."""
+        return self.kv_len - self.q_len
+
+    @property
+    def lead_shape(self) -> tuple[int, int]:
+        """The ``[B|1, N|1]`` leading dims shared by all arrays."""
+        return tuple(int(d) for d in self.kv_block_count.shape[:2])  # type: ignore[return-value]
+
+    # ----------------------------------------------------------- constructors
+    @classmethod
+    def dense_causal(
+        cls,
+        q_len: int,
+        kv_len: int,
+        *,
+        block_q: int = 128,
+        block_k: int = 128,
+        batch: int = 1,
+        heads: int = 1,
+    ) -> "BlockLayout":
+        """Every key block that some query of the block may see causally.
+
+        Returns a layout with leading dims ``[batch, heads]`` (default ``[1, 1]``, broadcast).
+        """
+        _check_sizes(q_len, kv_len, block_q, block_k)
+        nq, nk = cdiv(q_len, block_q), cdiv(kv_len, block_k)
+        offset = kv_len - q_len
+        last_q = np.minimum((np.arange(nq) + 1) * block_q, q_len) - 1 + offset
+        count = (last_q // block_k + 1).astype(np.int32)
+        blocks = np.broadcast_to(np.arange(nk, dtype=np.int32), (nq, nk))
+        shape = (batch, heads)
+        return cls(
+            kv_blocks=jnp.asarray(np.broadcast_to(blocks, shape + blocks.shape)),
+            kv_block_count=jnp.asarray(np.broadcast_to(count, shape + count.shape)),
+            block_q=block_q,
+            block_k=block_k,
+            q_len=q_len,
+            kv_len=kv_len,
+        )
+
+    @classmethod
+    def from_block_mask(
+        cls,
+        mask: jax.Array,
+        *,
+        q_len: int,
+        kv_len: int,
+        block_q: int = 128,
+        block_k: int = 128,
+        max_blocks: int | None = None,
+        kv_columns: jax.Array | None = None,
+        kv_column_count: jax.Array | None = None,
+        q_perm: jax.Array | None = None,
+        kv_perm: jax.Array | None = None,
+    ) -> "BlockLayout":
+        """Boolean ``[B, N, nq, nk]`` block mask -> ascending key-block lists. jit-able.
+
+        ``max_blocks`` (static) bounds the list length; it defaults to ``nk``. Rows with more
+        than ``max_blocks`` set blocks keep their lowest ``max_blocks`` ids.
+        """
+        _check_sizes(q_len, kv_len, block_q, block_k)
+        nq, nk = cdiv(q_len, block_q), cdiv(kv_len, block_k)
+        if mask.ndim != 4 or tuple(mask.shape[2:]) != (nq, nk):
+            raise ValueError(
+                f"mask: expected a boolean array of shape [B, N, {nq}, {nk}] "
+                f"(nq = ceil(q_len / block_q), nk = ceil(kv_len / block_k)); received "
+                f"shape {tuple(mask.shape)}"
+            )
+        if mask.dtype != jnp.bool_:
+            raise ValueError(f"mask: expected dtype bool; received {mask.dtype}")
+        max_blocks = nk if max_blocks is None else int(max_blocks)
+        if not 1 <= max_blocks <= nk:
+            raise ValueError(f"max_blocks: expected 1 <= max_blocks <= {nk}; received {max_blocks}")
+        mask = jnp.asarray(mask)
+        # Stable sort of "not set" puts set blocks first, in ascending id order.
+        order = jnp.argsort(~mask, axis=-1, stable=True)[..., :max_blocks].astype(jnp.int32)
+        count = jnp.minimum(mask.sum(-1), max_blocks).astype(jnp.int32)
+        valid = jnp.arange(max_blocks) < count[..., None]
+        blocks = jnp.where(valid, order, 0).astype(jnp.int32)
+        return cls(
+            kv_blocks=blocks,
+            kv_block_count=count,
+            kv_columns=kv_columns,
+            kv_column_count=kv_column_count,
+            q_perm=q_perm,
+            kv_perm=kv_perm,
+            block_q=block_q,
+            block_k=block_k,
+            q_len=q_len,
+            kv_len=kv_len,
+        )
+
+    @classmethod
+    def random_causal(
+        cls,
+        key: jax.Array,
+        q_len: int,
+        kv_len: int,
+        *,
+        keep: float,
+        block_q: int = 128,
+        block_k: int = 128,
+        batch: int = 1,
+        heads: int = 1,
+        always_diagonal: bool = True,
+    ) -> "BlockLayout":
+        """Random layout keeping about ``keep`` of each query block's causal key blocks.
+
+        Used by tests and benchmarks. Each row keeps ``max(1, round(keep * n_causal))``
+        distinct causal blocks chosen uniformly (the diagonal block first when
+        ``always_diagonal``), listed in ascending order. Built without an nq x nk bool mask
+        per head beyond one float32 score array, so it runs at 1M tokens on a GPU.
+        """
+        if not 0.0 < keep <= 1.0:
+            raise ValueError(f"keep: expected 0 < keep <= 1; received {keep}")
+        dense = cls.dense_causal(q_len, kv_len, block_q=block_q, block_k=block_k)
+        nq, nk = dense.num_q_blocks, dense.num_kv_blocks
+        n_causal = dense.kv_block_count[0, 0]  # [nq]
+        count = jnp.maximum(1, jnp.round(keep * n_causal)).astype(jnp.int32)
+        max_blocks = int(min(nk, max(1, math.ceil(keep * nk) + 1)))
+        ids = jnp.arange(nk, dtype=jnp.int32)
+        scores = jax.random.uniform(key, (batch, heads, nq, nk))
+        causal = ids[None, :] < n_causal[:, None]
+        scores = jnp.where(causal, scores, -1.0)
+        if always_diagonal:
+            scores = jnp.where(ids[None, :] == (n_causal - 1)[:, None], 2.0, scores)
+        _, picked = jax.lax.top_k(scores, max_blocks)
+        valid = jnp.arange(max_blocks) < count[:, None]
+        picked = jnp.where(valid, picked, nk)  # invalid entries sort last
+        blocks = jnp.sort(picked, axis=-1)
+        blocks = jnp.where(blocks == nk, 0, blocks).astype(jnp.int32)
+        return cls(
+            kv_blocks=blocks,
+            kv_block_count=jnp.broadcast_to(count, (batch, heads, nq)),
+            block_q=block_q,
+            block_k=block_k,
+            q_len=q_len,
+            kv_len=kv_len,
+        )
+
+    # ----------------------------------------------------------- inspection
+    def positions(self) -> tuple[jax.Array, jax.Array]:
+        """Original positions of permuted rows: (q_pos ``[B|1,N|1,T]``, k_pos ``[B|1,N|1,S]``)."""
+        q_idx = (
+            jnp.arange(self.q_len, dtype=jnp.int32)[None, None]
+            if self.q_perm is None
+            else self.q_perm.astype(jnp.int32)
+        )
+        k_idx = (
+            jnp.arange(self.kv_len, dtype=jnp.int32)[None, None]
+            if self.kv_perm is None
+            else self.kv_perm.astype(jnp.int32)
+        )
+        return q_idx + self.q_offset, k_idx
+
+    def computed_pairs_permuted(self) -> jax.Array:
+        """bool ``[B|1, N|1, T, S]`` in permuted order: (row, key) pairs the layout computes,
+        before the causal mask. Materialises T x S: for tests and small inputs only."""
+        nq, nk = self.num_q_blocks, self.num_kv_blocks
+        lead = self.kv_blocks.shape[:2]
+        valid = jnp.arange(self.max_blocks) < self.kv_block_count[..., None]
+        onehot = jax.nn.one_hot(jnp.where(valid, self.kv_blocks, nk), nk + 1, dtype=jnp.int32)
+        block_mask = onehot[..., :nk].sum(-2) > 0  # [b, n, nq, nk]
+        pairs = jnp.repeat(jnp.repeat(block_mask, self.block_q, axis=2), self.block_k, axis=3)
+        pairs = pairs[:, :, : self.q_len, : self.kv_len]
+        if self.kv_columns is not None:
+            cvalid = jnp.arange(self.max_columns) < self.kv_column_count[..., None]
+            cols = jnp.where(cvalid, self.kv_columns, self.kv_len)
+            col_mask = jax.nn.one_hot(cols, self.kv_len + 1, dtype=jnp.int32)[..., : self.kv_len]
+            col_mask = col_mask.sum(-2) > 0  # [b, n, nq, S]
+            col_rows = jnp.repeat(col_mask, self.block_q, axis=2)[:, :, : self.q_len]
+            lead = jnp.broadcast_shapes(lead, self.kv_columns.shape[:2])
+            pairs = jnp.broadcast_to(pairs, lead + pairs.shape[2:]) | col_rows
+        return pairs
+
+    def to_dense_mask(self, causal: bool = True) -> jax.Array:
+        """bool ``[B|1, N|1, T, S]`` in *original* order: the attention mask this layout
+        computes (causal on original positions when ``causal``). For tests; T x S memory."""
+        pairs = self.computed_pairs_permuted()
+        q_pos, k_pos = self.positions()
+        lead = jnp.broadcast_shapes(pairs.shape[:2], q_pos.shape[:2], k_pos.shape[:2])
+        pairs = jnp.broadcast_to(pairs, lead + pairs.shape[2:])
+        q_pos = jnp.broadcast_to(q_pos, lead + q_pos.shape[2:])
+        k_pos = jnp.broadcast_to(k_pos, lead + k_pos.shape[2:])
+        if causal:
+            pairs = pairs & (k_pos[..., None, :] <= q_pos[..., :, None])
+        # Scatter permuted rows/cols back to original order.
+        q_orig = q_pos - self.q_offset
+        inv_q = jnp.argsort(q_orig, axis=-1)
+        inv_k = jnp.argsort(k_pos, axis=-1)
+        pairs = jnp.take_along_axis(pairs, inv_q[..., :, None], axis=-2)
+        pairs = jnp.take_along_axis(pairs, inv_k[..., None, :], axis=-1)
+        return pairs
+
+    def density(self, causal: bool = True) -> jax.Array:
+        """float32 ``[B|1, N|1]``: computed query-key pairs (whole tiles the kernel
+        multiplies, clipped to the valid T x S range) over the pairs of causal attention
+        (or of full attention when not ``causal``). 1.0 for the dense causal layout up to
+        the diagonal tiles; the FLOP fraction the kernel does relative to dense."""
+        nq, nk = self.num_q_blocks, self.num_kv_blocks
+        rows = jnp.minimum(self.block_q, self.q_len - jnp.arange(nq) * self.block_q)  # [nq]
+        cols_per_block = jnp.minimum(
+            self.block_k, self.kv_len - jnp.arange(nk) * self.block_k
+        )  # [nk]
+        valid = jnp.arange(self.max_blocks) < self.kv_block_count[..., None]
+        ids = jnp.clip(self.kv_blocks, 0, nk - 1)
+        keys = jnp.where(valid, cols_per_block[ids], 0).sum(-1)  # [b, n, nq]
+        if self.kv_columns is not None:
+            keys = keys + self.kv_column_count
+        computed = (keys * rows).sum(-1).astype(jnp.float32)
+        if causal:
+            # query t (original) sees keys 0 .. q_offset + t
+            total = self.q_len * self.q_offset + self.q_len * (self.q_len + 1) / 2
+        else:
+            total = float(self.q_len * self.kv_len)
+        return computed / jnp.float32(total)
+
+    def replace(self, **changes: Any) -> "BlockLayout":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_sizes(q_len: int, kv_len: int, block_q: int, block_k: int) -> None:
+    for name, val in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{name}: expected a positive int; received {val!r}")
+    if q_len > kv_len:
+        raise ValueError(
+            f"q_len: expected q_len <= kv_len (queries are the last q_len positions); "
+            f"received q_len={q_len}, kv_len={kv_len}"
+        )
+    for name, val in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(val, (int, np.integer)) or val < 16 or val & (val - 1):
+            raise ValueError(f"{name}: expected a power of two >= 16; received {val!r}")

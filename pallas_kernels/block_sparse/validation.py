@@ -1,0 +1,160 @@
+"""Argument checks for `block_sparse_attention`, run before anything is traced into a kernel.
+
+Shape and dtype checks always run (they are static). Value checks (block ids in range,
+counts within the list, permutations) run when the layout arrays are concrete; inside
+`jax.jit` they are traced, so the kernel clamps ids and counts instead of reading out of
+bounds (see `clamp_layout`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.block_sparse.layout import BlockLayout, cdiv
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` with N % K == 0, T <= S, one float dtype."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(
+                f"{name}: expected rank 4 {'[B, T, N, D]' if name == 'q' else '[B, S, K, D]'}; "
+                f"received shape {_fmt(getattr(x, 'shape', ()))}"
+            )
+        if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+            raise ValueError(
+                f"{name}: expected dtype bfloat16, float16 or float32; received {x.dtype}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"q, k, v: expected one dtype; received q {q.dtype}, k {k.dtype}, v {v.dtype}"
+        )
+    b, t, n, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected the shape of k {_fmt(k.shape)}; received {_fmt(v.shape)}")
+    bk, s, kh, dk = k.shape
+    if bk != b:
+        raise ValueError(f"k: expected batch {b} (from q {_fmt(q.shape)}); received {_fmt(k.shape)}")
+    if dk != d:
+        raise ValueError(f"k: expected head dim {d} (from q {_fmt(q.shape)}); received {_fmt(k.shape)}")
+    if kh < 1 or n % kh:
+        raise ValueError(
+            f"k: expected a number of key heads K dividing the query heads N={n} (GQA); "
+            f"received K={kh} (k {_fmt(k.shape)})"
+        )
+    if t > s:
+        raise ValueError(
+            f"q: expected T <= S (queries are the last T of S positions); received T={t}, "
+            f"S={s}"
+        )
+    if min(b, t, n, d, s) < 1:
+        raise ValueError(f"q, k: expected non-empty arrays; received q {_fmt(q.shape)}, k {_fmt(k.shape)}")
+
+
+def check_layout_shapes(layout: BlockLayout, batch: int, heads: int, t: int, s: int) -> None:
+    """Static checks of a layout against q ``[B,T,N,·]`` and k ``[B,S,·,·]``."""
+    if not isinstance(layout, BlockLayout):
+        raise ValueError(f"layout: expected a BlockLayout; received {type(layout).__name__}")
+    if layout.q_len != t or layout.kv_len != s:
+        raise ValueError(
+            f"layout: expected q_len={t}, kv_len={s} (from q and k); received layout built "
+            f"for q_len={layout.q_len}, kv_len={layout.kv_len}"
+        )
+    nq = cdiv(t, layout.block_q)
+
+    def lead_ok(shape) -> bool:
+        return shape[0] in (1, batch) and shape[1] in (1, heads)
+
+    def check(name, arr, tail, dtype=jnp.int32):
+        if arr is None:
+            return
+        exp = f"[{batch}|1, {heads}|1, " + ", ".join(str(x) for x in tail) + "]"
+        if arr.ndim != 2 + len(tail) or not lead_ok(arr.shape) or any(
+            isinstance(x, int) and arr.shape[2 + i] != x for i, x in enumerate(tail)
+        ):
+            raise ValueError(f"layout.{name}: expected shape {exp}; received {_fmt(arr.shape)}")
+        if arr.dtype != dtype:
+            raise ValueError(f"layout.{name}: expected dtype int32; received {arr.dtype}")
+
+    check("kv_blocks", layout.kv_blocks, (nq, "max_blocks"))
+    check("kv_block_count", layout.kv_block_count, (nq,))
+    if (layout.kv_columns is None) != (layout.kv_column_count is None):
+        raise ValueError(
+            "layout.kv_columns / kv_column_count: expected both or neither; received "
+            f"kv_columns={'set' if layout.kv_columns is not None else None}, "
+            f"kv_column_count={'set' if layout.kv_column_count is not None else None}"
+        )
+    check("kv_columns", layout.kv_columns, (nq, "max_cols"))
+    check("kv_column_count", layout.kv_column_count, (nq,))
+    check("q_perm", layout.q_perm, (t,))
+    check("kv_perm", layout.kv_perm, (s,))
+
+
+def _concrete(x) -> np.ndarray | None:
+    if x is None or isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def check_layout_values(layout: BlockLayout) -> None:
+    """Value checks on concrete layouts (skipped for traced arrays)."""
+    nk = layout.num_kv_blocks
+    blocks, count = _concrete(layout.kv_blocks), _concrete(layout.kv_block_count)
+    if blocks is not None and count is not None:
+        mb = blocks.shape[-1]
+        if count.min(initial=0) < 0 or count.max(initial=0) > mb:
+            raise ValueError(
+                f"layout.kv_block_count: expected 0 <= count <= max_blocks={mb}; received "
+                f"values in [{count.min()}, {count.max()}]"
+            )
+        bb, cc = np.broadcast_arrays(blocks, count[..., None])
+        used = np.arange(mb) < cc
+        ids = bb[used]
+        if ids.size and (ids.min() < 0 or ids.max() >= nk):
+            raise ValueError(
+                f"layout.kv_blocks: expected block ids in [0, {nk}) (kv_len={layout.kv_len}, "
+                f"block_k={layout.block_k}); received ids in [{ids.min()}, {ids.max()}]"
+            )
+        srt = np.sort(np.where(used, bb, -1 - np.arange(mb)), axis=-1)
+        if (np.diff(srt, axis=-1) == 0).any():
+            raise ValueError("layout.kv_blocks: expected distinct block ids per query block; "
+                             "received a repeated id (it would be counted twice)")
+    cols, ccount = _concrete(layout.kv_columns), _concrete(layout.kv_column_count)
+    if cols is not None and ccount is not None:
+        mc = cols.shape[-1]
+        if ccount.min(initial=0) < 0 or ccount.max(initial=0) > mc:
+            raise ValueError(
+                f"layout.kv_column_count: expected 0 <= count <= max_cols={mc}; received "
+                f"values in [{ccount.min()}, {ccount.max()}]"
+            )
+        c_b, c_c = np.broadcast_arrays(cols, ccount[..., None])
+        used = np.arange(mc) < c_c
+        ids = c_b[used]
+        if ids.size and (ids.min() < 0 or ids.max() >= layout.kv_len):
+            raise ValueError(
+                f"layout.kv_columns: expected key indices in [0, {layout.kv_len}); received "
+                f"indices in [{ids.min()}, {ids.max()}]"
+            )
+        if blocks is not None and count is not None and ids.size:
+            lead = np.broadcast_shapes(cols.shape[:3], blocks.shape[:3])
+            listed = np.zeros(lead + (nk + 1,), dtype=bool)
+            b_b, b_u = np.broadcast_arrays(blocks, np.arange(blocks.shape[-1]) < count[..., None])
+            b_b = np.broadcast_to(np.where(b_u, b_b, nk), lead + blocks.shape[3:])
+            np.put_along_axis(listed, b_b, True, axis=-1)
+            listed[..., nk] = False
+            c_b = np.broadcast_to(np.where(used, c_b // layout.block_k, nk), lead + cols.shape[3:])
+            if np.take_along_axis(listed, c_b, axis=-1).any():
+                raise ValueError("layout.kv_columns: expected columns outside the listed key "
+                                 "blocks; received a column inside one (it would be counted twice)")
+    for name, n in (("q_perm", layout.q_len), ("kv_perm", layout.kv_len)):
+        perm = _concrete(getattr(layout, name))
+        if perm is not None and not (np.sort(perm, axis=-1) == np.arange(n)).all():
+            raise ValueError(f"layout.{name}: expected a permutation of 0..{n - 1} per (batch, head)")
