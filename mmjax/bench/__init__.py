@@ -1,0 +1,1 @@
+"""Benchmark drivers behind `mmjax bench ...` and the scripts in bench/."""

@@ -1,0 +1,27 @@
+"""`mmjax` command line: `mmjax bench kernels [...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+BENCHMARKS = ("kernels",)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="mmjax", description="mmjax command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="run a benchmark (GPU; small interpret-mode run on CPU)")
+    bench.add_argument("name", choices=BENCHMARKS)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench" and args.name == "kernels":
+        from mmjax.bench import kernels
+
+        return kernels.main(rest)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
