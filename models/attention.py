@@ -1,0 +1,214 @@
+"""Injectable attention for the decoder layers.
+
+An *attention function* has the signature::
+
+    attn_fn(q, k, v, *, layer, q_positions, kv_valid, modality) -> out
+
+    q:           [B, T, N, D]   queries (rotary already applied)
+    k, v:        [B, S, K, D]   keys / values, N % K == 0 (grouped-query attention)
+    layer:       decoder layer index (a Python int, or a traced int32 scalar when the layers run
+                 under ``lax.scan``; see ``LayerAttention``)
+    q_positions: int32 [B, T]   index in the key sequence of each query (causal: key j is visible to
+                 query i iff j <= q_positions[i]); prefill passes arange(T), decode the cache slot
+    kv_valid:    bool [B, S]    False for padding / unwritten cache slots
+    modality:    int32 [B, S] or None   token type of each key position: 0 text, 1 image, 2 video
+                 (in prefill S == T, so it is also the queries' modality); None in decode
+    out:         [B, T, N, D] in q.dtype
+
+``LayerAttention`` says which function each layer uses. ``resolve_attention`` builds one from
+``"dense"``, ``"cudnn"``, a callable, a sequence of callables (one per layer), or any object with a
+``layer_attention(layer_idx) -> attn_fn`` method (how an mmjax ``SparseConfig`` plugs in).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+class AttentionFn(Protocol):
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, layer: Any, q_positions: jax.Array,
+                 kv_valid: jax.Array, modality: jax.Array | None) -> jax.Array: ...
+
+
+def _check_qkv(q, k, v, q_positions, kv_valid):
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"q/k/v: expected q [B,T,N,D] and k == v [B,S,K,D], got {q.shape}, {k.shape}, {v.shape}")
+    b, t, n, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
+        raise ValueError(f"k: expected [B={b}, S, K, D={d}] with N={n} divisible by K, got {k.shape}")
+    if q_positions.shape != (b, t):
+        raise ValueError(f"q_positions: expected shape {(b, t)}, got {q_positions.shape}")
+    if kv_valid.shape != (b, k.shape[1]):
+        raise ValueError(f"kv_valid: expected shape {(b, k.shape[1])}, got {kv_valid.shape}")
+
+
+def _direct(q, k, v, q_positions, kv_valid, scale, causal):
+    b, t, n, d = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = kv_valid[:, None, None, None, :]
+    if causal:
+        mask = mask & (q_positions[:, None, None, :, None] >= jnp.arange(s_len)[None, None, None, None, :])
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = (p / jnp.where(l > 0, l, 1.0)).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, n, d).astype(q.dtype)
+
+
+def _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k):
+    """Online-softmax attention over key blocks (flash-style, pure XLA); skips key blocks past the
+    last visible position of each query block when causal."""
+    b, t, n, d = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    nq, nk = -(-t // block_q), -(-s_len // block_k)
+    tp, sp = nq * block_q, nk * block_k
+    qg = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0))).reshape(b, nq, block_q, kh, g, d)
+    qpos = jnp.pad(q_positions, ((0, 0), (0, tp - t))).reshape(b, nq, block_q)
+    kp = jnp.pad(k, ((0, 0), (0, sp - s_len), (0, 0), (0, 0)))
+    vp = jnp.pad(v, ((0, 0), (0, sp - s_len), (0, 0), (0, 0)))
+    valid = jnp.pad(kv_valid, ((0, 0), (0, sp - s_len)))
+
+    def one_q_block(args):
+        qc, qp = args  # [B, bq, K, G, D], [B, bq]
+        hi = jnp.minimum(nk, jnp.max(qp) // block_k + 1) if causal else nk
+
+        def body(j, carry):
+            m, l, acc = carry
+            start = j * block_k
+            kc = jax.lax.dynamic_slice_in_dim(kp, start, block_k, axis=1)
+            vc = jax.lax.dynamic_slice_in_dim(vp, start, block_k, axis=1)
+            ok = jax.lax.dynamic_slice_in_dim(valid, start, block_k, axis=1)[:, None, None, None, :]
+            if causal:
+                ok = ok & (qp[:, None, None, :, None] >= (start + jnp.arange(block_k))[None, None, None, None, :])
+            s = jnp.einsum("bqkgd,bskd->bkgqs", qc, kc, preferred_element_type=jnp.float32) * scale
+            s = jnp.where(ok, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            l = l * alpha + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vc, preferred_element_type=jnp.float32)
+            return m_new, l, acc * alpha[..., None] + pv
+
+        init = (jnp.full((b, kh, g, block_q), -jnp.inf, jnp.float32), jnp.zeros((b, kh, g, block_q), jnp.float32),
+                jnp.zeros((b, kh, g, block_q, d), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, hi, body, init)
+        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        return jnp.einsum("bkgqd->bqkgd", out).astype(q.dtype)
+
+    out = jax.lax.map(one_q_block, (jnp.moveaxis(qg, 1, 0), jnp.moveaxis(qpos, 1, 0)))  # [nq, B, bq, K, G, D]
+    out = jnp.moveaxis(out, 0, 1).reshape(b, tp, n, d)
+    return out[:, :t]
+
+
+def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None, sm_scale: float | None = None,
+                    causal: bool = True, block_q: int = 512, block_k: int = 1024,
+                    direct_max_scores: int = 1 << 24) -> jax.Array:
+    """Exact softmax attention in pure JAX (the reference every other implementation is checked against).
+
+    Shapes as in the module docstring. Softmax statistics in float32; a fully masked row gives 0.
+    Small problems (T * S <= ``direct_max_scores``) build the score matrix at once; larger ones run an
+    online softmax over ``block_k``-wide key blocks for each ``block_q`` queries.
+    """
+    del layer, modality
+    _check_qkv(q, k, v, q_positions, kv_valid)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    if q.shape[1] * k.shape[1] <= direct_max_scores:
+        return _direct(q, k, v, q_positions, kv_valid, scale, causal)
+    return _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k)
+
+
+def cudnn_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None,
+                    sm_scale: float | None = None) -> jax.Array:
+    """cuDNN flash attention via ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16).
+
+    Assumes prefill layout: queries are the first T positions (``q_positions == arange(T)``), keys
+    are causal from position 0 and the valid keys of each row are a prefix (right padding).
+    """
+    del layer, modality, q_positions
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"q: cudnn attention needs bfloat16 or float16, got {q.dtype}")
+    kv_len = jnp.sum(kv_valid, axis=-1).astype(jnp.int32)
+    return jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=True, key_value_seq_lengths=kv_len,
+                                        implementation="cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """Which attention each decoder layer runs.
+
+    ``uniform``: one function for every layer; layers may then run under ``lax.scan`` and ``layer``
+    is a traced int32. ``per_layer``: ``layer_idx -> attn_fn``; layers are unrolled and ``layer`` is a
+    Python int, so different layers can have differently shaped (static) sparse patterns.
+    """
+
+    uniform: Callable | None = None
+    per_layer: Callable[[int], Callable] | None = None
+
+    def __post_init__(self):
+        if (self.uniform is None) == (self.per_layer is None):
+            raise ValueError("LayerAttention: expected exactly one of uniform / per_layer")
+
+    @property
+    def scannable(self) -> bool:
+        return self.uniform is not None
+
+    def for_layer(self, layer: int) -> Callable:
+        return self.uniform if self.uniform is not None else self.per_layer(layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerLayer:
+    fns: tuple
+
+    def __call__(self, layer: int):
+        if not 0 <= layer < len(self.fns):
+            raise ValueError(f"attention: got {len(self.fns)} per-layer callables, layer {layer} has none")
+        return self.fns[layer]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Same:
+    fn: Callable
+
+    def __call__(self, layer: int):
+        return self.fn
+
+
+def resolve_attention(spec: Any = "dense") -> LayerAttention:
+    """Turn an attention spec into a ``LayerAttention``.
+
+    "dense" / None -> ``dense_attention``; "cudnn" -> ``cudnn_attention`` (both layer-uniform, scanned);
+    an object with ``layer_attention(layer_idx)`` -> per layer; a list/tuple of callables -> per layer;
+    any other callable -> called for every layer with a Python int ``layer`` (unrolled).
+    """
+    if isinstance(spec, LayerAttention):
+        return spec
+    if spec is None or (isinstance(spec, str) and spec == "dense"):
+        return LayerAttention(uniform=dense_attention)
+    if isinstance(spec, str) and spec == "cudnn":
+        return LayerAttention(uniform=cudnn_attention)
+    if isinstance(spec, str):
+        raise ValueError(f"attention: expected 'dense', 'cudnn', a callable or a per-layer hook, got {spec!r}")
+    hook = getattr(spec, "layer_attention", None)
+    if callable(hook):
+        return LayerAttention(per_layer=hook)
+    if isinstance(spec, (list, tuple)):
+        fns = tuple(spec)
+        if not all(callable(f) for f in fns):
+            raise ValueError("attention: a sequence must hold one callable per layer")
+        return LayerAttention(per_layer=_PerLayer(fns))
+    if callable(spec):
+        return LayerAttention(per_layer=_Same(spec))
+    raise ValueError(f"attention: expected 'dense', 'cudnn', a callable or an object with layer_attention(), "
+                     f"got {type(spec).__name__}")

@@ -1,0 +1,229 @@
+"""Qwen2.5-VL model: vision tower + Qwen2 decoder; forward, prefill and decode step as pure functions.
+
+Host-side preparation (token types, M-RoPE ids, static grids) happens in ``prepare_inputs``; the
+array work runs in jit-compiled functions that take the NNX model as a pytree argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.attention import LayerAttention, resolve_attention
+from models.qwen2_5_vl import vision as vision_lib
+from models.qwen2_5_vl.config import Qwen2_5_VLConfig
+from models.qwen2_5_vl.rope_index import get_rope_index, token_types
+from models.qwen2_text import KVCache, LayerInputs, Qwen2Text, embed_tokens, lm_logits, run_decoder
+from models.rotary import mrope_cos_sin
+
+
+class Qwen2_5_VL(nnx.Module):
+    """Parameters of Qwen2.5-VL: ``visual`` (VisionTower) and ``language_model`` (Qwen2Text)."""
+
+    def __init__(self, config: Qwen2_5_VLConfig, *, dtype=jnp.float32, key: jax.Array | None = None):
+        key = jax.random.key(0) if key is None else key
+        kv, kt = jax.random.split(key)
+        self.config = config
+        self.visual = vision_lib.VisionTower(config.vision, dtype=dtype, key=kv)
+        self.language_model = Qwen2Text(config.text, dtype=dtype, key=kt)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedInputs:
+    """Validated inputs. Arrays: input_ids int32 [B, T], attention_mask bool [B, T], position_ids
+    int32 [3, B, T], token_types int32 [B, T], rope_deltas int32 [B], pixel_values [Pi, patch_dim] or
+    None, pixel_values_videos [Pv, patch_dim] or None. Static: image_grids / video_grids tuples of (t, h, w)."""
+
+    input_ids: Any
+    attention_mask: Any
+    position_ids: Any
+    token_types: Any
+    rope_deltas: Any
+    pixel_values: Any
+    pixel_values_videos: Any
+    image_grids: tuple
+    video_grids: tuple
+
+
+def _grids(name, grid_thw, pixels, patch_dim):
+    if pixels is None and grid_thw is None:
+        return (), None
+    if pixels is None or grid_thw is None:
+        raise ValueError(f"{name}: pixels and grid_thw must be given together")
+    g = np.asarray(grid_thw).reshape(-1, 3).astype(np.int64)
+    pixels = jnp.asarray(pixels)
+    n = int(np.prod(g, axis=1).sum())
+    if pixels.shape != (n, patch_dim):
+        raise ValueError(f"{name}: expected pixels of shape {(n, patch_dim)} for grid_thw {g.tolist()}, "
+                         f"got {pixels.shape}")
+    return tuple(tuple(int(v) for v in row) for row in g), pixels
+
+
+def prepare_inputs(config: Qwen2_5_VLConfig, *, input_ids, attention_mask=None, pixel_values=None,
+                   image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, second_per_grid_ts=None,
+                   position_ids=None) -> PreparedInputs:
+    """Validate HF-processor style inputs and compute token types and M-RoPE ids on the host."""
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids: expected an integer array [B, T], got {ids.dtype} {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= config.text.vocab_size):
+        raise ValueError(f"input_ids: expected ids in [0, {config.text.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask: expected shape {ids.shape}, got {mask.shape}")
+    vc = config.vision
+    image_grids, pixel_values = _grids("pixel_values", image_grid_thw, pixel_values, vc.patch_dim)
+    video_grids, pixel_values_videos = _grids("pixel_values_videos", video_grid_thw, pixel_values_videos, vc.patch_dim)
+    types = token_types(ids, config.image_token_id, config.video_token_id)
+    for kind, grids, name in ((1, image_grids, "image"), (2, video_grids, "video")):
+        want = sum(t * h * w // vc.merge_unit for t, h, w in grids)
+        got = int(((types == kind) & mask).sum())
+        if want != got:
+            raise ValueError(f"input_ids: expected {want} {name} pad tokens for the given {name} grids, got {got}")
+    if second_per_grid_ts is not None and len(np.asarray(second_per_grid_ts).reshape(-1)) != len(video_grids):
+        raise ValueError(f"second_per_grid_ts: expected {len(video_grids)} values, got "
+                         f"{len(np.asarray(second_per_grid_ts).reshape(-1))}")
+    pos, deltas = get_rope_index(ids, image_token_id=config.image_token_id, video_token_id=config.video_token_id,
+                                 spatial_merge_size=vc.spatial_merge_size, tokens_per_second=vc.tokens_per_second,
+                                 image_grid_thw=np.asarray(image_grids).reshape(-1, 3) if image_grids else None,
+                                 video_grid_thw=np.asarray(video_grids).reshape(-1, 3) if video_grids else None,
+                                 second_per_grid_ts=second_per_grid_ts, attention_mask=mask)
+    if position_ids is not None:
+        pos = np.asarray(position_ids)
+        if pos.shape != (3,) + ids.shape:
+            raise ValueError(f"position_ids: expected shape {(3,) + ids.shape}, got {pos.shape}")
+        deltas = (pos.max(axis=(0, 2)) + 1 - mask.sum(-1)).astype(np.int64)
+    return PreparedInputs(jnp.asarray(ids, jnp.int32), jnp.asarray(mask), jnp.asarray(pos, jnp.int32),
+                          jnp.asarray(types), jnp.asarray(deltas, jnp.int32), pixel_values, pixel_values_videos,
+                          image_grids, video_grids)
+
+
+@functools.partial(jax.jit, static_argnames=("grids", "frames_per_chunk"))
+def vision_features(model: Qwen2_5_VL, pixels: jax.Array, grids: tuple, frames_per_chunk: int | None = None):
+    """Merged visual features of packed images or videos: [sum(t*h*w)/m**2, H] in the model dtype."""
+    outs, start = [], 0
+    for g in grids:
+        n = g[0] * g[1] * g[2]
+        outs.append(vision_lib.encode_grid(model.visual, pixels[start:start + n], g,
+                                           frames_per_chunk=frames_per_chunk))
+        start += n
+    return jnp.concatenate(outs, axis=0)
+
+
+def merge_visual(embeds: jax.Array, types: jax.Array, kind: int, feats: jax.Array) -> jax.Array:
+    """Scatter feats [M, H] into embeds [B, T, H] at tokens with ``types == kind``, in row-major order."""
+    hit = (types == kind).reshape(-1)
+    idx = jnp.clip(jnp.cumsum(hit) - 1, 0, feats.shape[0] - 1)
+    flat = jnp.where(hit[:, None], feats[idx].astype(embeds.dtype), embeds.reshape(-1, embeds.shape[-1]))
+    return flat.reshape(embeds.shape)
+
+
+def embed_inputs(model: Qwen2_5_VL, p: PreparedInputs, frames_per_chunk: int | None = None) -> jax.Array:
+    """Token embeddings with image / video features merged at their pad tokens: [B, T, H]."""
+    x = embed_tokens(model.language_model, p.input_ids)
+    if p.image_grids:
+        x = merge_visual(x, p.token_types, 1, vision_features(model, p.pixel_values, p.image_grids, frames_per_chunk))
+    if p.video_grids:
+        x = merge_visual(x, p.token_types, 2,
+                         vision_features(model, p.pixel_values_videos, p.video_grids, frames_per_chunk))
+    return x
+
+
+def _layer_inputs(config, position_ids, q_positions, kv_valid, modality, write_index):
+    cos, sin = mrope_cos_sin(position_ids, config.text.head_dim, config.text.rope_theta, config.text.mrope_section)
+    return LayerInputs(cos, sin, q_positions, kv_valid, modality, jnp.asarray(write_index, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "mlp_chunk", "hidden_layers"))
+def _lm_forward(model, embeds, position_ids, mask, types, attention, mlp_chunk, hidden_layers=()):
+    b, t = mask.shape
+    li = _layer_inputs(model.config, position_ids, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), mask,
+                       types, 0)
+    h, _, _, hidden = run_decoder(model.language_model, embeds, li, attention, hidden_layers=hidden_layers,
+                                  mlp_chunk=mlp_chunk)
+    return lm_logits(model.language_model, h), hidden
+
+
+def forward(model: Qwen2_5_VL, *, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None,
+            pixel_values_videos=None, video_grid_thw=None, second_per_grid_ts=None, position_ids=None,
+            attention: Any = "dense", mlp_chunk: int | None = None, frames_per_chunk: int | None = None,
+            **unused) -> jax.Array:
+    """Full-sequence logits float32 [B, T, V] from HF processor outputs (same argument names).
+
+    Extra processor outputs (e.g. ``mm_token_type_ids``) are accepted and ignored: token types are
+    derived from ``input_ids``. ``position_ids`` [3, B, T] overrides the computed M-RoPE ids.
+    """
+    extra = set(unused) - {"mm_token_type_ids", "cache_position"}
+    if extra:
+        raise ValueError(f"forward: unexpected arguments {sorted(extra)}")
+    p = prepare_inputs(model.config, input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values,
+                       image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos,
+                       video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts, position_ids=position_ids)
+    x = embed_inputs(model, p, frames_per_chunk)
+    logits, _ = _lm_forward(model, x, p.position_ids, p.attention_mask, p.token_types, resolve_attention(attention),
+                            mlp_chunk)
+    return logits
+
+
+def init_cache(config: Qwen2_5_VLConfig, batch: int, max_length: int, dtype) -> KVCache:
+    c = config.text
+    shape = (c.num_hidden_layers, batch, max_length, c.num_key_value_heads, c.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, max_length), bool),
+                   jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "max_length", "hidden_layers", "mlp_chunk"))
+def prefill_language_model(model: Qwen2_5_VL, embeds, position_ids, mask, types, rope_deltas, *,
+                           attention: LayerAttention, max_length: int, hidden_layers: tuple = (),
+                           mlp_chunk: int | None = None):
+    """Run the decoder over merged embeddings [B, T, H] and fill a fresh cache of ``max_length`` slots.
+
+    Returns (logits of each row's last valid token float32 [B, V], KVCache, hidden [n, B, T, H]).
+    """
+    b, t = mask.shape
+    if max_length < t:
+        raise ValueError(f"max_length: expected at least the prompt length {t}, got {max_length}")
+    cache = init_cache(model.config, b, max_length, embeds.dtype)
+    li = _layer_inputs(model.config, position_ids, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), mask,
+                       types, 0)
+    h, ck, cv, hidden = run_decoder(model.language_model, embeds, li, attention, cache_k=cache.k, cache_v=cache.v,
+                                    hidden_layers=hidden_layers, mlp_chunk=mlp_chunk)
+    last = t - 1 - jnp.argmax(mask[:, ::-1], axis=-1)  # last valid token of each row
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
+    logits = lm_logits(model.language_model, h_last)[:, 0]
+    n_valid = jnp.sum(mask, axis=-1).astype(jnp.int32)
+    valid = jnp.zeros((b, max_length), bool).at[:, :t].set(mask)
+    cache = KVCache(ck, cv, valid, jnp.asarray(t, jnp.int32), n_valid + rope_deltas)
+    return logits, cache, hidden
+
+
+@functools.partial(jax.jit, static_argnames=("attention",), donate_argnames=("cache",))
+def decode_step(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, attention: LayerAttention | None = None):
+    """One decoding step. tokens: int [B] -> (logits float32 [B, V], updated cache; the input cache is donated).
+
+    The token is written at slot ``cache.length`` with M-RoPE position ``cache.next_position`` on all
+    three axes. Past the cache's end the logits are NaN, the length stops growing and the last slot
+    is overwritten.
+    """
+    attention = resolve_attention("dense") if attention is None else attention
+    b = cache.valid.shape[0]
+    tokens = tokens.reshape(b, 1).astype(jnp.int32)
+    s = cache.max_length
+    full = cache.length >= s
+    slot = jnp.minimum(cache.length, s - 1)
+    x = embed_tokens(model.language_model, tokens)
+    pos = jnp.broadcast_to(cache.next_position[None, :, None], (3, b, 1))
+    valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, jnp.ones((b, 1), bool), slot, axis=1)
+    li = _layer_inputs(model.config, pos, jnp.full((b, 1), slot, jnp.int32), valid, None, slot)
+    h, ck, cv, _ = run_decoder(model.language_model, x, li, attention, cache_k=cache.k, cache_v=cache.v,
+                               attend_cache=True)
+    logits = lm_logits(model.language_model, h)[:, 0]
+    logits = jnp.where(full, jnp.nan, logits)
+    new = KVCache(ck, cv, valid, cache.length + (~full), cache.next_position + (~full))
+    return logits, new

@@ -1,0 +1,146 @@
+"""Qwen2.5-VL vision tower: patch embedding, 2D-rotary window/full attention blocks, patch merger.
+
+Attention never crosses a frame (full-attention blocks attend within one temporal patch, window
+blocks within one ``window_units`` x ``window_units`` window of merged units), so the tower runs
+frame-chunk by frame-chunk under ``lax.map``. Tokens stay in the processor's order; windows are
+expressed as a mask instead of HF's window permutation, which gives the same result.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.common import rms_norm
+from models.qwen2_5_vl.config import VisionConfig
+from models.rotary import apply_rotary, vision_cos_sin
+
+
+def vision_param_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
+    L, C, N, D, F, M = c.depth, c.hidden_size, c.num_heads, c.head_dim, c.intermediate_size, c.merge_unit * c.hidden_size
+    return {
+        "patch_embed": (c.patch_dim, C),
+        "norm1": (L, C), "wqkv": (L, C, 3, N, D), "bqkv": (L, 3, N, D), "wproj": (L, N, D, C), "bproj": (L, C),
+        "norm2": (L, C), "w_gate": (L, C, F), "b_gate": (L, F), "w_up": (L, C, F), "b_up": (L, F),
+        "w_down": (L, F, C), "b_down": (L, C),
+        "merger_norm": (C,), "merger_w1": (M, M), "merger_b1": (M,), "merger_w2": (M, c.out_hidden_size),
+        "merger_b2": (c.out_hidden_size,),
+    }
+
+
+BLOCK_PARAMS = ("norm1", "wqkv", "bqkv", "wproj", "bproj", "norm2", "w_gate", "b_gate", "w_up", "b_up", "w_down",
+                "b_down")
+
+
+class VisionTower(nnx.Module):
+    def __init__(self, config: VisionConfig, *, dtype=jnp.float32, key: jax.Array, init_std: float = 0.02):
+        self.config = config
+        keys = iter(jax.random.split(key, 32))
+        for name, shape in vision_param_shapes(config).items():
+            if "norm" in name:
+                value = jnp.ones(shape, dtype)
+            else:
+                value = (init_std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+            setattr(self, name, nnx.Param(value))
+
+
+def frame_geometry(c: VisionConfig, h: int, w: int):
+    """Per-patch (row, col) and window id of one frame, in the processor's patch order.
+
+    The processor orders patches by merged unit (row-major over (h/m, w/m)) and then row-major
+    inside each m x m unit. Returns int32 arrays hpos, wpos, window_id of shape [h * w].
+    """
+    m = c.spatial_merge_size
+    if h % m or w % m:
+        raise ValueError(f"grid_thw: h and w must be multiples of spatial_merge_size={m}, got h={h}, w={w}")
+    uh, uw = np.meshgrid(np.arange(h // m), np.arange(w // m), indexing="ij")
+    si, sj = np.meshgrid(np.arange(m), np.arange(m), indexing="ij")
+    hpos = (uh[:, :, None, None] * m + si[None, None]).reshape(-1)
+    wpos = (uw[:, :, None, None] * m + sj[None, None]).reshape(-1)
+    ws = c.window_units
+    wid = ((uh // ws) * (w // m + ws) + (uw // ws))[:, :, None, None] + 0 * si[None, None]
+    return hpos.astype(np.int32), wpos.astype(np.int32), wid.reshape(-1).astype(np.int32)
+
+
+def _block(c: VisionConfig, p, x, cos, sin, mask):
+    """x: [F, P, C]; cos/sin: [P, D]; mask: bool [P, P]."""
+    h = rms_norm(x, p["norm1"], c.rms_norm_eps)
+    qkv = jnp.einsum("fpc,cind->ifpnd", h, p["wqkv"]) + p["bqkv"][:, None, None]
+    q, k, v = apply_rotary(qkv[0], cos, sin), apply_rotary(qkv[1], cos, sin), qkv[2]
+    s = jnp.einsum("fpnd,fqnd->fnpq", q, k, preferred_element_type=jnp.float32) * (c.head_dim ** -0.5)
+    s = jnp.where(mask, s, -jnp.inf)
+    a = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("fnpq,fqnd->fpnd", a, v)
+    x = x + jnp.einsum("fpnd,ndc->fpc", o, p["wproj"]) + p["bproj"]
+    h = rms_norm(x, p["norm2"], c.rms_norm_eps)
+    g = jnp.einsum("npc,ci->npi", h, p["w_gate"]) + p["b_gate"]
+    u = jnp.einsum("npc,ci->npi", h, p["w_up"]) + p["b_up"]
+    return x + jnp.einsum("npi,ic->npc", jax.nn.silu(g) * u, p["w_down"]) + p["b_down"]
+
+
+def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, frames_per_chunk: int | None = None,
+                return_pre_merge: bool = False) -> jax.Array:
+    """Encode one image or video.
+
+    pixels: [t * h * w, patch_dim] flattened patches in the processor's order; grid: static (t, h, w)
+    in patches. Returns merged features [t * h * w / m**2, out_hidden_size] (or, with
+    ``return_pre_merge``, the last block's output [t * h * w, hidden_size]).
+    ``frames_per_chunk`` temporal patches are encoded together (default: about 16k patches a chunk).
+    """
+    c = model.config
+    t, h, w = (int(g) for g in grid)
+    n = h * w
+    if pixels.ndim != 2 or pixels.shape != (t * n, c.patch_dim):
+        raise ValueError(f"pixels: expected shape {(t * n, c.patch_dim)} for grid {(t, h, w)}, got {pixels.shape}")
+    hpos, wpos, wid = frame_geometry(c, h, w)
+    cos, sin = vision_cos_sin(jnp.asarray(hpos), jnp.asarray(wpos), c.head_dim, c.rope_theta)
+    window_mask = jnp.asarray(wid[:, None] == wid[None, :])
+    full = jnp.asarray([i in c.fullatt_block_indexes for i in range(c.depth)])
+    blocks = {name: getattr(model, name)[...] for name in BLOCK_PARAMS}
+    dtype = model.patch_embed[...].dtype
+    f = frames_per_chunk or max(1, 16384 // n)
+    f = min(f, t)
+    chunks = -(-t // f)
+    x = pixels.astype(dtype).reshape(t, n, c.patch_dim)
+    x = jnp.pad(x, ((0, chunks * f - t), (0, 0), (0, 0))).reshape(chunks, f, n, c.patch_dim)
+
+    def one_chunk(xc):
+        hc = jnp.einsum("fpk,kc->fpc", xc, model.patch_embed[...])
+
+        def step(hc, xs):
+            p, is_full = xs
+            mask = jnp.logical_or(is_full, window_mask)
+            return _block(c, p, hc, cos, sin, mask), None
+
+        hc, _ = jax.lax.scan(step, hc, (blocks, full))
+        if return_pre_merge:
+            return hc
+        hm = rms_norm(hc, model.merger_norm[...], 1e-6).reshape(f, n // c.merge_unit, c.merge_unit * c.hidden_size)
+        hm = jnp.einsum("fuk,kj->fuj", hm, model.merger_w1[...]) + model.merger_b1[...]
+        hm = jax.nn.gelu(hm, approximate=False)
+        return jnp.einsum("fuj,jo->fuo", hm, model.merger_w2[...]) + model.merger_b2[...]
+
+    out = jax.lax.map(one_chunk, x)
+    return out.reshape((chunks * f * out.shape[2], out.shape[3]))[: t * out.shape[2]]
+
+
+def encode(model: VisionTower, pixels: jax.Array, grid_thw: np.ndarray, *, frames_per_chunk: int | None = None):
+    """Encode several images/videos packed like HF: pixels [sum(t*h*w), patch_dim], grid_thw int [M, 3]
+    (host array, static). Returns [sum(t*h*w) / m**2, out_hidden_size] in input order."""
+    grid_thw = np.asarray(grid_thw)
+    if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
+        raise ValueError(f"grid_thw: expected shape [M, 3], got {grid_thw.shape}")
+    sizes = [int(np.prod(g)) for g in grid_thw]
+    if pixels.shape[0] != sum(sizes):
+        raise ValueError(f"pixel_values: expected {sum(sizes)} patches for grid_thw {grid_thw.tolist()}, "
+                         f"got {pixels.shape[0]}")
+    outs, start = [], 0
+    for g, size in zip(grid_thw, sizes):
+        outs.append(encode_grid(model, pixels[start:start + size], tuple(int(v) for v in g),
+                                frames_per_chunk=frames_per_chunk))
+        start += size
+    return jnp.concatenate(outs, axis=0)
