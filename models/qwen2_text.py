@@ -67,7 +67,7 @@ class Qwen2Text(nnx.Module):
     def __init__(self, config: TextConfig, *, dtype=jnp.float32, key: jax.Array, init_std: float = 0.02):
         self.config = config
         keys = iter(jax.random.split(key, 16))
-        normal = lambda shape: nnx.Param((init_std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype))
+        normal = lambda shape: nnx.Param(init_std * jax.random.normal(next(keys), shape, dtype))
         self.embed = normal((config.vocab_size, config.hidden_size))
         for name, shape in layer_param_shapes(config).items():
             if name.endswith("norm"):

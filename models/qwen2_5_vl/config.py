@@ -69,6 +69,8 @@ class Qwen2_5_VLConfig:
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
+    # M-RoPE text offset after a vision span: False = transformers >= 5, True = transformers 4.x / original Qwen
+    rope_index_legacy: bool = False
 
     def __post_init__(self):
         if self.vision.out_hidden_size != self.text.hidden_size:

@@ -93,7 +93,8 @@ def prepare_inputs(config: Qwen2_5_VLConfig, *, input_ids, attention_mask=None, 
                                  spatial_merge_size=vc.spatial_merge_size, tokens_per_second=vc.tokens_per_second,
                                  image_grid_thw=np.asarray(image_grids).reshape(-1, 3) if image_grids else None,
                                  video_grid_thw=np.asarray(video_grids).reshape(-1, 3) if video_grids else None,
-                                 second_per_grid_ts=second_per_grid_ts, attention_mask=mask)
+                                 second_per_grid_ts=second_per_grid_ts, attention_mask=mask,
+                                 legacy_text_offset=config.rope_index_legacy)
     if position_ids is not None:
         pos = np.asarray(position_ids)
         if pos.shape != (3,) + ids.shape:

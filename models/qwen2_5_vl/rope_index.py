@@ -5,7 +5,9 @@ video span of grid (t, h, w) patches gets (temporal, height, width) ids offset b
 height/width are the merged-grid row/column, temporal is ``trunc(i * interval)`` with interval 1 for
 images and ``tokens_per_second * second_per_grid_t`` for videos (float32 arithmetic, as in torch).
 The text after a span starts at ``start + max(h, w) / spatial_merge_size`` (transformers >= 5
-semantics). Padding (attention_mask == 0) is skipped and gets id 0.
+semantics) or, with ``legacy_text_offset=True``, at ``max(ids of the span) + 1`` (transformers 4.x and
+the original Qwen code; differs when a video's scaled temporal ids outrun its height/width).
+Padding (attention_mask == 0) is skipped and gets id 0.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _spans(types: np.ndarray):
 
 def get_rope_index(input_ids, *, image_token_id: int, video_token_id: int, spatial_merge_size: int,
                    tokens_per_second: float, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None,
-                   attention_mask=None):
+                   attention_mask=None, legacy_text_offset: bool = False):
     """Returns (position_ids int64 [3, B, T], rope_deltas int64 [B]).
 
     ``rope_deltas[b] = max(position) + 1 - n_valid_tokens[b]``: the position of the next decoded
@@ -81,7 +83,7 @@ def get_rope_index(input_ids, *, image_token_id: int, video_token_id: int, spati
             tt = np.trunc(np.arange(gt, dtype=np.float32) * np.float32(interval)).astype(np.int64)
             T_, H_, W_ = np.meshgrid(tt, np.arange(lh), np.arange(lw), indexing="ij")
             parts.append(np.stack([T_.ravel(), H_.ravel(), W_.ravel()]) + cur)
-            cur += max(gh, gw) // m
+            cur = int(parts[-1].max()) + 1 if legacy_text_offset else cur + max(gh, gw) // m
         flat = np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int64)
         pos[:, row, mask[row]] = flat
         deltas[row] = (flat.max() + 1 if flat.size else 0) - flat.shape[1]

@@ -44,7 +44,7 @@ class VisionTower(nnx.Module):
             if "norm" in name:
                 value = jnp.ones(shape, dtype)
             else:
-                value = (init_std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+                value = init_std * jax.random.normal(next(keys), shape, dtype)
             setattr(self, name, nnx.Param(value))
 
 

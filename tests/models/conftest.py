@@ -39,6 +39,14 @@ def get_model(case, dtype=jnp.float32):
     return _MODELS[key]
 
 
+@pytest.fixture(autouse=True)
+def _fp32_matmuls():
+    """fp32 parity needs full-precision matmuls (GPUs default to TF32); scoped to these tests."""
+    import jax
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.fixture(params=CASES)
 def case(request):
     return request.param
