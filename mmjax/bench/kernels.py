@@ -25,7 +25,7 @@ import numpy as np
 
 from mmjax.bench.timing import device_name, print_table, time_fn, write_result
 from pallas_kernels import BlockLayout, block_sparse_attention
-from pallas_kernels.block_sparse.triton import prepare_operands
+from pallas_kernels.block_sparse.triton import launch, prepare_operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +42,12 @@ class KernelBenchConfig:
     tune_len: int = 131072
     # (block_q, block_k, num_warps, num_stages) candidates for the sweep; first is default.
     tiles: tuple[tuple[int, int, int, int], ...] = (
-        (128, 64, 8, 3),
         (128, 64, 4, 3),
+        (128, 64, 4, 2),
+        (128, 64, 4, 4),
         (128, 128, 8, 2),
-        (128, 128, 8, 3),
-        (64, 64, 4, 3),
-        (128, 64, 8, 2),
+        (128, 128, 4, 2),
+        (64, 128, 4, 3),
     )
     interpret: bool = False
     anchor: str = "cudnn"
@@ -100,6 +100,25 @@ def _kernel_fn(cfg: KernelBenchConfig, tile):
             num_warps=warps, num_stages=stages,
         )
     return run
+
+
+def _launch_fn(cfg: KernelBenchConfig, tile, s: int):
+    """The kernel alone on operands prepared beforehand (no layout handling)."""
+    _, _, warps, stages = tile
+
+    @jax.jit
+    def run(q_in, k_in, v_in, ops, layout):
+        return launch(q_in, k_in, v_in, ops, layout, heads=cfg.heads, sm_scale=cfg.head_dim ** -0.5,
+                      causal=True, interpret=cfg.interpret, num_warps=warps, num_stages=stages)
+    return run
+
+
+def _memory_note() -> str:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_in_use" not in stats:
+        return ""
+    return (f" [device memory: {stats['bytes_in_use'] / 2**30:.1f} GiB in use, "
+            f"peak {stats.get('peak_bytes_in_use', 0) / 2**30:.1f} GiB]")
 
 
 def _reference_fn():
@@ -163,7 +182,7 @@ def sweep_tiles(cfg: KernelBenchConfig, log) -> tuple[tuple[int, int, int, int],
     return tuple(best["tile"]), rows
 
 
-def run_benchmark(cfg: KernelBenchConfig, out_dir: str | None, log=print) -> dict:
+def run_benchmark(cfg: KernelBenchConfig, out_dir: str | None, log=print, result_name: str = "kernels") -> dict:
     log(f"device: {device_name()} ({jax.default_backend()}), jax {jax.__version__}")
     log(f"tile sweep at S={cfg.tune_len} (dense causal layout):")
     tile, sweep = sweep_tiles(cfg, log)
@@ -172,6 +191,7 @@ def run_benchmark(cfg: KernelBenchConfig, out_dir: str | None, log=print) -> dic
     kernel = _kernel_fn(cfg, tile)
     reference = _reference_fn()
     prep = jax.jit(prepare_operands)
+    log(f"memory at start:{_memory_note()}")
     rows, checks = [], []
     for s in sorted(set(cfg.seq_lens) | set(cfg.sparse_only_lens)):
         q, k, v = _inputs(cfg, s, seed=s)
@@ -195,16 +215,19 @@ def run_benchmark(cfg: KernelBenchConfig, out_dir: str | None, log=print) -> dic
             name = "dense-layout" if keep is None else f"random-{keep:.0%}"
             try:
                 t = time_fn(lambda: kernel(q, k, v, layout), reps=_timing_reps(s))
-                tp = time_fn(lambda: prep(q, k, v, layout), reps=3)
+                prepared = prep(q, k, v, layout)
+                only = _launch_fn(cfg, tile, s)
+                tl = time_fn(lambda: only(*prepared, layout), reps=_timing_reps(s))
+                del prepared
                 fl = _flops(cfg, s, layout)
                 dens = float(np.mean(np.asarray(layout.density())))
                 rows.append({
                     "S": s, "method": name, "density": dens, "ms": t["ms"],
                     "tflops": fl / (t["ms"] * 1e-3) / 1e12,
                     "speedup": None if anchor_ms is None else anchor_ms / t["ms"],
-                    "layout_ms": tp["ms"],
+                    "kernel_only_ms": tl["ms"], "layout_ms": t["ms"] - tl["ms"],
                 })
-                log(f"  S={s} {name}: {t['ms']:.2f} ms (layout handling {tp['ms']:.3f} ms)")
+                log(f"  S={s} {name}: {t['ms']:.3f} ms, kernel alone {tl['ms']:.3f} ms{_memory_note()}")
                 if s == cfg.check_len:
                     out, lse = kernel(q, k, v, layout)
                     if keep is None and anchor_out is not None:
@@ -254,7 +277,8 @@ def run_benchmark(cfg: KernelBenchConfig, out_dir: str | None, log=print) -> dic
     print_table(rows, [
         ("S", "S", "d"), ("method", "method", "s"), ("density", "density", ".3f"),
         ("ms", "ms", ".3f"), ("tflops", "TFLOP/s", ".1f"), ("speedup", f"x {cfg.anchor}", ".2f"),
-        ("layout_ms", "layout ms", ".3f"), ("rel_err", "rel err", ".2e"),
+        ("kernel_only_ms", "kernel ms", ".3f"), ("layout_ms", "layout ms", ".3f"),
+        ("rel_err", "rel err", ".2e"),
     ])
     log("")
     for c in checks:
@@ -265,7 +289,7 @@ def run_benchmark(cfg: KernelBenchConfig, out_dir: str | None, log=print) -> dic
         log(f"target S={tg['S']}: {tg['target']}: {tg['ratio']:.2f} -> {'met' if tg['met'] else 'NOT met'}")
     log(f"correctness: {'PASS' if passed else 'FAIL'}")
     if out_dir:
-        path = write_result(out_dir, "kernels", result)
+        path = write_result(out_dir, result_name, result)
         log(f"wrote {path}")
     return result
 
@@ -277,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-lens", type=int, nargs="*", help="override the sequence lengths")
     p.add_argument("--sparse-only-lens", type=int, nargs="*", help="lengths run with sparse layouts only")
     p.add_argument("--no-sweep", action="store_true", help="use the first tile candidate")
+    p.add_argument("--tile", type=int, nargs=4, metavar=("BQ", "BK", "WARPS", "STAGES"),
+                   help="use this tile instead of sweeping")
+    p.add_argument("--name", default="kernels", help="result file prefix")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
     cfg = GPU_CONFIG if on_gpu else CPU_CONFIG
@@ -287,9 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, sparse_only_lens=tuple(args.sparse_only_lens))
     if args.no_sweep:
         cfg = dataclasses.replace(cfg, tiles=cfg.tiles[:1])
+    if args.tile:
+        cfg = dataclasses.replace(cfg, tiles=(tuple(args.tile),))
     if not on_gpu:
         print("no GPU: small interpret-mode run (timings are not kernel speed)")
-    result = run_benchmark(cfg, args.out)
+    result = run_benchmark(cfg, args.out, result_name=args.name)
     return 0 if result["checks_passed"] else 1
 
 

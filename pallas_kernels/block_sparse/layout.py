@@ -285,16 +285,17 @@ class BlockLayout:
         (or of full attention when not ``causal``). 1.0 for the dense causal layout up to
         the diagonal tiles; the FLOP fraction the kernel does relative to dense."""
         nq, nk = self.num_q_blocks, self.num_kv_blocks
-        rows = jnp.minimum(self.block_q, self.q_len - jnp.arange(nq) * self.block_q)  # [nq]
+        # float32 throughout: pair counts overflow int32 beyond ~64k tokens.
+        rows = jnp.minimum(self.block_q, self.q_len - jnp.arange(nq) * self.block_q).astype(jnp.float32)
         cols_per_block = jnp.minimum(
             self.block_k, self.kv_len - jnp.arange(nk) * self.block_k
-        )  # [nk]
+        ).astype(jnp.float32)  # [nk]
         valid = jnp.arange(self.max_blocks) < self.kv_block_count[..., None]
         ids = jnp.clip(self.kv_blocks, 0, nk - 1)
-        keys = jnp.where(valid, cols_per_block[ids], 0).sum(-1)  # [b, n, nq]
+        keys = jnp.where(valid, cols_per_block[ids], 0.0).sum(-1)  # [b, n, nq]
         if self.kv_columns is not None:
-            keys = keys + self.kv_column_count
-        computed = (keys * rows).sum(-1).astype(jnp.float32)
+            keys = keys + self.kv_column_count.astype(jnp.float32)
+        computed = (keys * rows).sum(-1)
         if causal:
             # query t (original) sees keys 0 .. q_offset + t
             total = self.q_len * self.q_offset + self.q_len * (self.q_len + 1) / 2

@@ -37,7 +37,7 @@ def _next_pow2(x: int) -> int:
 def _kernel(
     q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs,
     sm_scale: float, causal: bool, block_q: int, block_k: int, num_q_blocks: int,
-    kv_len: int, q_offset: int, lead_b: bool, lead_n: bool,
+    kv_len: int, q_offset: int, leads: dict[str, tuple[bool, bool]],
     has_qperm: bool, has_kvperm: bool, has_cols: bool,
 ):
     refs = list(refs)
@@ -47,15 +47,19 @@ def _kernel(
     o_ref, lse_ref = refs
 
     qi = num_q_blocks - 1 - pl.program_id(0)  # longest causal rows start first
-    lb = pl.program_id(2) if lead_b else 0
-    ln = pl.program_id(1) if lead_n else 0
+    head, batch = pl.program_id(1), pl.program_id(2)
+
+    def lead(name):
+        """(batch, head) index into a layout array whose size-1 lead dims broadcast."""
+        has_b, has_n = leads[name]
+        return (batch if has_b else 0, head if has_n else 0)
 
     q = q_ref[...]
     d_pad = q.shape[-1]
     scale = sm_scale * LOG2E
     iota_k = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     if has_qperm:
-        q_pos = qpos_ref[lb, ln, pl.ds(qi * block_q, block_q)] + q_offset
+        q_pos = qpos_ref[*lead('q_perm'), pl.ds(qi * block_q, block_q)] + q_offset
         q_min = jnp.min(q_pos)
     else:
         q_pos = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0) + q_offset
@@ -80,10 +84,10 @@ def _kernel(
         return lambda s: jnp.where(ok, s, -jnp.inf)
 
     def block_body(j, carry):
-        blk = blocks_ref[lb, ln, qi, j]
+        blk = blocks_ref[*lead('kv_blocks'), qi, j]
         start = blk * block_k
         if has_kvperm:
-            k_pos = kvperm_ref[lb, ln, pl.ds(start, block_k)]
+            k_pos = kvperm_ref[*lead('kv_perm'), pl.ds(start, block_k)]
             k = k_ref[k_pos, :]
             v = v_ref[k_pos, :]
             k_last = jnp.max(k_pos)
@@ -104,19 +108,19 @@ def _kernel(
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros((block_q, d_pad), jnp.float32),
     )
-    carry = lax.fori_loop(0, count_ref[lb, ln, qi], block_body, carry)
+    carry = lax.fori_loop(0, count_ref[*lead('kv_block_count'), qi], block_body, carry)
 
     if has_cols:
         def col_body(t, carry):
-            idx = cols_ref[lb, ln, qi, pl.ds(t * block_k, block_k)]
-            valid = t * block_k + iota_k < ccount_ref[lb, ln, qi]
-            k_pos = kvperm_ref[lb, ln, idx] if has_kvperm else idx
+            idx = cols_ref[*lead('kv_columns'), qi, pl.ds(t * block_k, block_k)]
+            valid = t * block_k + iota_k < ccount_ref[*lead('kv_block_count'), qi]
+            k_pos = kvperm_ref[*lead('kv_perm'), idx] if has_kvperm else idx
             rows = jnp.where(valid, k_pos, 0)
             k = k_ref[rows, :]
             v = v_ref[rows, :]
             return update(carry, k, v, masked(jnp.where(valid, k_pos, kv_len)))
 
-        n_tiles = (ccount_ref[lb, ln, qi] + block_k - 1) // block_k
+        n_tiles = (ccount_ref[*lead('kv_block_count'), qi] + block_k - 1) // block_k
         carry = lax.fori_loop(0, n_tiles, col_body, carry)
 
     m, l, acc = carry
@@ -124,6 +128,122 @@ def _kernel(
     l_safe = jnp.where(has_mass, l, 1.0)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(has_mass, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+
+
+# Shared memory the software pipeline may use for its k/v stages. Hopper has 227 KB per
+# block and A100 164 KB; 160 KB leaves room for Triton's own layout conversions on both.
+_STAGE_SMEM_BUDGET = 160 * 1024
+
+
+def default_launch(block_q: int, block_k: int, d_pad: int, dtype) -> tuple[int, int]:
+    """(num_warps, num_stages) defaults. Measured on an H200 (2026-11-21, dense causal
+    layout, 128k tokens, D=128, bf16): 128x64 tiles with 4 warps and 3 stages were fastest;
+    8 warps only pay for 128x128 tiles. Stages are capped so that k/v stages fit in shared
+    memory (fp32 128x128 tiles get one stage)."""
+    num_warps = 4 if block_q * block_k <= 128 * 64 else 8
+    stage_bytes = 2 * block_k * d_pad * jnp.dtype(dtype).itemsize
+    num_stages = max(1, min(3, _STAGE_SMEM_BUDGET // stage_bytes))
+    return num_warps, num_stages
+
+
+def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _lead_flags(x: jax.Array) -> tuple[bool, bool]:
+    return (x.shape[0] > 1, x.shape[1] > 1)
+
+
+def prepare_operands(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayout):
+    """Everything the wrapper does besides the kernel: padding T, S and D to the tiles,
+    gathering permuted queries per head, clamping layout ids and counts, padding the
+    permutations and column lists. Returns (q_in, k_in, v_in, layout operands, static
+    metadata). Benchmarks time this separately as "layout handling"."""
+    b, t, n, d = q.shape
+    s = k.shape[1]
+    bq, bk = layout.block_q, layout.block_k
+    nq, nk = layout.num_q_blocks, layout.num_kv_blocks
+    t_pad, s_pad = nq * bq, nk * bk
+    d_pad = max(16, _next_pow2(d))
+    k_in = _pad_to(_pad_to(k, 3, d_pad), 1, s_pad)
+    v_in = _pad_to(_pad_to(v, 3, d_pad), 1, s_pad)
+    ops = {
+        "kv_blocks": jnp.clip(layout.kv_blocks, 0, nk - 1),
+        "kv_block_count": jnp.clip(layout.kv_block_count, 0, layout.max_blocks),
+    }
+    if layout.q_perm is not None:
+        q_perm = jnp.clip(layout.q_perm, 0, t - 1)
+        tail = jnp.broadcast_to(jnp.arange(t, t_pad, dtype=jnp.int32), q_perm.shape[:2] + (t_pad - t,))
+        ops["q_perm"] = jnp.concatenate([q_perm, tail], axis=-1)
+        qh = jnp.take_along_axis(
+            jnp.einsum("btnd->bntd", q), jnp.broadcast_to(q_perm, (b, n, t))[..., None], axis=2
+        )
+        q_in = _pad_to(_pad_to(qh, 3, d_pad), 2, t_pad)  # [B, N, Tp, Dp]
+    else:
+        q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)  # [B, Tp, N, Dp]
+    if layout.kv_perm is not None:
+        kv_perm = jnp.clip(layout.kv_perm, 0, s - 1)
+        tail = jnp.broadcast_to(jnp.arange(s, s_pad, dtype=jnp.int32), kv_perm.shape[:2] + (s_pad - s,))
+        ops["kv_perm"] = jnp.concatenate([kv_perm, tail], axis=-1)
+    if layout.kv_columns is not None:
+        mc = layout.max_columns
+        mc_pad = max(bk, -(-mc // bk) * bk)
+        ops["kv_columns"] = _pad_to(jnp.clip(layout.kv_columns, 0, s - 1), 3, mc_pad)
+        ops["kv_column_count"] = jnp.clip(layout.kv_column_count, 0, mc)
+    return q_in, k_in, v_in, ops
+
+
+def launch(
+    q_in: jax.Array, k_in: jax.Array, v_in: jax.Array, ops: dict[str, jax.Array],
+    layout: BlockLayout, *, heads: int, sm_scale: float, causal: bool, interpret: bool,
+    num_warps: int | None, num_stages: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Run the kernel on prepared operands. Returns padded (out, lse): out is
+    ``[B, Tp, N, Dp]``, or ``[B, N, Tp, Dp]`` in permuted row order when the layout permutes
+    queries; lse ``[B, N, Tp]`` in the kernel's row order."""
+    has_qperm = "q_perm" in ops
+    b = q_in.shape[0]
+    n = heads
+    groups = n // k_in.shape[2]
+    bq, bk = layout.block_q, layout.block_k
+    nq = layout.num_q_blocks
+    s_pad, d_pad = k_in.shape[1], k_in.shape[3]
+    t_pad = nq * bq
+    if has_qperm:
+        q_spec = pl.BlockSpec((None, None, bq, d_pad), lambda i, h, z: (z, h, nq - 1 - i, 0))
+    else:
+        q_spec = pl.BlockSpec((None, bq, None, d_pad), lambda i, h, z: (z, nq - 1 - i, h, 0))
+    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, z: (z, 0, h // groups, 0))
+    order = ["kv_blocks", "kv_block_count", "q_perm", "kv_perm", "kv_columns", "kv_column_count"]
+    names = [name for name in order if name in ops]
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale, causal=causal, block_q=bq, block_k=bk, num_q_blocks=nq,
+        kv_len=layout.kv_len, q_offset=layout.q_offset,
+        leads={name: _lead_flags(ops[name]) for name in names},
+        has_qperm=has_qperm, has_kvperm="kv_perm" in ops, has_cols="kv_columns" in ops,
+    )
+    if num_warps is None:
+        num_warps, _ = default_launch(bq, bk, d_pad, q_in.dtype)
+    if num_stages is None:
+        _, num_stages = default_launch(bq, bk, d_pad, q_in.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(nq, n, b),
+        in_specs=[q_spec, kv_spec, kv_spec] + [pl.no_block_spec] * len(names),
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, nq - 1 - i))],
+        out_shape=[
+            jax.ShapeDtypeStruct(q_in.shape, q_in.dtype),
+            jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="block_sparse_attention",
+    )(q_in, k_in, v_in, *[ops[name] for name in names])
 
 
 @functools.partial(
@@ -148,88 +268,13 @@ def block_sparse_attention_triton(
     clamped so that traced layouts can never make the kernel read out of bounds.
     """
     b, t, n, d = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    groups = n // kh
-    bq, bk = layout.block_q, layout.block_k
-    nq, nk = layout.num_q_blocks, layout.num_kv_blocks
-    t_pad, s_pad = nq * bq, nk * bk
-    d_pad = max(16, _next_pow2(d))
-    lead = layout.lead_shape
-    lead_b, lead_n = lead[0] > 1, lead[1] > 1
-    has_qperm = layout.q_perm is not None
-    has_kvperm = layout.kv_perm is not None
-    has_cols = layout.kv_columns is not None
-
-    def pad_to(x, axis, size):
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, size - x.shape[axis])
-        return jnp.pad(x, widths) if size != x.shape[axis] else x
-
-    k = pad_to(pad_to(k, 3, d_pad), 1, s_pad)
-    v = pad_to(pad_to(v, 3, d_pad), 1, s_pad)
-    mb = layout.max_blocks
-    blocks = jnp.clip(layout.kv_blocks, 0, nk - 1)
-    count = jnp.clip(layout.kv_block_count, 0, mb)
-    operands = [blocks, count]
-    specs = [pl.no_block_spec, pl.no_block_spec]
-    if has_qperm:
-        q_perm = jnp.clip(layout.q_perm, 0, t - 1)
-        pad_ids = jnp.broadcast_to(jnp.arange(t, t_pad, dtype=jnp.int32), q_perm.shape[:2] + (t_pad - t,))
-        operands.append(jnp.concatenate([q_perm, pad_ids], axis=-1))
-        specs.append(pl.no_block_spec)
-        qh = jnp.take_along_axis(
-            jnp.einsum("btnd->bntd", q),
-            jnp.broadcast_to(q_perm, (b, n, t))[..., None],
-            axis=2,
-        )
-        q_in = pad_to(pad_to(qh, 3, d_pad), 2, t_pad)  # [B, N, Tp, Dp]
-        q_spec = pl.BlockSpec((None, None, bq, d_pad), lambda i, h, z: (z, h, nq - 1 - i, 0))
-        o_shape = (b, n, t_pad, d_pad)
-    else:
-        q_in = pad_to(pad_to(q, 3, d_pad), 1, t_pad)  # [B, Tp, N, Dp]
-        q_spec = pl.BlockSpec((None, bq, None, d_pad), lambda i, h, z: (z, nq - 1 - i, h, 0))
-        o_shape = (b, t_pad, n, d_pad)
-    if has_kvperm:
-        kv_perm = jnp.clip(layout.kv_perm, 0, s - 1)
-        pad_ids = jnp.broadcast_to(jnp.arange(s, s_pad, dtype=jnp.int32), kv_perm.shape[:2] + (s_pad - s,))
-        operands.append(jnp.concatenate([kv_perm, pad_ids], axis=-1))
-        specs.append(pl.no_block_spec)
-    if has_cols:
-        mc = layout.max_columns
-        mc_pad = max(bk, -(-mc // bk) * bk)
-        operands.append(pad_to(jnp.clip(layout.kv_columns, 0, s - 1), 3, mc_pad))
-        operands.append(jnp.clip(layout.kv_column_count, 0, mc))
-        specs += [pl.no_block_spec, pl.no_block_spec]
-
-    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, z: (z, 0, h // groups, 0))
-    kernel = functools.partial(
-        _kernel,
-        sm_scale=sm_scale, causal=causal, block_q=bq, block_k=bk, num_q_blocks=nq,
-        kv_len=s, q_offset=s - t, lead_b=lead_b, lead_n=lead_n,
-        has_qperm=has_qperm, has_kvperm=has_kvperm, has_cols=has_cols,
+    q_in, k_in, v_in, ops = prepare_operands(q, k, v, layout)
+    out, lse = launch(
+        q_in, k_in, v_in, ops, layout, heads=n, sm_scale=sm_scale, causal=causal,
+        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
     )
-    if num_warps is None:
-        num_warps = 4 if d_pad <= 64 else 8
-    if num_stages is None:
-        num_stages = 2
-    out, lse = pl.pallas_call(
-        kernel,
-        grid=(nq, n, b),
-        in_specs=[q_spec, kv_spec, kv_spec] + specs,
-        out_specs=[
-            q_spec,
-            pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, nq - 1 - i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct(o_shape, q.dtype),
-            jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32),
-        ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="block_sparse_attention",
-    )(q_in, k, v, *operands)
     lse = lse[:, :, :t]
-    if has_qperm:
+    if layout.q_perm is not None:
         inv = jnp.argsort(jnp.broadcast_to(layout.q_perm, (b, n, t)), axis=-1)
         out = jnp.take_along_axis(out[:, :, :t, :d], inv[..., None], axis=2)
         out = jnp.einsum("bntd->btnd", out)

@@ -1,0 +1,99 @@
+"""BlockLayout constructors, dense masks, density."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import BlockLayout
+
+
+@pytest.mark.parametrize("t,s,bq,bk", [(64, 64, 16, 16), (50, 130, 32, 16), (1, 40, 16, 32)])
+def test_dense_causal_mask_is_causal(t, s, bq, bk):
+    layout = BlockLayout.dense_causal(t, s, block_q=bq, block_k=bk)
+    mask = np.asarray(layout.to_dense_mask())[0, 0]
+    expected = np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)
+    np.testing.assert_array_equal(mask, expected)
+    # Tile-level FLOPs over causal pairs: >= 1, and only the diagonal tiles add to it.
+    dens = float(layout.density()[0, 0])
+    assert 1.0 <= dens <= 1.0 + (bq + bk) * t / expected.sum()
+
+
+def test_from_block_mask_roundtrip():
+    rng = np.random.default_rng(0)
+    mask = rng.random((2, 3, 4, 7)) < 0.4
+    layout = BlockLayout.from_block_mask(jnp.asarray(mask), q_len=64, kv_len=100, block_q=16, block_k=16)
+    blocks, count = np.asarray(layout.kv_blocks), np.asarray(layout.kv_block_count)
+    np.testing.assert_array_equal(count, mask.sum(-1))
+    for idx in np.ndindex(2, 3, 4):
+        np.testing.assert_array_equal(blocks[idx][: count[idx]], np.flatnonzero(mask[idx]))
+    pairs = np.asarray(layout.computed_pairs_permuted())
+    np.testing.assert_array_equal(pairs, np.repeat(np.repeat(mask, 16, 2), 16, 3)[:, :, :64, :100])
+    # jit-able with a static max_blocks.
+    f = jax.jit(lambda m: BlockLayout.from_block_mask(m, q_len=64, kv_len=100, block_q=16,
+                                                       block_k=16, max_blocks=3).kv_block_count)
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(mask))), np.minimum(mask.sum(-1), 3))
+
+
+def test_permuted_mask_is_causal_on_original_positions():
+    rng = np.random.default_rng(1)
+    t = s = 48
+    qp = rng.permutation(t).astype(np.int32)[None, None]
+    kp = rng.permutation(s).astype(np.int32)[None, None]
+    full = np.ones((1, 1, 3, 3), bool)
+    layout = BlockLayout.from_block_mask(jnp.asarray(full), q_len=t, kv_len=s, block_q=16, block_k=16,
+                                         q_perm=jnp.asarray(qp), kv_perm=jnp.asarray(kp))
+    np.testing.assert_array_equal(np.asarray(layout.to_dense_mask())[0, 0], np.tril(np.ones((t, s), bool)))
+    # One permuted block maps to the original pairs it names.
+    one = np.zeros((1, 1, 3, 3), bool)
+    one[0, 0, 1, 2] = True
+    lay1 = layout.replace(**{f: getattr(BlockLayout.from_block_mask(jnp.asarray(one), q_len=t, kv_len=s,
+                                                                    block_q=16, block_k=16), f)
+                             for f in ("kv_blocks", "kv_block_count")})
+    mask = np.asarray(lay1.to_dense_mask(causal=False))[0, 0]
+    expected = np.zeros((t, s), bool)
+    expected[np.ix_(qp[0, 0, 16:32], kp[0, 0, 32:48])] = True
+    np.testing.assert_array_equal(mask, expected)
+
+
+def test_random_causal_keeps_fraction_and_is_causal():
+    layout = BlockLayout.random_causal(jax.random.PRNGKey(0), 4096, 4096, keep=0.1, block_q=64,
+                                       block_k=64, heads=3)
+    mask = np.asarray(layout.to_dense_mask(causal=False))
+    causal = np.tril(np.ones((4096, 4096), bool))
+    assert not (mask & ~np.kron(np.tril(np.ones((64, 64), bool)), np.ones((64, 64), bool))).any()
+    frac = (mask & causal).sum() / (3 * causal.sum())
+    assert 0.07 < frac < 0.14
+    counts = np.asarray(layout.kv_block_count)
+    assert (counts >= 1).all()
+    dens = np.asarray(layout.density())
+    assert dens.shape == (1, 3) and np.all((dens > 0.07) & (dens < 0.15))
+
+
+def test_density_of_columns_and_non_causal():
+    layout = BlockLayout.from_block_mask(
+        jnp.zeros((1, 1, 2, 2), bool), q_len=32, kv_len=32, block_q=16, block_k=16,
+        kv_columns=jnp.asarray([[[[3, 5], [7, 0]]]], jnp.int32),
+        kv_column_count=jnp.asarray([[[2, 1]]], jnp.int32),
+    )
+    assert float(layout.density(causal=False)[0, 0]) == pytest.approx((2 * 16 + 1 * 16) / (32 * 32))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(q_len=0, kv_len=10), "q_len"),
+    (dict(q_len=20, kv_len=10), "q_len"),
+    (dict(q_len=10, kv_len=10, block_q=24), "block_q"),
+    (dict(q_len=10, kv_len=10, block_k=8), "block_k"),
+])
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BlockLayout.dense_causal(**kwargs)
+
+
+def test_from_block_mask_errors():
+    with pytest.raises(ValueError, match=r"mask: expected a boolean array of shape \[B, N, 2, 2\]"):
+        BlockLayout.from_block_mask(jnp.zeros((1, 1, 3, 2), bool), q_len=32, kv_len=32, block_q=16, block_k=16)
+    with pytest.raises(ValueError, match="mask: expected dtype bool"):
+        BlockLayout.from_block_mask(jnp.zeros((1, 1, 2, 2)), q_len=32, kv_len=32, block_q=16, block_k=16)
+    with pytest.raises(ValueError, match="keep"):
+        BlockLayout.random_causal(jax.random.PRNGKey(0), 32, 32, keep=0.0)

@@ -1,0 +1,93 @@
+"""Bad arguments raise ValueError naming the argument, before any kernel is traced."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import BlockLayout, block_sparse_attention
+from tests.pallas_kernels.helpers import random_qkv
+
+
+@pytest.fixture
+def qkv():
+    return random_qkv(0, 1, 32, 48, 4, 2, 16)
+
+
+def _layout(t=32, s=48):
+    return BlockLayout.dense_causal(t, s, block_q=16, block_k=16)
+
+
+def _raises(match, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        block_sparse_attention(*args, **kwargs)
+
+
+def test_rank_shape_dtype(qkv):
+    q, k, v = qkv
+    lay = _layout()
+    _raises(r"q: expected rank 4 \[B, T, N, D\]; received shape \[32, 4, 16\]", q[0], k, v, lay)
+    _raises(r"k: expected rank 4", q, k[0], v, lay)
+    _raises(r"v: expected the shape of k", q, k, v[:, :, :1], lay)
+    _raises(r"q: expected dtype bfloat16, float16 or float32; received int32", q.astype(jnp.int32), k, v, lay)
+    _raises(r"q, k, v: expected one dtype", q.astype(jnp.bfloat16), k, v, lay)
+    _raises(r"k: expected head dim 16", q, k[..., :8], v[..., :8], lay)
+    _raises(r"k: expected batch 1", q, jnp.concatenate([k, k]), jnp.concatenate([v, v]), lay)
+
+
+def test_gqa_and_lengths(qkv):
+    q, k, v = qkv
+    _raises(r"k: expected a number of key heads K dividing the query heads N=4.*received K=3",
+            q, jnp.concatenate([k, k[:, :, :1]], 2), jnp.concatenate([v, v[:, :, :1]], 2), _layout())
+    big_q = random_qkv(1, 1, 64, 48, 4, 2, 16)[0]
+    _raises(r"q: expected T <= S", big_q, k, v, _layout())
+    _raises(r"layout: expected q_len=32, kv_len=48", q, k, v, _layout(16, 48))
+    _raises(r"layout: expected a BlockLayout", q, k, v, {"kv_blocks": 0})
+
+
+def test_layout_arrays(qkv):
+    q, k, v = qkv
+    lay = _layout()
+    _raises(r"layout.kv_blocks: expected shape \[1\|1, 4\|1, 2, max_blocks\]; received \[1, 1, 3, 3\]",
+            q, k, v, lay.replace(kv_blocks=jnp.zeros((1, 1, 3, 3), jnp.int32)))
+    _raises(r"layout.kv_block_count: expected dtype int32; received float32",
+            q, k, v, lay.replace(kv_block_count=lay.kv_block_count.astype(jnp.float32)))
+    _raises(r"layout.kv_blocks: expected shape \[1\|1, 4\|1",
+            q, k, v, lay.replace(kv_blocks=jnp.zeros((1, 3, 2, 3), jnp.int32)))
+    _raises(r"layout.kv_block_count: expected 0 <= count <= max_blocks=3; received values in \[3, 4\]",
+            q, k, v, lay.replace(kv_block_count=lay.kv_block_count + 1))
+    _raises(r"layout.kv_blocks: expected block ids in \[0, 3\).*received ids in \[0, 5\]",
+            q, k, v, lay.replace(kv_blocks=lay.kv_blocks.at[0, 0, 1, 0].set(5)))
+    _raises(r"layout.kv_blocks: expected distinct block ids",
+            q, k, v, lay.replace(kv_blocks=lay.kv_blocks.at[0, 0, 1, 1].set(0)))
+    _raises(r"layout.kv_columns / kv_column_count: expected both or neither",
+            q, k, v, lay.replace(kv_columns=jnp.zeros((1, 1, 2, 4), jnp.int32)))
+    cols = jnp.zeros((1, 1, 2, 4), jnp.int32)
+    _raises(r"layout.kv_columns: expected key indices in \[0, 48\)",
+            q, k, v, lay.replace(kv_columns=cols.at[0, 0, 0, 0].set(48),
+                                 kv_column_count=jnp.ones((1, 1, 2), jnp.int32)))
+    _raises(r"layout.kv_columns: expected columns outside the listed key blocks",
+            q, k, v, lay.replace(kv_columns=cols, kv_column_count=jnp.ones((1, 1, 2), jnp.int32)))
+    _raises(r"layout.q_perm: expected shape", q, k, v, lay.replace(q_perm=jnp.zeros((1, 1, 31), jnp.int32)))
+    _raises(r"layout.kv_perm: expected a permutation of 0..47",
+            q, k, v, lay.replace(kv_perm=jnp.zeros((1, 1, 48), jnp.int32)))
+
+
+def test_implementation_name(qkv):
+    q, k, v = qkv
+    _raises(r"implementation: expected one of \('reference', 'triton'\)", q, k, v, _layout(),
+            implementation="cuda")
+
+
+def test_validation_runs_before_tracing_inside_jit(qkv):
+    q, k, v = qkv
+    lay = _layout()
+
+    @jax.jit
+    def run(q, k, v, lay):
+        return block_sparse_attention(q, k, v, lay, interpret=True)
+
+    with pytest.raises(ValueError, match="q: expected dtype"):
+        run(q.astype(jnp.int8), k, v, lay)
+    out, lse = run(q, k, v, lay)  # traced layout values are not checked but clamped
+    assert np.isfinite(np.asarray(out)).all()
