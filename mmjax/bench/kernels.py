@@ -307,11 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
     cfg = GPU_CONFIG if on_gpu else CPU_CONFIG
-    if args.seq_lens:
-        cfg = dataclasses.replace(cfg, seq_lens=tuple(args.seq_lens),
-                                  check_len=min(args.seq_lens), tune_len=min(args.seq_lens))
+    if args.seq_lens is not None:
+        cfg = dataclasses.replace(cfg, seq_lens=tuple(args.seq_lens))
     if args.sparse_only_lens is not None:
         cfg = dataclasses.replace(cfg, sparse_only_lens=tuple(args.sparse_only_lens))
+    if args.seq_lens is not None or args.sparse_only_lens is not None:
+        lens = cfg.seq_lens or cfg.sparse_only_lens
+        if not lens:
+            p.error("--seq-lens and --sparse-only-lens: expected at least one length")
+        cfg = dataclasses.replace(cfg, check_len=min(lens), tune_len=min(lens))
     if args.no_sweep:
         cfg = dataclasses.replace(cfg, tiles=cfg.tiles[:1])
     if args.tile:
