@@ -15,7 +15,9 @@ Causality is always decided on *original* positions. Queries are the last ``q_le
 ``t + kv_len - q_len``; key ``s`` sits at position ``s``.
 
 Every array has leading dims ``[B|1, N|1]``: a size-1 batch or head dim is broadcast, so one
-dense-causal list serves all heads.
+dense-causal list serves all heads. Block and column lists (and their counts) may also have a
+size-1 query-block dim: one list shared by every query block, each row using its own count
+(the dense-causal layout is one ``arange`` list plus per-row counts).
 
 A layout lists distinct key blocks per query block, and single columns that do not fall
 inside a listed block: the kernel adds up what it is given, so a repeated block would be
@@ -43,10 +45,10 @@ class BlockLayout:
     """Block-sparse attention layout (a pytree; sizes are static).
 
     Attributes:
-      kv_blocks: int32 ``[B|1, N|1, nq, max_blocks]`` key-block ids per query block,
+      kv_blocks: int32 ``[B|1, N|1, nq|1, max_blocks]`` key-block ids per query block,
         ``nq = ceil(q_len / block_q)``. Entries past the count are ignored.
       kv_block_count: int32 ``[B|1, N|1, nq]`` number of valid entries in ``kv_blocks``.
-      kv_columns: optional int32 ``[B|1, N|1, nq, max_cols]`` single key indices (permuted
+      kv_columns: optional int32 ``[B|1, N|1, nq|1, max_cols]`` single key indices (permuted
         key order) computed in addition to the blocks, gathered into dense tiles.
       kv_column_count: int32 ``[B|1, N|1, nq]``, required with ``kv_columns``.
       q_perm: optional int32 ``[B|1, N|1, q_len]``: original query index of each permuted row.
@@ -114,11 +116,10 @@ class BlockLayout:
         offset = kv_len - q_len
         last_q = np.minimum((np.arange(nq) + 1) * block_q, q_len) - 1 + offset
         count = (last_q // block_k + 1).astype(np.int32)
-        blocks = np.broadcast_to(np.arange(nk, dtype=np.int32), (nq, nk))
-        shape = (batch, heads)
+        blocks = np.arange(nk, dtype=np.int32)[None, None, None]  # one list for every row
         return cls(
-            kv_blocks=jnp.asarray(np.broadcast_to(blocks, shape + blocks.shape)),
-            kv_block_count=jnp.asarray(np.broadcast_to(count, shape + count.shape)),
+            kv_blocks=jnp.asarray(blocks),
+            kv_block_count=jnp.asarray(np.broadcast_to(count, (batch, heads, nq))),
             block_q=block_q,
             block_k=block_k,
             q_len=q_len,

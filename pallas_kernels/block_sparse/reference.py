@@ -61,7 +61,8 @@ def block_sparse_attention_reference(
     t_pad = nq * bq
 
     def full(x):
-        return None if x is None else jnp.broadcast_to(x, (b, n) + x.shape[2:])
+        """Broadcast size-1 batch / head / query-block dims of a layout array."""
+        return None if x is None else jnp.broadcast_to(x, (b, n, nq) + x.shape[3:])
 
     q_pos, k_pos = layout.positions()
     q_pos = jnp.broadcast_to(q_pos, (b, n, t))

@@ -50,16 +50,16 @@ def _kernel(
     head, batch = pl.program_id(1), pl.program_id(2)
 
     def lead(name):
-        """(batch, head) index into a layout array whose size-1 lead dims broadcast."""
-        has_b, has_n = leads[name]
-        return (batch if has_b else 0, head if has_n else 0)
+        """(batch, head, query block) index into a layout array; size-1 dims broadcast."""
+        has_b, has_n, has_q = leads[name]
+        return (batch if has_b else 0, head if has_n else 0, qi if has_q else 0)
 
     q = q_ref[...]
     d_pad = q.shape[-1]
     scale = sm_scale * LOG2E
     iota_k = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     if has_qperm:
-        q_pos = qpos_ref[*lead('q_perm'), pl.ds(qi * block_q, block_q)] + q_offset
+        q_pos = qpos_ref[*lead('q_perm')[:2], pl.ds(qi * block_q, block_q)] + q_offset
         q_min = jnp.min(q_pos)
     else:
         q_pos = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0) + q_offset
@@ -84,10 +84,10 @@ def _kernel(
         return lambda s: jnp.where(ok, s, -jnp.inf)
 
     def block_body(j, carry):
-        blk = blocks_ref[*lead('kv_blocks'), qi, j]
+        blk = blocks_ref[*lead('kv_blocks'), j]
         start = blk * block_k
         if has_kvperm:
-            k_pos = kvperm_ref[*lead('kv_perm'), pl.ds(start, block_k)]
+            k_pos = kvperm_ref[*lead('kv_perm')[:2], pl.ds(start, block_k)]
             k = k_ref[k_pos, :]
             v = v_ref[k_pos, :]
             k_last = jnp.max(k_pos)
@@ -108,19 +108,19 @@ def _kernel(
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros((block_q, d_pad), jnp.float32),
     )
-    carry = lax.fori_loop(0, count_ref[*lead('kv_block_count'), qi], block_body, carry)
+    carry = lax.fori_loop(0, count_ref[*lead('kv_block_count')], block_body, carry)
 
     if has_cols:
         def col_body(t, carry):
-            idx = cols_ref[*lead('kv_columns'), qi, pl.ds(t * block_k, block_k)]
-            valid = t * block_k + iota_k < ccount_ref[*lead('kv_block_count'), qi]
-            k_pos = kvperm_ref[*lead('kv_perm'), idx] if has_kvperm else idx
+            idx = cols_ref[*lead('kv_columns'), pl.ds(t * block_k, block_k)]
+            valid = t * block_k + iota_k < ccount_ref[*lead('kv_column_count')]
+            k_pos = kvperm_ref[*lead('kv_perm')[:2], idx] if has_kvperm else idx
             rows = jnp.where(valid, k_pos, 0)
             k = k_ref[rows, :]
             v = v_ref[rows, :]
             return update(carry, k, v, masked(jnp.where(valid, k_pos, kv_len)))
 
-        n_tiles = (ccount_ref[*lead('kv_block_count'), qi] + block_k - 1) // block_k
+        n_tiles = (ccount_ref[*lead('kv_column_count')] + block_k - 1) // block_k
         carry = lax.fori_loop(0, n_tiles, col_body, carry)
 
     m, l, acc = carry
@@ -154,8 +154,10 @@ def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _lead_flags(x: jax.Array) -> tuple[bool, bool]:
-    return (x.shape[0] > 1, x.shape[1] > 1)
+def _lead_flags(x: jax.Array) -> tuple[bool, bool, bool]:
+    """Which of the (batch, head, query-block) dims are not broadcast (size > 1). For the
+    permutations the third dim is the sequence, which the kernel slices itself."""
+    return (x.shape[0] > 1, x.shape[1] > 1, x.shape[2] > 1)
 
 
 def prepare_operands(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayout):

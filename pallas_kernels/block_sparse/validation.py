@@ -73,27 +73,33 @@ def check_layout_shapes(layout: BlockLayout, batch: int, heads: int, t: int, s: 
     def lead_ok(shape) -> bool:
         return shape[0] in (1, batch) and shape[1] in (1, heads)
 
-    def check(name, arr, tail, dtype=jnp.int32):
+    def check(name, arr, tail, dtype=jnp.int32, q_broadcast=False):
         if arr is None:
             return
-        exp = f"[{batch}|1, {heads}|1, " + ", ".join(str(x) for x in tail) + "]"
-        if arr.ndim != 2 + len(tail) or not lead_ok(arr.shape) or any(
-            isinstance(x, int) and arr.shape[2 + i] != x for i, x in enumerate(tail)
+        shown = [f"{x}|1" if (q_broadcast and i == 0) else str(x) for i, x in enumerate(tail)]
+        exp = f"[{batch}|1, {heads}|1, " + ", ".join(shown) + "]"
+
+        def dim_ok(i, x):
+            got = arr.shape[2 + i]
+            return not isinstance(x, int) or got == x or (q_broadcast and i == 0 and got == 1)
+
+        if arr.ndim != 2 + len(tail) or not lead_ok(arr.shape) or not all(
+            dim_ok(i, x) for i, x in enumerate(tail)
         ):
             raise ValueError(f"layout.{name}: expected shape {exp}; received {_fmt(arr.shape)}")
         if arr.dtype != dtype:
             raise ValueError(f"layout.{name}: expected dtype int32; received {arr.dtype}")
 
-    check("kv_blocks", layout.kv_blocks, (nq, "max_blocks"))
-    check("kv_block_count", layout.kv_block_count, (nq,))
+    check("kv_blocks", layout.kv_blocks, (nq, "max_blocks"), q_broadcast=True)
+    check("kv_block_count", layout.kv_block_count, (nq,), q_broadcast=True)
     if (layout.kv_columns is None) != (layout.kv_column_count is None):
         raise ValueError(
             "layout.kv_columns / kv_column_count: expected both or neither; received "
             f"kv_columns={'set' if layout.kv_columns is not None else None}, "
             f"kv_column_count={'set' if layout.kv_column_count is not None else None}"
         )
-    check("kv_columns", layout.kv_columns, (nq, "max_cols"))
-    check("kv_column_count", layout.kv_column_count, (nq,))
+    check("kv_columns", layout.kv_columns, (nq, "max_cols"), q_broadcast=True)
+    check("kv_column_count", layout.kv_column_count, (nq,), q_broadcast=True)
     check("q_perm", layout.q_perm, (t,))
     check("kv_perm", layout.kv_perm, (s,))
 

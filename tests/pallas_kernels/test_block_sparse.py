@@ -178,3 +178,27 @@ def test_traced_out_of_range_layout_is_clamped_not_read_out_of_bounds():
 
     out, lse = run(layout.kv_blocks + 100, layout.kv_block_count + 5)
     assert np.isfinite(np.asarray(out)).all()
+
+
+def test_broadcast_lists_and_columns_with_their_own_lead_dims():
+    """Blocks shared by all heads and query blocks (dense-causal style list, per-row counts),
+    columns per (batch, head): each array broadcasts on its own dims."""
+    b, t, s, n, kh, d, bq, bk = 2, 64, 96, 4, 2, 16, 16, 16
+    q, k, v = random_qkv(21, b, t, s, n, kh, d)
+    rng = np.random.default_rng(21)
+    nq = t // bq
+    counts = np.array([1, 2, 3, 2], np.int32)  # per query block, lists shared
+    cols = np.zeros((b, n, nq, 6), np.int32)
+    ccount = rng.integers(0, 7, size=(b, n, nq)).astype(np.int32)
+    for idx in np.ndindex(b, n, nq):
+        cols[idx] = rng.choice(np.arange(counts[idx[2]] * bk, s), size=6, replace=False)
+    layout = BlockLayout(
+        kv_blocks=jnp.arange(s // bk, dtype=jnp.int32)[None, None, None],
+        kv_block_count=jnp.asarray(counts)[None, None],
+        kv_columns=jnp.asarray(cols), kv_column_count=jnp.asarray(ccount),
+        block_q=bq, block_k=bk, q_len=t, kv_len=s,
+    )
+    ref_out, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    for kw in ({"implementation": "reference"}, {"interpret": True}):
+        out, lse = block_sparse_attention(q, k, v, layout, **kw)
+        _check(out, lse, ref_out, ref_lse, jnp.float32)

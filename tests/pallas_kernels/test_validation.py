@@ -48,7 +48,7 @@ def test_gqa_and_lengths(qkv):
 def test_layout_arrays(qkv):
     q, k, v = qkv
     lay = _layout()
-    _raises(r"layout.kv_blocks: expected shape \[1\|1, 4\|1, 2, max_blocks\]; received \[1, 1, 3, 3\]",
+    _raises(r"layout.kv_blocks: expected shape \[1\|1, 4\|1, 2\|1, max_blocks\]; received \[1, 1, 3, 3\]",
             q, k, v, lay.replace(kv_blocks=jnp.zeros((1, 1, 3, 3), jnp.int32)))
     _raises(r"layout.kv_block_count: expected dtype int32; received float32",
             q, k, v, lay.replace(kv_block_count=lay.kv_block_count.astype(jnp.float32)))
@@ -56,10 +56,10 @@ def test_layout_arrays(qkv):
             q, k, v, lay.replace(kv_blocks=jnp.zeros((1, 3, 2, 3), jnp.int32)))
     _raises(r"layout.kv_block_count: expected 0 <= count <= max_blocks=3; received values in \[3, 4\]",
             q, k, v, lay.replace(kv_block_count=lay.kv_block_count + 1))
-    _raises(r"layout.kv_blocks: expected block ids in \[0, 3\).*received ids in \[0, 5\]",
-            q, k, v, lay.replace(kv_blocks=lay.kv_blocks.at[0, 0, 1, 0].set(5)))
+    _raises(r"layout.kv_blocks: expected block ids in \[0, 3\).*received ids in \[1, 5\]",
+            q, k, v, lay.replace(kv_blocks=lay.kv_blocks.at[0, 0, 0, 0].set(5)))
     _raises(r"layout.kv_blocks: expected distinct block ids",
-            q, k, v, lay.replace(kv_blocks=lay.kv_blocks.at[0, 0, 1, 1].set(0)))
+            q, k, v, lay.replace(kv_blocks=lay.kv_blocks.at[0, 0, 0, 1].set(0)))
     _raises(r"layout.kv_columns / kv_column_count: expected both or neither",
             q, k, v, lay.replace(kv_columns=jnp.zeros((1, 1, 2, 4), jnp.int32)))
     cols = jnp.zeros((1, 1, 2, 4), jnp.int32)
