@@ -9,5 +9,7 @@ from pallas_kernels.block_sparse import (
     default_implementation,
     merge_attention,
 )
+from pallas_kernels.qsa_topk import QSATopKResult, qsa_topk
 
-__all__ = ["BlockLayout", "block_sparse_attention", "default_implementation", "merge_attention"]
+__all__ = ["BlockLayout", "QSATopKResult", "block_sparse_attention", "default_implementation",
+           "merge_attention", "qsa_topk"]

@@ -1,0 +1,95 @@
+"""`qsa_topk`: validation and dispatch to an implementation."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.block_sparse import validation as bs_validation
+from pallas_kernels.qsa_topk.common import QSATopKResult, cdiv
+from pallas_kernels.qsa_topk.reference import qsa_topk_reference
+from pallas_kernels.qsa_topk.topk import ALGORITHMS
+from pallas_kernels.qsa_topk.triton import qsa_topk_triton
+
+IMPLEMENTATIONS = ("reference", "triton")
+
+
+def _check_int(name: str, value, lo: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}; received {value!r}")
+
+
+def _check_pow2(name: str, value, lo: int = 16) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or value & (value - 1):
+        raise ValueError(f"{name}: expected a power of two >= {lo}; received {value!r}")
+
+
+def qsa_topk(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    gamma: int = 16,
+    block_kv: int = 64,
+    top_k: int = 128,
+    k_exact: int = 8,
+    topk: str = "exact",
+    sink_blocks: int = 0,
+    local: int = 0,
+    sm_scale: float | None = None,
+    implementation: str | None = None,
+    interpret: bool = False,
+    rows: int = 64,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> QSATopKResult:
+    """Query-sparse attention of every gamma-th query with an online top-k of key blocks.
+
+    Args:
+      q: ``[B, T, N, D]`` queries, the last T of S positions; bf16, fp16 or fp32.
+      k, v: ``[B, S, K, D]``, N % K == 0 (GQA).
+      gamma: sample every gamma-th query (query indices ``t ≡ 0 mod gamma``).
+      block_kv: key block size beta (a power of two >= 16).
+      top_k: blocks kept per sampled row (``1 <= top_k <= ceil(S / block_kv)``). Named
+        ``top_k`` because ``k`` is the key array.
+      k_exact: exact slots of the "estimated" hybrid (``0 <= k_exact <= top_k``); ignored
+        (not checked against top_k) by the other algorithms.
+      topk: "exact" | "tournament" | "estimated" (see `topk.py`).
+      sink_blocks: leading key blocks forced in (never candidates).
+      local: local window in tokens forced in; with the diagonal block, never candidates.
+        A row at position p offers blocks ``sink_blocks <= j < max(0, p - local) // block_kv``.
+      sm_scale: default ``D ** -0.5``.
+      implementation: "reference" | "triton" | None (triton on a GPU or when ``interpret``).
+      rows, num_warps, num_stages: Triton tile (sampled rows per program) and launch.
+
+    Returns:
+      `QSATopKResult` (out_gamma ``[B, Tg, N, D]``, lse_gamma ``[B, N, Tg]``, block_idx and
+      block_score ``[B, N, Tg, top_k]``), ``Tg = ceil(T / gamma)``.
+    """
+    bs_validation.check_qkv(q, k, v)
+    _check_int("gamma", gamma, 1)
+    _check_pow2("block_kv", block_kv)
+    nk = cdiv(k.shape[1], block_kv) if isinstance(block_kv, int) else 0
+    _check_int("top_k", top_k, 1)
+    if top_k > nk:
+        raise ValueError(f"top_k: expected top_k <= number of key blocks ceil(S / block_kv) = {nk} "
+                         f"(S={k.shape[1]}, block_kv={block_kv}); received {top_k}")
+    _check_int("k_exact", k_exact, 0)
+    if topk == "estimated" and k_exact > top_k:
+        raise ValueError(f"k_exact: expected 0 <= k_exact <= top_k={top_k}; received {k_exact}")
+    if topk not in ALGORITHMS:
+        raise ValueError(f"topk: expected one of {ALGORITHMS}; received {topk!r}")
+    _check_int("sink_blocks", sink_blocks, 0)
+    _check_int("local", local, 0)
+    _check_pow2("rows", rows)
+    if implementation is None:
+        implementation = "triton" if interpret or jax.default_backend() == "gpu" else "reference"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received "
+                         f"{implementation!r}")
+    sm_scale = float(q.shape[-1]) ** -0.5 if sm_scale is None else float(sm_scale)
+    kw = dict(gamma=gamma, block_kv=block_kv, top_k=top_k, k_exact=k_exact, topk=topk,
+              sink_blocks=sink_blocks, local=local, sm_scale=sm_scale)
+    if implementation == "reference":
+        return qsa_topk_reference(q, k, v, **kw)
+    return qsa_topk_triton(q, k, v, rows=rows, interpret=interpret, num_warps=num_warps,
+                           num_stages=num_stages, **kw)

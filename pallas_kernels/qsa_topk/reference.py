@@ -1,0 +1,120 @@
+"""Pure-JAX query-sparse attention with block top-k: the definition of correct.
+
+Dense causal attention of the sampled rows (a scan over key blocks, online softmax in
+float32) and the score S(j) of every key block per row; the selection is `lax.top_k` over
+the candidate blocks for "exact" and "tournament" (both are exact algorithms), and the
+sequential estimated algorithm of `topk.py` run as a `lax.scan` for "estimated".
+Memory is O(B * N * Tg * (block_kv + nk)).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.qsa_topk import topk as topk_lib
+from pallas_kernels.qsa_topk.common import QSATopKResult, candidate_end, cdiv, sampled_positions
+
+
+def sampled_block_scores(q: jax.Array, k: jax.Array, v: jax.Array | None, *, gamma: int,
+                         block_kv: int, sm_scale: float):
+    """Dense causal attention of the sampled rows and all block scores.
+
+    Returns (out ``[B, Tg, N, D]`` f32 or None when ``v`` is None, lse ``[B, N, Tg]``,
+    scores ``[B, N, Tg, nk]`` f32; -inf for blocks with no visible key).
+    """
+    b, t, n, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    groups = n // kh
+    nk = cdiv(s, block_kv)
+    pos = sampled_positions(t, s, gamma)
+    tg = pos.shape[0]
+    qg = q[:, ::gamma].astype(jnp.float32)  # [B, Tg, N, D]
+    qg = jnp.einsum("btkgd->bkgtd", qg.reshape(b, tg, kh, groups, d))
+    pad = nk * block_kv - s
+    kf = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    vf = None if v is None else jnp.pad(v.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+
+    def step(carry, j):
+        m, l, acc = carry
+        kb = lax.dynamic_slice_in_dim(kf, j * block_kv, block_kv, axis=1)  # [B, bk, K, D]
+        kpos = j * block_kv + jnp.arange(block_kv)
+        sc = jnp.einsum("bkgtd,bckd->bkgtc", qg, kb, precision=lax.Precision.HIGHEST) * sm_scale
+        ok = (kpos[None, :] <= pos[:, None]) & (kpos < s)[None, :]  # [Tg, bk]
+        sc = jnp.where(ok, sc, -jnp.inf)
+        mb = sc.max(-1)
+        mb_safe = jnp.where(jnp.isneginf(mb), 0.0, mb)
+        pb = jnp.exp(sc - mb_safe[..., None])
+        lb = pb.sum(-1)
+        score = jnp.where(lb > 0, mb_safe + jnp.log(jnp.where(lb > 0, lb, 1.0)), -jnp.inf)
+        m_new = jnp.maximum(m, mb)
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        w = jnp.exp(mb_safe - m_safe)
+        l = l * alpha + lb * w
+        if vf is not None:
+            vb = lax.dynamic_slice_in_dim(vf, j * block_kv, block_kv, axis=1)
+            pv = jnp.einsum("bkgtc,bckd->bkgtd", pb, vb, precision=lax.Precision.HIGHEST)
+            acc = acc * alpha[..., None] + pv * w[..., None]
+        return (m_new, l, acc), score
+
+    shape = (b, kh, groups, tg)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (d,), jnp.float32))
+    (m, l, acc), scores = lax.scan(step, init, jnp.arange(nk))
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf).reshape(b, n, tg)
+    scores = jnp.einsum("jbkgt->bkgtj", scores).reshape(b, n, tg, nk)
+    out = None
+    if vf is not None:
+        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        out = jnp.einsum("bkgtd->btkgd", out).reshape(b, tg, n, d)
+    return out, lse, scores
+
+
+def candidates(tg_pos: jax.Array, nk: int, *, block_kv: int, sink_blocks: int, local: int):
+    """(active bool ``[Tg, nk]``, remaining int32 ``[Tg, nk]``) for the scan."""
+    lo = candidate_end(tg_pos, block_kv=block_kv, local=local)[:, None]
+    j = jnp.arange(nk, dtype=jnp.int32)[None, :]
+    return (j >= sink_blocks) & (j < lo), lo - j
+
+
+def select_blocks(scores: jax.Array, active: jax.Array, remaining: jax.Array, *, algorithm: str,
+                  top_k: int, k_exact: int) -> tuple[jax.Array, jax.Array]:
+    """scores ``[..., nk]`` -> (block_score, block_idx) ``[..., top_k]`` (see `QSATopKResult`)."""
+    lead, nk = scores.shape[:-1], scores.shape[-1]
+    active = jnp.broadcast_to(active, scores.shape)
+    if algorithm in ("exact", "tournament"):
+        masked = jnp.where(active, scores, -jnp.inf)
+        take = min(top_k, nk)
+        vals, ids = lax.top_k(masked, take)
+        empty = jnp.isneginf(vals)
+        vals, ids = jnp.where(empty, -jnp.inf, vals), jnp.where(empty, -1, ids)
+        if take < top_k:
+            fill = [(0, 0)] * (vals.ndim - 1) + [(0, top_k - take)]
+            vals = jnp.pad(vals, fill, constant_values=-jnp.inf)
+            ids = jnp.pad(ids, fill, constant_values=-1)
+        return vals, ids.astype(jnp.int32)
+    rem = jnp.broadcast_to(remaining, scores.shape).reshape(-1, nk)
+    vals, ids = topk_lib.run_scan(algorithm, scores.reshape(-1, nk), active.reshape(-1, nk), rem,
+                                  k=top_k, k_exact=k_exact)
+    return vals.reshape(lead + (top_k,)), ids.reshape(lead + (top_k,))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "gamma", "block_kv", "top_k", "k_exact", "topk", "sink_blocks", "local", "sm_scale"))
+def qsa_topk_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, block_kv: int,
+                       top_k: int, k_exact: int, topk: str, sink_blocks: int, local: int,
+                       sm_scale: float) -> QSATopKResult:
+    """See `api.qsa_topk`; inputs are assumed validated."""
+    s = k.shape[1]
+    out, lse, scores = sampled_block_scores(q, k, v, gamma=gamma, block_kv=block_kv,
+                                            sm_scale=sm_scale)
+    pos = sampled_positions(q.shape[1], s, gamma)
+    active, remaining = candidates(pos, cdiv(s, block_kv), block_kv=block_kv,
+                                   sink_blocks=sink_blocks, local=local)
+    vals, ids = select_blocks(scores, active, remaining, algorithm=topk, top_k=top_k,
+                              k_exact=k_exact)
+    return QSATopKResult(out.astype(q.dtype), lse, ids, vals)

@@ -1,0 +1,297 @@
+"""Online top-k structures over a left-to-right scan of block scores.
+
+Every function works on a batch of R independent rows at once and uses only elementwise
+ops, iotas and row reductions, so the same code runs inside the Pallas Triton kernel (rows
+of one program, state in registers) and in the pure-JAX reference (a `lax.scan`).
+
+A scan offers, at step ``j``, one score ``x [R]`` (block id ``j``) to every row where
+``active [R]`` is set. Three structures:
+
+* **exact**: a buffer of ``k`` (value, id) slots per row plus the tracked weakest slot
+  (minimum value; among equal values the highest id). A score replaces the weakest slot
+  when strictly greater, so among equal scores the lower block id is kept: the final set
+  is exactly `lax.top_k`'s selection (which prefers lower indices on ties). O(k) vector
+  work per update (a row reduction over the buffer).
+* **tournament**: a winner tree over the slots (leaves padded to a power of two, 2k - 1
+  nodes): every internal node holds the weakest of its two children, the root the slot to
+  evict. An update replaces the root's leaf and replays its path to the root, O(log k)
+  nodes. In registers on a SIMT GPU each node access is a masked select over its level,
+  so the vector work is O(k) per update as for the exact buffer (see the benchmark for
+  what that costs); the selection is identical to the exact buffer's.
+* **estimated** (hybrid): ``k_exact`` exact slots; whatever the exact buffer rejects or
+  evicts (the *spill*) is offered to ``k - k_exact`` append-only slots, accepted when its
+  score is at least the running estimate of the p-quantile of all scores seen so far,
+  ``m + sqrt(2) * sigma * erfinv(2p - 1)`` with ``p = 1 - remaining_slots /
+  remaining_offers`` (running mean m and population variance sigma^2 by Welford). When
+  ``remaining_slots >= remaining_offers`` (p <= 0) everything is accepted, so a row with
+  at least k candidates always fills its k slots. With fewer than two scores seen the
+  threshold is +inf unless p <= 0.
+
+Empty slots hold value -inf and a distinct negative id (``-1 - slot``); padding slots
+(when k is not a power of two) hold +inf and are never evicted. `finalize` maps both to
+(-inf, -1) and sorts by (value desc, id asc) as `lax.top_k` orders its output.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+ALGORITHMS = ("exact", "tournament", "estimated")
+_INT_MIN = -(2**31)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _iota(rows: int, size: int) -> jax.Array:
+    return lax.broadcasted_iota(jnp.int32, (rows, size), 1)
+
+
+def _empty_slots(rows: int, k: int) -> tuple[jax.Array, jax.Array]:
+    """(vals, ids) ``[rows, next_pow2(k)]``: k empty slots, then +inf padding."""
+    size = next_pow2(k)
+    slot = _iota(rows, size)
+    vals = jnp.where(slot < k, -jnp.inf, jnp.inf).astype(jnp.float32)
+    return vals, -1 - slot
+
+
+def _weakest(vals: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row: the minimum value and, among slots holding it, the highest id."""
+    mn = jnp.min(vals, axis=1)
+    ev = jnp.max(jnp.where(vals == mn[:, None], ids, _INT_MIN), axis=1)
+    return mn, ev
+
+
+# ------------------------------------------------------------------------- exact
+class ExactState(NamedTuple):
+    vals: jax.Array  # f32 [R, k_pad]
+    ids: jax.Array  # int32 [R, k_pad]
+    min_val: jax.Array  # f32 [R] value of the slot to evict
+    min_id: jax.Array  # int32 [R] id of the slot to evict
+
+
+def exact_init(rows: int, k: int) -> ExactState:
+    vals, ids = _empty_slots(rows, k)
+    return ExactState(vals, ids, *_weakest(vals, ids))
+
+
+def exact_offer(state: ExactState, x: jax.Array, j, active: jax.Array):
+    """Offer score ``x [R]`` of block ``j`` -> (state, spill). ``spill`` is (value, id, ok):
+    what the buffer rejected or evicted (ok is False when nothing real left it)."""
+    take = active & (x > state.min_val)
+    hit = (state.ids == state.min_id[:, None]) & take[:, None]
+    j_arr = jnp.full(x.shape, j, jnp.int32)
+    vals = jnp.where(hit, x[:, None], state.vals)
+    ids = jnp.where(hit, j_arr[:, None], state.ids)
+    spill_val = jnp.where(take, state.min_val, x)
+    spill_id = jnp.where(take, state.min_id, j_arr)
+    spill_ok = active & (spill_val > -jnp.inf)
+    new = ExactState(vals, ids, *_weakest(vals, ids))
+    new = ExactState(*(jnp.where(take if a.ndim == 1 else take[:, None], a, b)
+                       for a, b in zip(new, state)))
+    return new, (spill_val, spill_id, spill_ok)
+
+
+def exact_result(state: ExactState) -> tuple[jax.Array, jax.Array]:
+    return state.vals, state.ids
+
+
+# -------------------------------------------------------------------- tournament
+class TournamentState(NamedTuple):
+    """levels[0] is the leaves (value, id); levels[l] for l >= 1 the internal nodes of
+    height l, ``[R, k_pad >> l]``, each (value, id, leaf slot) of the weakest leaf below."""
+
+    leaf_vals: jax.Array
+    leaf_ids: jax.Array
+    node_vals: tuple[jax.Array, ...]
+    node_ids: tuple[jax.Array, ...]
+    node_slots: tuple[jax.Array, ...]
+
+
+def tournament_init(rows: int, k: int) -> TournamentState:
+    leaf_vals, leaf_ids = _empty_slots(rows, k)
+    size = leaf_vals.shape[1]
+    levels = int(math.log2(size))
+    nv, ni, ns = [], [], []
+    for lev in range(1, levels + 1):
+        first = _iota(rows, size >> lev) << lev  # weakest below a node: its first leaf
+        nv.append(jnp.where(first < k, -jnp.inf, jnp.inf).astype(jnp.float32))
+        ni.append(-1 - first)
+        ns.append(first)
+    return TournamentState(leaf_vals, leaf_ids, tuple(nv), tuple(ni), tuple(ns))
+
+
+def _root(state: TournamentState):
+    if not state.node_vals:  # k_pad == 1: the single leaf is the root
+        return state.leaf_vals[:, 0], state.leaf_ids[:, 0], jnp.zeros_like(state.leaf_ids[:, 0])
+    return state.node_vals[-1][:, 0], state.node_ids[-1][:, 0], state.node_slots[-1][:, 0]
+
+
+def tournament_offer(state: TournamentState, x: jax.Array, j, active: jax.Array):
+    """Replace the root's leaf when ``x`` beats it, then replay that leaf's path."""
+    rows, size = state.leaf_vals.shape
+    root_val, root_id, root_slot = _root(state)
+    take = active & (x > root_val)
+    j_arr = jnp.full(x.shape, j, jnp.int32)
+    hit = (_iota(rows, size) == root_slot[:, None]) & take[:, None]
+    vals = jnp.where(hit, x[:, None], state.leaf_vals)
+    ids = jnp.where(hit, j_arr[:, None], state.leaf_ids)
+    child_v, child_i, child_s = vals, ids, _iota(rows, size)
+    nv, ni, ns = [], [], []
+    for lev in range(1, len(state.node_vals) + 1):
+        parent = root_slot >> lev  # [R]
+        pair = (_iota(rows, size >> (lev - 1)) >> 1) == parent[:, None]
+        mv = jnp.min(jnp.where(pair, child_v, jnp.inf), axis=1)
+        mi = jnp.max(jnp.where(pair & (child_v == mv[:, None]), child_i, _INT_MIN), axis=1)
+        ms = jnp.max(jnp.where(pair & (child_i == mi[:, None]), child_s, -1), axis=1)
+        at = (_iota(rows, size >> lev) == parent[:, None]) & take[:, None]
+        child_v = jnp.where(at, mv[:, None], state.node_vals[lev - 1])
+        child_i = jnp.where(at, mi[:, None], state.node_ids[lev - 1])
+        child_s = jnp.where(at, ms[:, None], state.node_slots[lev - 1])
+        nv.append(child_v)
+        ni.append(child_i)
+        ns.append(child_s)
+    spill = (jnp.where(take, root_val, x), jnp.where(take, root_id, j_arr),
+             active & (jnp.where(take, root_val, x) > -jnp.inf))
+    return TournamentState(vals, ids, tuple(nv), tuple(ni), tuple(ns)), spill
+
+
+def tournament_result(state: TournamentState) -> tuple[jax.Array, jax.Array]:
+    return state.leaf_vals, state.leaf_ids
+
+
+# --------------------------------------------------------------------- estimated
+def erfinv(x: jax.Array) -> jax.Array:
+    """Inverse error function for |x| < 1 (M. Giles' single-precision approximation,
+    relative error ~1e-7): elementwise, so it lowers inside Triton kernels."""
+    w = -jnp.log((1.0 - x) * (1.0 + x))
+    wa = w - 2.5
+    pa = 2.81022636e-08
+    for c in (3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
+              -0.00417768164, 0.246640727, 1.50140941):
+        pa = c + pa * wa
+    wb = jnp.sqrt(jnp.maximum(w, 5.0)) - 3.0
+    pb = -0.000200214257
+    for c in (0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,
+              0.00943887047, 1.00167406, 2.83297682):
+        pb = c + pb * wb
+    return jnp.where(w < 5.0, pa, pb) * x
+
+
+class EstimatedState(NamedTuple):
+    exact: ExactState  # k_exact slots (a 1-slot dummy that takes nothing when k_exact = 0)
+    est_vals: jax.Array  # f32 [R, next_pow2(k - k_exact)]
+    est_ids: jax.Array  # int32
+    count: jax.Array  # int32 [R] filled estimated slots
+    n: jax.Array  # f32 [R] scores seen (Welford)
+    mean: jax.Array  # f32 [R]
+    m2: jax.Array  # f32 [R] sum of squared deviations
+
+
+def estimated_init(rows: int, k: int, k_exact: int) -> EstimatedState:
+    k_est = k - k_exact
+    est_vals, est_ids = _empty_slots(rows, max(k_est, 1))
+    if k_est == 0:
+        est_vals = jnp.full_like(est_vals, jnp.inf)  # no estimated slot: padding only
+    zeros = jnp.zeros((rows,), jnp.float32)
+    return EstimatedState(exact_init(rows, max(k_exact, 1)), est_vals, est_ids,
+                          jnp.zeros((rows,), jnp.int32), zeros, zeros, zeros)
+
+
+def estimated_offer(state: EstimatedState, x: jax.Array, j, active: jax.Array,
+                    remaining: jax.Array, *, k: int, k_exact: int) -> EstimatedState:
+    """``remaining [R]``: offers this row still gets, this one included (the row's
+    candidates are contiguous block ids, so the caller knows it in closed form)."""
+    rows = x.shape[0]
+    # Welford over every score offered.
+    n = state.n + active.astype(jnp.float32)
+    delta = x - state.mean
+    mean = jnp.where(active, state.mean + delta / jnp.maximum(n, 1.0), state.mean)
+    m2 = jnp.where(active, state.m2 + delta * (x - mean), state.m2)
+    if k_exact > 0:
+        exact, (sv, si, ok) = exact_offer(state.exact, x, j, active)
+    else:
+        exact, sv, si, ok = state.exact, x, jnp.full(x.shape, j, jnp.int32), active
+    k_est = k - k_exact
+    slots_left = (k_est - state.count).astype(jnp.float32)
+    p = 1.0 - slots_left / jnp.maximum(remaining, 1).astype(jnp.float32)
+    sigma = jnp.sqrt(jnp.maximum(m2, 0.0) / jnp.maximum(n, 1.0))
+    z = erfinv(jnp.clip(2.0 * p - 1.0, -0.9999999, 0.9999999))
+    thr = mean + math.sqrt(2.0) * sigma * z
+    accept = ok & (slots_left > 0) & ((p <= 0.0) | ((n >= 2.0) & (sv >= thr)))
+    hit = (_iota(rows, state.est_vals.shape[1]) == state.count[:, None]) & accept[:, None]
+    est_vals = jnp.where(hit, sv[:, None], state.est_vals)
+    est_ids = jnp.where(hit, si[:, None], state.est_ids)
+    return EstimatedState(exact, est_vals, est_ids, state.count + accept.astype(jnp.int32),
+                          n, mean, m2)
+
+
+def estimated_result(state: EstimatedState, k_exact: int):
+    """Two (vals, ids) parts: the exact slots and the estimated slots."""
+    ev, ei = state.exact.vals, state.exact.ids
+    if k_exact == 0:
+        ev = jnp.full_like(ev, jnp.inf)
+    return (ev, ei), (state.est_vals, state.est_ids)
+
+
+# ----------------------------------------------------------------- shared driver
+def init(algorithm: str, rows: int, k: int, k_exact: int):
+    if algorithm == "exact":
+        return exact_init(rows, k)
+    if algorithm == "tournament":
+        return tournament_init(rows, k)
+    return estimated_init(rows, k, k_exact)
+
+
+def offer(algorithm: str, state, x, j, active, remaining, *, k: int, k_exact: int):
+    if algorithm == "exact":
+        return exact_offer(state, x, j, active)[0]
+    if algorithm == "tournament":
+        return tournament_offer(state, x, j, active)[0]
+    return estimated_offer(state, x, j, active, remaining, k=k, k_exact=k_exact)
+
+
+def parts(algorithm: str, state, k_exact: int) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """The state's slots as one or two (vals ``[R, P]``, ids ``[R, P]``) parts."""
+    if algorithm == "exact":
+        return (exact_result(state),)
+    if algorithm == "tournament":
+        return (tournament_result(state),)
+    return estimated_result(state, k_exact)
+
+
+def finalize(vals: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Slots ``[..., P]`` (any order, padding +inf, empties negative ids) -> (scores, ids)
+    ``[..., k]`` sorted by score descending then id ascending; empty slots are (-inf, -1)
+    and come last."""
+    empty = (ids < 0) | (vals == jnp.inf)
+    vals = jnp.where(empty, -jnp.inf, vals)
+    ids = jnp.where(empty, -1, ids)
+    key_id = jnp.where(empty, jnp.iinfo(jnp.int32).max, ids)
+    _, _, vals, ids = lax.sort((-vals, key_id, vals, ids), dimension=vals.ndim - 1, num_keys=2)
+    return vals[..., :k], ids[..., :k]
+
+
+def run_scan(algorithm: str, scores: jax.Array, active: jax.Array, remaining: jax.Array,
+             *, k: int, k_exact: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Run a structure over scores ``[R, nb]`` left to right (``active``/``remaining``
+    ``[R, nb]``) -> finalized (scores, ids) ``[R, k]``. The scan the kernel performs, as a
+    `lax.scan`: used by the reference and the tests."""
+    rows, nb = scores.shape
+
+    def step(state, xs):
+        x, a, rem, j = xs
+        return offer(algorithm, state, x, j, a, rem, k=k, k_exact=k_exact), None
+
+    state, _ = lax.scan(step, init(algorithm, rows, k, k_exact),
+                        (scores.T, active.T, remaining.T, jnp.arange(nb, dtype=jnp.int32)))
+    ps = parts(algorithm, state, k_exact)
+    vals = jnp.concatenate([v for v, _ in ps], axis=1)
+    ids = jnp.concatenate([i for _, i in ps], axis=1)
+    return finalize(vals, ids, k)

@@ -1,0 +1,171 @@
+"""Fused query-sparse attention + online block top-k in the Pallas Triton lowering.
+
+One program per (tile of R sampled rows, query head, batch). The wrapper gathers the
+sampled rows (every gamma-th query) into a contiguous ``[B, Tg, N, D]`` array, so a tile of
+R = 64 rows covers 64 * gamma real positions. The program scans the key blocks of size
+``block_kv`` that its last row may see; per block it computes ``s = q k^T`` (float32
+``[R, block_kv]``, base 2), the block max ``mb`` and ``p = exp2(s - mb)``, which give both
+
+* the block score ``S(j) = (mb + log2 sum p) * ln 2`` (natural-log logsumexp over the
+  block), and
+* the online-softmax update of O_gamma, rescaling ``p @ v`` by ``exp2(mb - m_new)``: one
+  exponential per score, as in flash attention.
+
+and offers ``S(j)`` to the row's top-k structure (`topk.py`: exact buffer, tournament tree
+or estimated hybrid), held in registers for the whole scan. Only candidate blocks are
+offered (see `common.py`); the causal mask is computed only for tiles that need it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.qsa_topk import topk as topk_lib
+from pallas_kernels.qsa_topk.common import QSATopKResult, cdiv
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def default_launch(rows: int, top_k: int, d_pad: int) -> tuple[int, int]:
+    """(num_warps, num_stages): 8 warps when the row tile plus its top-k slots are large
+    (they live in registers), 4 otherwise."""
+    regs = rows * (d_pad + 2 * topk_lib.next_pow2(top_k))
+    return (8 if regs > 64 * 192 else 4), 2
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *topk_refs, sm_scale, gamma, rows,
+            block_kv, num_tiles, tg, kv_len, q_offset, algorithm, top_k, k_exact,
+            sink_blocks, local):
+    tile = num_tiles - 1 - pl.program_id(0)  # longest causal rows start first
+    q = q_ref[...]
+    scale = sm_scale * LOG2E
+    iota_k = lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+    g = tile * rows + lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    pos = g * gamma + q_offset  # [R] positions of the sampled rows
+    lo = jnp.maximum(pos - local, 0) // block_kv  # candidates: sink_blocks <= j < lo
+    first_pos = tile * rows * gamma + q_offset
+    last_row = jnp.minimum((tile + 1) * rows, tg) - 1
+    n_blocks = jnp.minimum(cdiv(kv_len, block_kv), (last_row * gamma + q_offset) // block_kv + 1)
+
+    def body(j, carry):
+        m, l, acc, state = carry
+        start = j * block_kv
+        k = k_ref[pl.ds(start, block_kv), :]
+        v = v_ref[pl.ds(start, block_kv), :]
+        s = pltriton.dot(q, k, trans_b=True) * scale  # [R, bk] f32, base 2
+        k_pos = start + iota_k
+
+        def mask(x):
+            ok = (k_pos[None, :] <= pos[:, None]) & (k_pos[None, :] < kv_len)
+            return jnp.where(ok, x, -jnp.inf)
+
+        need = (start + block_kv - 1 > first_pos) | (start + block_kv > kv_len)
+        s = lax.cond(need, mask, lambda x: x, s)
+        mb = jnp.max(s, axis=1)
+        mb_safe = jnp.where(mb == -jnp.inf, 0.0, mb)
+        p = jnp.exp2(s - mb_safe[:, None])
+        lb = jnp.sum(p, axis=1)
+        has = lb > 0.0
+        score = jnp.where(has, (mb_safe + jnp.log2(jnp.where(has, lb, 1.0))) * LN2, -jnp.inf)
+        m_new = jnp.maximum(m, mb)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        w = jnp.exp2(mb_safe - m_safe)
+        l = l * alpha + lb * w
+        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v) * w[:, None]
+        active = (j >= sink_blocks) & (j < lo)
+        state = topk_lib.offer(algorithm, state, score, j, active, lo - j, k=top_k, k_exact=k_exact)
+        return m_new, l, acc, state
+
+    carry = (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, q.shape[-1]), jnp.float32),
+        topk_lib.init(algorithm, rows, top_k, k_exact),
+    )
+    m, l, acc, state = lax.fori_loop(0, n_blocks, body, carry)
+    has_mass = l > 0.0
+    l_safe = jnp.where(has_mass, l, 1.0)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(has_mass, m * LN2 + jnp.log(l_safe), -jnp.inf)
+    for i, (vals, ids) in enumerate(topk_lib.parts(algorithm, state, k_exact)):
+        topk_refs[2 * i][...] = vals
+        topk_refs[2 * i + 1][...] = ids
+
+
+def _part_sizes(algorithm: str, top_k: int, k_exact: int) -> tuple[int, ...]:
+    if algorithm == "estimated":
+        return (topk_lib.next_pow2(max(k_exact, 1)), topk_lib.next_pow2(max(top_k - k_exact, 1)))
+    return (topk_lib.next_pow2(top_k),)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "gamma", "block_kv", "top_k", "k_exact", "topk", "sink_blocks", "local", "sm_scale",
+    "rows", "interpret", "num_warps", "num_stages"))
+def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, block_kv: int,
+                    top_k: int, k_exact: int, topk: str, sink_blocks: int, local: int,
+                    sm_scale: float, rows: int = 64, interpret: bool = False,
+                    num_warps: int | None = None, num_stages: int | None = None) -> QSATopKResult:
+    """See `api.qsa_topk`; inputs are assumed validated. ``rows``: sampled rows per program
+    (a power of two >= 16)."""
+    b, t, n, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    groups = n // kh
+    tg = cdiv(t, gamma)
+    num_tiles = cdiv(tg, rows)
+    nk = cdiv(s, block_kv)
+    d_pad = max(16, topk_lib.next_pow2(d))
+    qg = _pad_to(_pad_to(q[:, ::gamma], 3, d_pad), 1, num_tiles * rows)  # [B, Tgp, N, Dp]
+    k_in = _pad_to(_pad_to(k, 3, d_pad), 1, nk * block_kv)
+    v_in = _pad_to(_pad_to(v, 3, d_pad), 1, nk * block_kv)
+    tgp = num_tiles * rows
+    sizes = _part_sizes(topk, top_k, k_exact)
+    q_spec = pl.BlockSpec((None, rows, None, d_pad), lambda i, h, z: (z, num_tiles - 1 - i, h, 0))
+    kv_spec = pl.BlockSpec((None, nk * block_kv, None, d_pad), lambda i, h, z: (z, 0, h // groups, 0))
+    lse_spec = pl.BlockSpec((None, None, rows), lambda i, h, z: (z, h, num_tiles - 1 - i))
+    part_specs, part_shapes = [], []
+    for size in sizes:
+        spec = pl.BlockSpec((None, None, rows, size), lambda i, h, z: (z, h, num_tiles - 1 - i, 0))
+        part_specs += [spec, spec]
+        part_shapes += [jax.ShapeDtypeStruct((b, n, tgp, size), jnp.float32),
+                        jax.ShapeDtypeStruct((b, n, tgp, size), jnp.int32)]
+    if num_warps is None or num_stages is None:
+        dw, ds = default_launch(rows, top_k, d_pad)
+        num_warps = dw if num_warps is None else num_warps
+        num_stages = ds if num_stages is None else num_stages
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, gamma=gamma, rows=rows, block_kv=block_kv,
+        num_tiles=num_tiles, tg=tg, kv_len=s, q_offset=s - t, algorithm=topk, top_k=top_k,
+        k_exact=k_exact, sink_blocks=sink_blocks, local=local,
+    )
+    out, lse, *parts = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, n, b),
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=[q_spec, lse_spec] + part_specs,
+        out_shape=[jax.ShapeDtypeStruct(qg.shape, q.dtype),
+                   jax.ShapeDtypeStruct((b, n, tgp), jnp.float32)] + part_shapes,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="qsa_topk",
+    )(qg, k_in, v_in)
+    vals = jnp.concatenate(parts[0::2], axis=-1)[:, :, :tg]
+    ids = jnp.concatenate(parts[1::2], axis=-1)[:, :, :tg]
+    vals, ids = topk_lib.finalize(vals, ids, top_k)
+    return QSATopKResult(out[:, :tg, :, :d], lse[:, :, :tg], ids, vals)
