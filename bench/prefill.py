@@ -129,6 +129,9 @@ def main(argv=None):
             except Exception as e:  # report (e.g. out of memory) and go on with the next configuration
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"{t:>8} {name:>9} failed: {row['error']}", flush=True)
+            stats = device.memory_stats() or {}
+            if "peak_bytes_in_use" in stats:  # cumulative over the process: includes earlier rows
+                row["peak_gib_so_far"] = stats["peak_bytes_in_use"] / 2**30
             report["results"].append(row)
             dump()
         del feats, pixels

@@ -47,12 +47,32 @@ def _hf_rope(hf, tin):
     return hf.model.get_rope_index(tin["input_ids"], **kw)
 
 
+def _match_installed_semantics(hf, model, inputs):
+    """Inputs for which our M-RoPE ids should equal the installed transformers' ids.
+
+    transformers 5.17 truncates ``second_per_grid_ts`` to whole seconds in ``get_rope_index``
+    (5.23 and 4.x scale by the exact value, as we do); when the installed version does that, feed
+    our side truncated seconds so rope ids, logits and generate are compared like for like.
+    """
+    mask = np.asarray(inputs.get("attention_mask", np.ones_like(inputs["input_ids"]))).astype(bool)
+    hf_pos = _hf_rope(hf, _torch_inputs(inputs, model.config))[0].numpy()[:, mask]
+    ours = lambda inp: np.asarray(prepare_inputs(model.config, **inp).position_ids)[:, mask]
+    if np.array_equal(ours(inputs), hf_pos):
+        return inputs
+    truncated = dict(inputs, second_per_grid_ts=np.trunc(inputs["second_per_grid_ts"]))
+    if np.array_equal(ours(truncated), hf_pos):
+        print(f"transformers {transformers.__version__} truncates second_per_grid_ts; comparing with truncated seconds")
+        return truncated
+    raise AssertionError(f"M-RoPE ids differ from transformers {transformers.__version__}:\n{ours(inputs)}\n{hf_pos}")
+
+
 def test_live_logits_and_rope_index(case):
     inputs, _ = load_case(case)
     model = get_model(case)
     if MAJOR < 5:  # transformers 4.x continues text after the largest id of a vision span
         model = _with_legacy_rope(model)
     hf = _hf(case)
+    inputs = _match_installed_semantics(hf, model, inputs)
     tin = _torch_inputs(inputs, model.config)
     with torch.no_grad():
         ref = hf(**tin).logits.float().numpy()
@@ -79,7 +99,7 @@ def test_live_greedy_generate(case):
     if MAJOR < 5:
         model = _with_legacy_rope(model)
     hf = _hf(case)
-    row = first_row_inputs(inputs, d)
+    row = _match_installed_semantics(hf, model, first_row_inputs(inputs, d))
     tin = _torch_inputs(row, model.config)
     with torch.no_grad():
         gen = hf.generate(**tin, max_new_tokens=6, do_sample=False, pad_token_id=0)
