@@ -134,7 +134,6 @@ def main(argv=None):
                 row["peak_gib_so_far"] = stats["peak_bytes_in_use"] / 2**30
             report["results"].append(row)
             dump()
-        del feats, pixels
     print(f"wrote {out}")
     return 0
 

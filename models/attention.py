@@ -23,7 +23,7 @@ An *attention function* has the signature::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp

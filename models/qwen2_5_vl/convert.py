@@ -8,8 +8,6 @@ assembled from memory-mapped shards, moved to the device and released before the
 from __future__ import annotations
 
 import os
-import re
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +17,6 @@ from flax import nnx
 from models import safetensors_io
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, load_hf_config
 from models.qwen2_5_vl.model import Qwen2_5_VL
-from models.qwen2_5_vl.vision import vision_param_shapes
-from models.qwen2_text import layer_param_shapes
 
 
 def canonical_name(key: str) -> str:

@@ -127,20 +127,3 @@ def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, f
     out = jax.lax.map(one_chunk, x)
     return out.reshape((chunks * f * out.shape[2], out.shape[3]))[: t * out.shape[2]]
 
-
-def encode(model: VisionTower, pixels: jax.Array, grid_thw: np.ndarray, *, frames_per_chunk: int | None = None):
-    """Encode several images/videos packed like HF: pixels [sum(t*h*w), patch_dim], grid_thw int [M, 3]
-    (host array, static). Returns [sum(t*h*w) / m**2, out_hidden_size] in input order."""
-    grid_thw = np.asarray(grid_thw)
-    if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
-        raise ValueError(f"grid_thw: expected shape [M, 3], got {grid_thw.shape}")
-    sizes = [int(np.prod(g)) for g in grid_thw]
-    if pixels.shape[0] != sum(sizes):
-        raise ValueError(f"pixel_values: expected {sum(sizes)} patches for grid_thw {grid_thw.tolist()}, "
-                         f"got {pixels.shape[0]}")
-    outs, start = [], 0
-    for g, size in zip(grid_thw, sizes):
-        outs.append(encode_grid(model, pixels[start:start + size], tuple(int(v) for v in g),
-                                frames_per_chunk=frames_per_chunk))
-        start += size
-    return jnp.concatenate(outs, axis=0)

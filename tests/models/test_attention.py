@@ -1,6 +1,5 @@
 """Dense attention (direct and blocked paths), masking rules and attention-spec resolution."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,7 +1,5 @@
 """GPU checks (``pytest -m gpu``): cuDNN attention inside the model agrees with dense XLA attention."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +8,7 @@ import pytest
 from mmjax.inference import decode_step, prefill
 from models.attention import cudnn_attention, dense_attention
 from models.qwen2_5_vl import Qwen2_5_VL
-from tests.models.test_inference import small_config, video_prompt
+from tests.models.helpers import small_config, video_prompt
 
 pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")

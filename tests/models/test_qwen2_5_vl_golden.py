@@ -1,6 +1,5 @@
 """Parity against Hugging Face transformers goldens (tests/models/fixtures, see tools/make_qwen_golden.py)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

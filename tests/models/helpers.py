@@ -1,0 +1,28 @@
+"""Small random Qwen2.5-VL configs and prompts shared by the model tests."""
+
+import numpy as np
+
+from models.qwen2_5_vl import Qwen2_5_VLConfig, VisionConfig
+from models.qwen2_text import TextConfig
+
+IMG, VID, VS, VE = 60, 61, 62, 63
+
+
+def small_config(head_dim=16, layers=3):
+    heads = 4
+    text = TextConfig(vocab_size=64, hidden_size=heads * head_dim, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=2, rms_norm_eps=1e-6,
+                      mrope_section=(head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16))
+    vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=heads * head_dim,
+                          fullatt_block_indexes=(1,), window_size=56, tokens_per_second=2)
+    return Qwen2_5_VLConfig(text=text, vision=vision, image_token_id=IMG, video_token_id=VID,
+                            vision_start_token_id=VS, vision_end_token_id=VE)
+
+
+def video_prompt(cfg, frames, rng, grid_hw=(4, 8)):
+    h, w = grid_hw
+    grid = (frames, h, w)
+    ids = [1, 2, VS] + [VID] * (frames * h * w // 4) + [VE, 3, 4]
+    pixels = rng.standard_normal((frames * h * w, cfg.vision.patch_dim)).astype(np.float32)
+    return dict(input_ids=np.asarray([ids]), pixel_values_videos=pixels, video_grid_thw=np.asarray([grid]),
+                second_per_grid_ts=np.asarray([2.0], np.float32))
