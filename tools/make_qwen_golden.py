@@ -154,7 +154,9 @@ def build_case(case, out_dir, seed):
     inputs = build_inputs(case, rng)
     tin = to_torch(inputs)
     with torch.no_grad():
-        logits = model(**tin).logits.float().numpy()
+        ref = model(**tin, output_hidden_states=True)
+        logits = ref.logits.float().numpy()
+        hidden = np.stack([h.float().numpy() for h in ref.hidden_states])  # [L + 1, B, T, H]
         pos, deltas = model.model.get_rope_index(tin["input_ids"], tin["mm_token_type_ids"],
                                                  image_grid_thw=tin["image_grid_thw"],
                                                  video_grid_thw=tin["video_grid_thw"],
@@ -187,7 +189,7 @@ def build_case(case, out_dir, seed):
         os.path.join(out_dir, f"{case}.npz"),
         **{k: (v.astype(np.float16) if k.startswith("pixel") else v) for k, v in inputs.items()},
         logits=logits.astype(np.float32), logits_bf16=logits_bf16.astype(np.float32),
-        image_features=img.astype(np.float32), video_features=vid.astype(np.float32),
+        hidden_states=hidden.astype(np.float32), image_features=img.astype(np.float32), video_features=vid.astype(np.float32),
         position_ids=pos.numpy(), rope_deltas=deltas.numpy().reshape(-1),
         generate_row0_tokens=gen_tokens, generate_row0_prompt_len=np.array(row["input_ids"].shape[1]),
         first_step_margin=np.array(top2[1] - top2[0]),

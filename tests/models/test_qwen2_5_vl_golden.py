@@ -56,11 +56,12 @@ def test_logits_bf16(case):
     logits = np.asarray(forward(get_model(case, jnp.bfloat16), **inputs))
     mask = inputs["attention_mask"].astype(bool)
     scale = np.abs(d["logits"][mask]).max()
-    # bf16 vs HF bf16 (both round activations differently) and vs the fp32 truth
-    assert np.abs(logits[mask] - d["logits_bf16"][mask]).max() < 0.06 * scale
-    assert np.abs(logits[mask] - d["logits"][mask]).max() < 0.06 * scale
+    # HF bf16 is itself ~2-3% (of the largest logit) off its fp32 result; we must be no worse
+    hf_err = np.abs(d["logits_bf16"][mask] - d["logits"][mask]).max()
+    assert np.abs(logits[mask] - d["logits"][mask]).max() < max(1.25 * hf_err, 0.01 * scale)
+    assert np.abs(logits[mask] - d["logits_bf16"][mask]).max() < 0.04 * scale
     agree = (logits[mask].argmax(-1) == d["logits"][mask].argmax(-1)).mean()
-    assert agree > 0.9
+    assert agree > 0.95
 
 
 def test_mlp_chunking_and_hidden_states_consistent():
@@ -88,3 +89,14 @@ def test_greedy_decode_matches_hf_generate(case):
         logits, cache = decode_step(model, cache, tok)
         tok = jnp.argmax(logits, -1)
     assert got == d["generate_row0_tokens"].tolist()
+
+
+def test_hidden_states_match_hf_output_hidden_states(case):
+    """hidden_layers uses HF's numbering: 0 embeddings, i output of layer i-1, L the final normed states."""
+    inputs, d = load_case(case)
+    model = get_model(case)
+    layers = tuple(range(d["hidden_states"].shape[0]))
+    out = prefill(model, inputs, hidden_layers=layers)
+    mask = inputs["attention_mask"].astype(bool)
+    for i in layers:
+        np.testing.assert_allclose(np.asarray(out.hidden_states[i])[mask], d["hidden_states"][i][mask], atol=1e-4)
