@@ -19,59 +19,72 @@ from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.qsa_topk.common import QSATopKResult, candidate_end, cdiv, sampled_positions
 
 
-def sampled_block_scores(q: jax.Array, k: jax.Array, v: jax.Array | None, *, gamma: int,
-                         block_kv: int, sm_scale: float):
-    """Dense causal attention of the sampled rows and all block scores.
+def block_scores(qg: jax.Array, pos: jax.Array, k: jax.Array, v: jax.Array | None, *,
+                 block_kv: int, sm_scale: float, chunk: int = 1):
+    """Causal attention of arbitrary rows and the score of every key block.
 
-    Returns (out ``[B, Tg, N, D]`` f32 or None when ``v`` is None, lse ``[B, N, Tg]``,
-    scores ``[B, N, Tg, nk]`` f32; -inf for blocks with no visible key).
+    Args:
+      qg: ``[B, R, N, D]`` query rows; pos: int32 ``[R]`` their positions.
+      k, v: ``[B, S, K, D]`` (``v`` None: scores and lse only).
+      chunk: key blocks per scan step (memory ``B * N * R * chunk * block_kv``).
+
+    Returns (out ``[B, R, N, D]`` f32 or None, lse ``[B, N, R]``, scores ``[B, N, R, nk]``
+    f32; -inf for blocks with no visible key).
     """
-    b, t, n, d = q.shape
+    b, r, n, d = qg.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
     nk = cdiv(s, block_kv)
-    pos = sampled_positions(t, s, gamma)
-    tg = pos.shape[0]
-    qg = q[:, ::gamma].astype(jnp.float32)  # [B, Tg, N, D]
-    qg = jnp.einsum("btkgd->bkgtd", qg.reshape(b, tg, kh, groups, d))
-    pad = nk * block_kv - s
+    steps = cdiv(nk, chunk)
+    width = chunk * block_kv
+    qg = jnp.einsum("btkgd->bkgtd", qg.astype(jnp.float32).reshape(b, r, kh, groups, d))
+    pad = steps * width - s
     kf = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
     vf = None if v is None else jnp.pad(v.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
 
-    def step(carry, j):
+    def step(carry, i):
         m, l, acc = carry
-        kb = lax.dynamic_slice_in_dim(kf, j * block_kv, block_kv, axis=1)  # [B, bk, K, D]
-        kpos = j * block_kv + jnp.arange(block_kv)
+        kb = lax.dynamic_slice_in_dim(kf, i * width, width, axis=1)  # [B, W, K, D]
+        kpos = i * width + jnp.arange(width)
         sc = jnp.einsum("bkgtd,bckd->bkgtc", qg, kb, precision=lax.Precision.HIGHEST) * sm_scale
-        ok = (kpos[None, :] <= pos[:, None]) & (kpos < s)[None, :]  # [Tg, bk]
-        sc = jnp.where(ok, sc, -jnp.inf)
-        mb = sc.max(-1)
+        ok = (kpos[None, :] <= pos[:, None]) & (kpos < s)[None, :]  # [R, W]
+        sc = jnp.where(ok, sc, -jnp.inf).reshape(sc.shape[:-1] + (chunk, block_kv))
+        mb = sc.max(-1)  # [B, K, G, R, chunk]
         mb_safe = jnp.where(jnp.isneginf(mb), 0.0, mb)
         pb = jnp.exp(sc - mb_safe[..., None])
         lb = pb.sum(-1)
         score = jnp.where(lb > 0, mb_safe + jnp.log(jnp.where(lb > 0, lb, 1.0)), -jnp.inf)
-        m_new = jnp.maximum(m, mb)
+        m_new = jnp.maximum(m, mb.max(-1))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
-        w = jnp.exp(mb_safe - m_safe)
-        l = l * alpha + lb * w
+        w = jnp.exp(mb_safe - m_safe[..., None])  # [B, K, G, R, chunk]
+        l = l * alpha + (lb * w).sum(-1)
         if vf is not None:
-            vb = lax.dynamic_slice_in_dim(vf, j * block_kv, block_kv, axis=1)
-            pv = jnp.einsum("bkgtc,bckd->bkgtd", pb, vb, precision=lax.Precision.HIGHEST)
-            acc = acc * alpha[..., None] + pv * w[..., None]
+            vb = lax.dynamic_slice_in_dim(vf, i * width, width, axis=1)
+            pw = (pb * w[..., None]).reshape(pb.shape[:-2] + (width,))
+            pv = jnp.einsum("bkgtc,bckd->bkgtd", pw, vb, precision=lax.Precision.HIGHEST)
+            acc = acc * alpha[..., None] + pv
         return (m_new, l, acc), score
 
-    shape = (b, kh, groups, tg)
+    shape = (b, kh, groups, r)
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (d,), jnp.float32))
-    (m, l, acc), scores = lax.scan(step, init, jnp.arange(nk))
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf).reshape(b, n, tg)
-    scores = jnp.einsum("jbkgt->bkgtj", scores).reshape(b, n, tg, nk)
+            jnp.zeros(shape + ((d,) if vf is not None else (1,)), jnp.float32))
+    (m, l, acc), scores = lax.scan(step, init, jnp.arange(steps))
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf).reshape(b, n, r)
+    scores = jnp.einsum("ibkgtc->bkgtic", scores).reshape(b, n, r, steps * chunk)[..., :nk]
     out = None
     if vf is not None:
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        out = jnp.einsum("bkgtd->btkgd", out).reshape(b, tg, n, d)
+        out = jnp.einsum("bkgtd->btkgd", out).reshape(b, r, n, d)
     return out, lse, scores
+
+
+def sampled_block_scores(q: jax.Array, k: jax.Array, v: jax.Array | None, *, gamma: int,
+                         block_kv: int, sm_scale: float):
+    """`block_scores` of the sampled rows ``q[:, ::gamma]``: (out ``[B, Tg, N, D]`` or None,
+    lse ``[B, N, Tg]``, scores ``[B, N, Tg, nk]``)."""
+    pos = sampled_positions(q.shape[1], k.shape[1], gamma)
+    return block_scores(q[:, ::gamma], pos, k, v, block_kv=block_kv, sm_scale=sm_scale)
 
 
 def candidates(tg_pos: jax.Array, nk: int, *, block_kv: int, sink_blocks: int, local: int):
