@@ -114,11 +114,9 @@ def main(argv=None):
             attention = resolve_attention(name)
 
             def lm():
-                x = qwen_vl.merge_visual(qwen_vl.embed_tokens(model.language_model, p.input_ids), p.token_types, 2,
-                                         feats)
-                return qwen_vl.prefill_language_model(model, x, p.position_ids, p.attention_mask, p.token_types,
-                                                      p.rope_deltas, attention=attention, max_length=t + 256,
-                                                      mlp_chunk=args.mlp_chunk)[0]
+                return qwen_vl.prefill_language_model(
+                    model, p.input_ids, None, feats, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas,
+                    attention=attention, max_length=t + 256, mlp_chunk=args.mlp_chunk)[0]
             row = {"tokens": t, "video_grid_thw": list(p.video_grids[0]), "attention": name,
                    "vision_s": v_med, "vision_first_s": v_first}
             try:

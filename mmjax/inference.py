@@ -72,9 +72,9 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
             raise ValueError("attention_mask: 'cudnn' attention needs right padding (each row a prefix of valid "
                              "tokens); use 'dense' for left-padded batches")
     hidden_layers = tuple(int(i) for i in hidden_layers)
-    embeds = qwen_vl.embed_inputs(model, p, frames_per_chunk)
+    image_feats, video_feats = qwen_vl.visual_inputs(model, p, frames_per_chunk)
     logits, cache, hidden = qwen_vl.prefill_language_model(
-        model, embeds, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas, attention=layer_attention,
+        model, p.input_ids, image_feats, video_feats, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas, attention=layer_attention,
         max_length=max_length, hidden_layers=hidden_layers, mlp_chunk=mlp_chunk)
     return PrefillOutput(logits, cache, {i: hidden[j] for j, i in enumerate(hidden_layers)}, p.token_types,
                          p.rope_deltas)

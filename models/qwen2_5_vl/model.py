@@ -125,14 +125,20 @@ def merge_visual(embeds: jax.Array, types: jax.Array, kind: int, feats: jax.Arra
     return flat.reshape(embeds.shape)
 
 
-def embed_inputs(model: Qwen2_5_VL, p: PreparedInputs, frames_per_chunk: int | None = None) -> jax.Array:
-    """Token embeddings with image / video features merged at their pad tokens: [B, T, H]."""
-    x = embed_tokens(model.language_model, p.input_ids)
-    if p.image_grids:
-        x = merge_visual(x, p.token_types, 1, vision_features(model, p.pixel_values, p.image_grids, frames_per_chunk))
-    if p.video_grids:
-        x = merge_visual(x, p.token_types, 2,
-                         vision_features(model, p.pixel_values_videos, p.video_grids, frames_per_chunk))
+def visual_inputs(model: Qwen2_5_VL, p: PreparedInputs, frames_per_chunk: int | None = None):
+    """(image features or None, video features or None), each [n_tokens, H] (one jit per grid set)."""
+    img = vision_features(model, p.pixel_values, p.image_grids, frames_per_chunk) if p.image_grids else None
+    vid = vision_features(model, p.pixel_values_videos, p.video_grids, frames_per_chunk) if p.video_grids else None
+    return img, vid
+
+
+def merged_embeddings(model: Qwen2_5_VL, input_ids, types, image_feats=None, video_feats=None) -> jax.Array:
+    """Token embeddings [B, T, H] with image / video features merged at their pad tokens."""
+    x = embed_tokens(model.language_model, input_ids)
+    if image_feats is not None:
+        x = merge_visual(x, types, 1, image_feats)
+    if video_feats is not None:
+        x = merge_visual(x, types, 2, video_feats)
     return x
 
 
@@ -142,8 +148,10 @@ def _layer_inputs(config, position_ids, q_positions, kv_valid, modality, write_i
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "mlp_chunk", "hidden_layers"))
-def _lm_forward(model, embeds, position_ids, mask, types, attention, mlp_chunk, hidden_layers=()):
+def _lm_forward(model, input_ids, image_feats, video_feats, position_ids, mask, types, attention, mlp_chunk,
+                hidden_layers=()):
     b, t = mask.shape
+    embeds = merged_embeddings(model, input_ids, types, image_feats, video_feats)
     li = _layer_inputs(model.config, position_ids, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), mask,
                        types, 0)
     h, _, _, hidden = run_decoder(model.language_model, embeds, li, attention, hidden_layers=hidden_layers,
@@ -166,8 +174,8 @@ def forward(model: Qwen2_5_VL, *, input_ids, attention_mask=None, pixel_values=N
     p = prepare_inputs(model.config, input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values,
                        image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos,
                        video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts, position_ids=position_ids)
-    x = embed_inputs(model, p, frames_per_chunk)
-    logits, _ = _lm_forward(model, x, p.position_ids, p.attention_mask, p.token_types, resolve_attention(attention),
+    img, vid = visual_inputs(model, p, frames_per_chunk)
+    logits, _ = _lm_forward(model, p.input_ids, img, vid, p.position_ids, p.attention_mask, p.token_types, resolve_attention(attention),
                             mlp_chunk)
     return logits
 
@@ -180,16 +188,19 @@ def init_cache(config: Qwen2_5_VLConfig, batch: int, max_length: int, dtype) -> 
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "max_length", "hidden_layers", "mlp_chunk"))
-def prefill_language_model(model: Qwen2_5_VL, embeds, position_ids, mask, types, rope_deltas, *,
-                           attention: LayerAttention, max_length: int, hidden_layers: tuple = (),
+def prefill_language_model(model: Qwen2_5_VL, input_ids, image_feats, video_feats, position_ids, mask, types,
+                           rope_deltas, *, attention: LayerAttention, max_length: int, hidden_layers: tuple = (),
                            mlp_chunk: int | None = None):
-    """Run the decoder over merged embeddings [B, T, H] and fill a fresh cache of ``max_length`` slots.
+    """Merge visual features into the token embeddings, run the decoder and fill a fresh cache of
+    ``max_length`` slots. input_ids/mask/types: [B, T]; image_feats/video_feats: [n, H] or None;
+    position_ids: [3, B, T]; rope_deltas: [B].
 
     Returns (logits of each row's last valid token float32 [B, V], KVCache, hidden [n, B, T, H]).
     """
     b, t = mask.shape
     if max_length < t:
         raise ValueError(f"max_length: expected at least the prompt length {t}, got {max_length}")
+    embeds = merged_embeddings(model, input_ids, types, image_feats, video_feats)
     cache = init_cache(model.config, b, max_length, embeds.dtype)
     li = _layer_inputs(model.config, position_ids, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), mask,
                        types, 0)
