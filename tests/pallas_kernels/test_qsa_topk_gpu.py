@@ -1,0 +1,33 @@
+"""GPU checks of the fused QSA + top-k kernel (compiled, not interpreted): `pytest -m gpu`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import qsa_topk
+from pallas_kernels.qsa_topk.reference import sampled_block_scores
+from tests.pallas_kernels.helpers import random_qkv, rel_err
+
+pytestmark = pytest.mark.gpu
+
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("topk", ["exact", "tournament", "estimated"])
+@pytest.mark.parametrize("b,t,s,n,kh,d,top_k,rows", [(1, 8192, 8192, 28, 4, 128, 64, 64),
+                                                      (2, 3000, 5000, 8, 2, 80, 16, 32)])
+def test_triton_matches_reference_on_gpu(topk, b, t, s, n, kh, d, top_k, rows):
+    q, k, v = random_qkv(t + s, b, t, s, n, kh, d, jnp.bfloat16)
+    kw = dict(gamma=16, block_kv=64, top_k=top_k, k_exact=8, topk=topk, sink_blocks=1, local=128)
+    ker = qsa_topk(q, k, v, implementation="triton", rows=rows, **kw)
+    ref = qsa_topk(q, k, v, implementation="reference", **kw)
+    assert rel_err(ker.out_gamma, ref.out_gamma) < 2e-2
+    np.testing.assert_allclose(np.asarray(ker.lse_gamma), np.asarray(ref.lse_gamma), atol=2e-2)
+    _, _, scores = sampled_block_scores(q, k, None, gamma=16, block_kv=64, sm_scale=d ** -0.5)
+    ids = np.asarray(ker.block_idx)
+    got = np.take_along_axis(np.asarray(scores), np.maximum(ids, 0), -1)
+    np.testing.assert_allclose(np.asarray(ker.block_score)[ids >= 0], got[ids >= 0], atol=2e-2)
+    same = (np.sort(ids, -1) == np.sort(np.asarray(ref.block_idx), -1)).mean()
+    assert same > 0.97, same
