@@ -70,6 +70,7 @@ def main(argv=None):
     ap.add_argument("--vision-layers", type=int, default=None, help="vision blocks (default: the preset's 32)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--mlp-chunk", type=int, default=8192)
+    ap.add_argument("--vision-only", action="store_true", help="time the vision tower only (no decoder)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -110,6 +111,14 @@ def main(argv=None):
         v_first, v_med, _ = timed(lambda: qwen_vl.vision_features(model, pixels, p.video_grids), args.repeats)
         feats = qwen_vl.vision_features(model, pixels, p.video_grids)
         t = p.input_ids.shape[1]
+        if args.vision_only:
+            stats = device.memory_stats() or {}
+            report["results"].append({"tokens": t, "video_grid_thw": list(p.video_grids[0]), "vision_s": v_med,
+                                      "vision_first_s": v_first,
+                                      "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2**30})
+            print(f"{t:>8} {'-':>9} {v_med:>9.3f}", flush=True)
+            dump()
+            continue
         for name in args.attention.split(","):
             attention = resolve_attention(name)
 

@@ -2,8 +2,9 @@
 
 Attention never crosses a frame (full-attention blocks attend within one temporal patch, window
 blocks within one ``window_units`` x ``window_units`` window of merged units), so the tower runs
-frame-chunk by frame-chunk under ``lax.map``. Tokens stay in the processor's order; windows are
-expressed as a mask instead of HF's window permutation, which gives the same result.
+frame-chunk by frame-chunk under ``lax.map``. Tokens stay in the processor's order; window blocks
+gather each window's patches into a padded [windows, window_patches] tile (cost linear in the frame
+size) and full blocks use ``models.attention.dense_attention`` (blocked online softmax on big frames).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.attention import dense_attention
 from models.common import rms_norm
 from models.qwen2_5_vl.config import VisionConfig
 from models.rotary import apply_rotary, vision_cos_sin
@@ -66,15 +68,50 @@ def frame_geometry(c: VisionConfig, h: int, w: int):
     return hpos.astype(np.int32), wpos.astype(np.int32), wid.reshape(-1).astype(np.int32)
 
 
-def _block(c: VisionConfig, p, x, cos, sin, mask):
-    """x: [F, P, C]; cos/sin: [P, D]; mask: bool [P, P]."""
+def window_layout(wid: np.ndarray):
+    """Padded window tiles of one frame from per-patch window ids [P].
+
+    Returns gather [n_win, W] (patch index of each tile slot, 0 in padding), valid bool [n_win, W]
+    and scatter [P] (flat tile slot of each patch), W being the largest window's patch count.
+    """
+    ids, inverse = np.unique(wid, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    sizes = np.bincount(inverse, minlength=len(ids))
+    width = int(sizes.max())
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    slot = np.empty_like(order)
+    slot[order] = np.arange(len(order)) - np.repeat(starts, sizes)
+    gather = np.zeros((len(ids), width), np.int32)
+    valid = np.zeros((len(ids), width), bool)
+    gather[inverse, slot] = np.arange(len(wid))
+    valid[inverse, slot] = True
+    return gather, valid, (inverse * width + slot).astype(np.int32)
+
+
+def _window_attention(q, k, v, gather, valid, scatter, scale):
+    """q/k/v [F, P, N, D] -> [F, P, N, D], attention inside each window tile."""
+    qw, kw, vw = q[:, gather], k[:, gather], v[:, gather]  # [F, n_win, W, N, D]
+    s = jnp.einsum("fwpnd,fwqnd->fwnpq", qw, kw, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(valid[None, :, None, None, :], s, -jnp.inf)
+    a = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("fwnpq,fwqnd->fwpnd", a, vw)
+    f, nw, w = o.shape[:3]
+    return o.reshape(f, nw * w, *o.shape[3:])[:, scatter]
+
+
+def _full_attention(q, k, v):
+    f, n = q.shape[:2]
+    return dense_attention(q, k, v, q_positions=jnp.zeros((f, n), jnp.int32), kv_valid=jnp.ones((f, n), bool),
+                           causal=False)
+
+
+def _block(c: VisionConfig, p, x, cos, sin, is_full, layout):
+    """x: [F, P, C]; cos/sin: [P, D]; is_full: bool scalar (frame-wide vs window attention)."""
     h = rms_norm(x, p["norm1"], c.rms_norm_eps)
     qkv = jnp.einsum("fpc,cind->ifpnd", h, p["wqkv"]) + p["bqkv"][:, None, None]
     q, k, v = apply_rotary(qkv[0], cos, sin), apply_rotary(qkv[1], cos, sin), qkv[2]
-    s = jnp.einsum("fpnd,fqnd->fnpq", q, k, preferred_element_type=jnp.float32) * (c.head_dim ** -0.5)
-    s = jnp.where(mask, s, -jnp.inf)
-    a = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("fnpq,fqnd->fpnd", a, v)
+    o = jax.lax.cond(is_full, _full_attention,
+                     lambda q, k, v: _window_attention(q, k, v, *layout, c.head_dim ** -0.5), q, k, v)
     x = x + jnp.einsum("fpnd,ndc->fpc", o, p["wproj"]) + p["bproj"]
     h = rms_norm(x, p["norm2"], c.rms_norm_eps)
     g = jnp.einsum("npc,ci->npi", h, p["w_gate"]) + p["b_gate"]
@@ -98,7 +135,7 @@ def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, f
         raise ValueError(f"pixels: expected shape {(t * n, c.patch_dim)} for grid {(t, h, w)}, got {pixels.shape}")
     hpos, wpos, wid = frame_geometry(c, h, w)
     cos, sin = vision_cos_sin(jnp.asarray(hpos), jnp.asarray(wpos), c.head_dim, c.rope_theta)
-    window_mask = jnp.asarray(wid[:, None] == wid[None, :])
+    layout = tuple(jnp.asarray(a) for a in window_layout(wid))
     full = jnp.asarray([i in c.fullatt_block_indexes for i in range(c.depth)])
     blocks = {name: getattr(model, name)[...] for name in BLOCK_PARAMS}
     dtype = model.patch_embed[...].dtype
@@ -113,8 +150,7 @@ def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, f
 
         def step(hc, xs):
             p, is_full = xs
-            mask = jnp.logical_or(is_full, window_mask)
-            return _block(c, p, hc, cos, sin, mask), None
+            return _block(c, p, hc, cos, sin, is_full, layout), None
 
         hc, _ = jax.lax.scan(step, hc, (blocks, full))
         if return_pre_merge:

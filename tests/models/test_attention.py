@@ -7,7 +7,7 @@ import pytest
 from models.attention import LayerAttention, cudnn_attention, dense_attention, resolve_attention
 
 
-def _naive(q, k, v, q_pos, valid):
+def _naive(q, k, v, q_pos, valid, causal=True):
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     b, t, n, d = q.shape
     g = n // k.shape[2]
@@ -15,7 +15,7 @@ def _naive(q, k, v, q_pos, valid):
     for bi in range(b):
         for h in range(n):
             s = q[bi, :, h] @ k[bi, :, h // g].T / np.sqrt(d)
-            m = valid[bi][None, :] & (np.asarray(q_pos[bi])[:, None] >= np.arange(k.shape[1])[None, :])
+            m = valid[bi][None, :] & ((np.asarray(q_pos[bi])[:, None] >= np.arange(k.shape[1])[None, :]) | (not causal))
             s = np.where(m, s, -np.inf)
             mx = s.max(-1, keepdims=True)
             p = np.where(m, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
@@ -25,7 +25,8 @@ def _naive(q, k, v, q_pos, valid):
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_dense_matches_naive_with_gqa_offsets_and_holes(direct):
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_matches_naive_with_gqa_offsets_and_holes(direct, causal):
     rng = np.random.default_rng(0)
     b, t, s, n, kh, d = 2, 37, 53, 6, 2, 8
     q, k, v = (rng.standard_normal(x).astype(np.float32) for x in ((b, t, n, d), (b, s, kh, d), (b, s, kh, d)))
@@ -33,11 +34,12 @@ def test_dense_matches_naive_with_gqa_offsets_and_holes(direct):
     valid = rng.random((b, s)) > 0.2
     valid[1, :6] = False  # query 0 of row 1 (position 5) sees nothing -> zeros
     out = dense_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_pos),
-                          kv_valid=jnp.asarray(valid), block_q=8, block_k=16,
+                          kv_valid=jnp.asarray(valid), block_q=8, block_k=16, causal=causal,
                           direct_max_scores=(1 << 30) if direct else 0)
-    ref = _naive(q, k, v, q_pos, valid)
+    ref = _naive(q, k, v, q_pos, valid, causal)
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
-    assert np.all(np.asarray(out)[1, 0] == 0)
+    if causal:
+        assert np.all(np.asarray(out)[1, 0] == 0)
     assert np.isfinite(np.asarray(out)).all()
 
 
