@@ -1,6 +1,14 @@
 """mmjax: modality-aware sparse attention and speculative decoding for long-context VLMs.
 
-Public entry points are listed in ../shared/DESIGN.md; this module re-exports them as they land.
+Public entry points are listed in ../shared/DESIGN.md.
 """
 
+from mmjax import patterns
+from mmjax.attention import attention_recall, build_layout, sparse_attention
+from mmjax.inference import PrefillOutput, decode_step, prefill
+from mmjax.layout_ops import LayoutSet
+
 __version__ = "0.1.0"
+
+__all__ = ["LayoutSet", "PrefillOutput", "attention_recall", "build_layout", "decode_step", "patterns",
+           "prefill", "sparse_attention"]

@@ -1,0 +1,168 @@
+"""Grid head (MMInference Algorithm 1): lines at a regular stride, permuted into dense blocks.
+
+Estimation: the column mass of A = softmax(Q[-last_q:] K^T) viewed as ``[S / s, s]`` gives
+the mass of every phase p of every candidate stride s. The stride whose best phases carry
+the most mass per key kept (lift = mass * s / phases) wins; near-ties (within 15%) go to the
+smaller stride, so multiples of the true stride do not win.
+
+Layout: keys at the chosen phases (vertical lines) are moved to the front of the key order,
+queries at those phases (horizontal lines) to the front of the query order; everything
+else keeps its original order. Then
+* vertical lines are the first key blocks, computed by every query block (causal prefix);
+* horizontal-line rows are the first query blocks and compute every key block;
+* the local band along the diagonal (``use_slash``, ``local`` tokens) is one contiguous
+  range of the remaining keys for each remaining query block.
+The horizontal rows go in a second part of a `LayoutSet` (one shared ``arange`` list), so
+no part needs an nq x nk list. Causality is applied on original positions by the kernel.
+Horizontal lines reuse the vertical phases: in video, the token that every frame attends
+to at a spatial position also attends every frame (the grid is symmetric); the last_q rows
+cannot observe other row phases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mmjax.estimate import last_q_scores
+from mmjax.layout_ops import LayoutSet
+from mmjax.patterns.base import Pattern, check_block, check_positive
+from pallas_kernels import BlockLayout
+from pallas_kernels.block_sparse.layout import cdiv
+
+# Multiples of 16 and the token counts of common square patch grids (e.g. 14 x 14 = 196),
+# from 64 up: the smallest stride bounds the vertical-line list length (S / stride keys).
+DEFAULT_STRIDES = tuple(sorted(set(range(64, 1025, 16)) | {81, 100, 144, 196, 225, 324, 400,
+                                                           484, 576, 676, 784, 900}))
+
+
+LIFT_TOLERANCE = 0.85
+
+
+def phase_mass(vertical: jax.Array, stride: int) -> jax.Array:
+    """vertical ``[B,N,S]`` -> mass per phase ``[B,N,stride]`` (positions j with j % stride = p)."""
+    s = vertical.shape[-1]
+    pad = (-s) % stride
+    v = jnp.pad(vertical, ((0, 0), (0, 0), (0, pad)))
+    return v.reshape(v.shape[:2] + (-1, stride)).sum(-2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid(Pattern):
+    """Grid head: vertical / horizontal lines every ``stride`` tokens plus a local band."""
+
+    stride_space: tuple[int, ...] = DEFAULT_STRIDES
+    max_stride: int = 1024
+    use_hline: bool = True
+    use_vline: bool = True
+    use_slash: bool = True
+    last_q: int = 64
+    local: int = 1024
+    phases: int = 1
+    block_q: int = 128
+    block_k: int = 64
+
+    def validate(self) -> None:
+        if not self.stride_space or any(not isinstance(x, int) or x < 1 for x in self.stride_space):
+            raise ValueError(f"stride_space: expected a non-empty tuple of ints >= 1; received {self.stride_space!r}")
+        check_positive("max_stride", self.max_stride)
+        check_positive("last_q", self.last_q)
+        check_positive("local", self.local)
+        check_positive("phases", self.phases)
+        if not (self.use_hline or self.use_vline or self.use_slash):
+            raise ValueError("use_hline / use_vline / use_slash: expected at least one True")
+        if self.phases > min(self.stride_space):
+            raise ValueError(f"phases: expected phases <= the smallest stride {min(self.stride_space)}; "
+                             f"received {self.phases}")
+        check_block("block_q", self.block_q)
+        check_block("block_k", self.block_k)
+
+    def candidate_strides(self, s: int) -> tuple[int, ...]:
+        cands = tuple(x for x in self.stride_space if x <= min(self.max_stride, s))
+        if not cands:
+            raise ValueError(f"stride_space: expected a stride <= min(max_stride={self.max_stride}, "
+                             f"S={s}); received {self.stride_space!r}")
+        return cands
+
+    def estimate(self, q, k) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Stride int32 ``[B,N]``, phases int32 ``[B,N,phases]`` and lift float32 ``[B,N]``."""
+        t, s = q.shape[1], k.shape[1]
+        if self.last_q > t:
+            raise ValueError(f"last_q: expected last_q <= T={t} (query length); received {self.last_q}")
+        vertical, _ = last_q_scores(q, k, last_q=self.last_q)
+        cands = self.candidate_strides(s)
+        lifts, phases = [], []
+        for stride in cands:
+            mass, ph = jax.lax.top_k(phase_mass(vertical, stride), self.phases)
+            lifts.append(mass.sum(-1) * stride / self.phases)
+            phases.append(ph)
+        lift = jnp.stack(lifts, -1)  # [B,N,C]
+        best = lift.max(-1, keepdims=True)
+        # Smallest stride within LIFT_TOLERANCE of the best lift: multiples m * s of the true
+        # stride tie with it in expectation (their best phase holds 1/m of the lines on
+        # 1/m of the keys) and win on noise; divisors s / m fall to ~1/m of the lift.
+        pick = jnp.argmax(lift >= LIFT_TOLERANCE * best, axis=-1)
+        stride = jnp.asarray(cands, jnp.int32)[pick]
+        phase_all = jnp.stack(phases, -2)  # [B,N,C,phases]
+        phase = jnp.take_along_axis(phase_all, pick[..., None, None], axis=-2)[..., 0, :]
+        return stride, phase.astype(jnp.int32), jnp.take_along_axis(lift, pick[..., None], -1)[..., 0]
+
+    def layout_from_index(self, stride, phase, t: int, s: int) -> LayoutSet:
+        """stride ``[B,N]``, phase ``[B,N,P]`` -> two-part permuted `LayoutSet`."""
+        bq, bk = self.block_q, self.block_k
+        nq, nk = cdiv(t, bq), cdiv(s, bk)
+        off = s - t
+        k_pos = jnp.arange(s, dtype=jnp.int32)
+        q_pos = jnp.arange(t, dtype=jnp.int32) + off
+
+        def on_line(pos):  # [B,N,L] bool: position at one of the head's phases
+            return (pos[None, None, :, None] % stride[..., None, None] == phase[..., None, :]).any(-1)
+
+        k_line = on_line(k_pos) if self.use_vline else jnp.zeros((1, 1, s), bool)
+        q_line = on_line(q_pos) if self.use_hline else jnp.zeros((1, 1, t), bool)
+        lead = stride.shape
+        k_line = jnp.broadcast_to(k_line, lead + (s,))
+        q_line = jnp.broadcast_to(q_line, lead + (t,))
+        kv_perm = jnp.argsort(jnp.where(k_line, 0, s) + k_pos, axis=-1).astype(jnp.int32)
+        q_perm = jnp.argsort(jnp.where(q_line, 0, t) + jnp.arange(t), axis=-1).astype(jnp.int32)
+        n_kline = k_line.sum(-1)  # [B,N]
+        n_qline = q_line.sum(-1)
+
+        # Query blocks: positions in permuted order (padding rows use the last position).
+        qp = jnp.pad(q_perm + off, ((0, 0), (0, 0), (0, nq * bq - t)), mode="edge").reshape(lead + (nq, bq))
+        q_min, q_max = qp.min(-1), qp.max(-1)  # [B,N,nq]
+        h_rows = jnp.arange(nq) * bq < n_qline[..., None]  # block holds a horizontal row
+
+        # Vertical prefix: line keys (sorted by position) visible to the block.
+        line_pos = jnp.where(jnp.arange(s) < n_kline[..., None], kv_perm, s)  # sorted, then s
+        n_vis = jax.vmap(jax.vmap(lambda lp, qm: jnp.searchsorted(lp, qm, side="right")))(line_pos, q_max)
+        n_vblocks = jnp.where(n_vis > 0, (n_vis - 1) // bk + 1, 0) if self.use_vline else jnp.zeros_like(n_vis)
+        max_line_blocks = cdiv(cdiv(s, min(self.candidate_strides(s))) * self.phases, bk) + 1
+        width = (max_line_blocks if self.use_vline else 0) + (cdiv(self.local + bq, bk) + 2 if self.use_slash else 0)
+        if self.use_slash:
+            rest_pos = jnp.where(jnp.arange(s) >= n_kline[..., None], kv_perm, -1)  # sorted after -1s
+            band_lo_pos = jnp.maximum(q_min - self.local + 1, 0)
+            lo_idx = jax.vmap(jax.vmap(lambda rp, x: jnp.searchsorted(rp, x, side="left")))(rest_pos, band_lo_pos)
+            hi_idx = jax.vmap(jax.vmap(lambda rp, x: jnp.searchsorted(rp, x, side="right")))(rest_pos, q_max) - 1
+            lo_idx = jnp.maximum(lo_idx, n_kline[..., None])
+            b_lo = jnp.maximum(lo_idx // bk, n_vblocks)  # the shared boundary block is listed once
+            n_band = jnp.where(hi_idx >= lo_idx, jnp.maximum(hi_idx // bk - b_lo + 1, 0), 0)
+        else:
+            b_lo, n_band = n_vblocks, jnp.zeros_like(n_vblocks)
+        # [0, n_vblocks) then [b_lo, b_lo + n_band): ascending and distinct, no sort needed.
+        j = jnp.arange(width, dtype=jnp.int32)
+        blocks = jnp.where(j < n_vblocks[..., None], j, b_lo[..., None] + j - n_vblocks[..., None])
+        count = (n_vblocks + n_band).astype(jnp.int32)
+        blocks = jnp.where(j < count[..., None], blocks, 0).astype(jnp.int32)
+        count = jnp.where(h_rows, 0, count)
+        common = dict(q_perm=q_perm, kv_perm=kv_perm, block_q=bq, block_k=bk, q_len=t, kv_len=s)
+        lines = BlockLayout(kv_blocks=blocks, kv_block_count=count, **common)
+        full = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32)[None, None, None],
+                           kv_block_count=jnp.where(h_rows, nk, 0).astype(jnp.int32), **common)
+        return LayoutSet((lines, full))
+
+    def build_layout(self, q, k, *, modality=None) -> LayoutSet:
+        stride, phase, _ = self.estimate(q, k)
+        return self.layout_from_index(stride, phase, q.shape[1], k.shape[1])
