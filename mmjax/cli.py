@@ -1,11 +1,11 @@
-"""`mmjax` command line: `mmjax bench kernels [...]`."""
+"""`mmjax` command line: `mmjax bench kernels|patterns [...]`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-BENCHMARKS = ("kernels",)
+BENCHMARKS = ("kernels", "patterns")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
         from mmjax.bench import kernels
 
         return kernels.main(rest)
+    if args.command == "bench" and args.name == "patterns":
+        from mmjax.bench import patterns
+
+        return patterns.main(rest)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
