@@ -35,6 +35,7 @@ from mmjax.bench.timing import device_name, print_table, time_fn, write_result
 from mmjax.momo_metrics import block_mass, captured_mass, mean_pooled_layout, momo_sparsity
 from mmjax.patterns.momo import Momo, assemble_layout, delta_correct, union_trim
 from pallas_kernels import block_sparse_attention, qsa_topk
+from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +285,20 @@ class Runner:
         cfg = self.cfg
         s = cfg.fig4_len
         q, k, v = video_like(cfg, s, seed=4)
+        if cfg.fig4_ks and self.left() >= 0:
+            # The same kernel without any top-k structure: what the structures add.
+            row = {"S": s, "k": 0, "algorithm": "none (attention + block scores only)"}
+            try:
+                p = _pattern(cfg, "exact")
+                bare = jax.jit(lambda q, k, v: qsa_topk_triton(
+                    q, k, v, gamma=p.gamma, block_kv=p.block, top_k=1, k_exact=0, topk="none",
+                    sink_blocks=p.sink_blocks, local=p.local, sm_scale=cfg.head_dim ** -0.5,
+                    rows=tile[0], interpret=cfg.interpret, num_warps=tile[1] or None))
+                row["ms"] = _time(lambda: bare(q, k, v), s)
+                self.log(f"  fig4 S={s} no top-k: {row['ms']:.2f} ms")
+            except Exception as e:
+                row["error"] = _err(e)
+            self.result.setdefault("fig4", []).append(row)
         for topk_k in cfg.fig4_ks:
             for alg in cfg.algorithms:
                 if self.left() < 0:
@@ -303,7 +318,7 @@ class Runner:
     def run(self) -> dict:
         cfg = self.cfg
         self.log(f"device: {device_name()} ({jax.default_backend()}), jax {jax.__version__}")
-        tile = self.sweep()
+        tile = self.sweep() if len(cfg.qsa_tiles) > 1 else cfg.qsa_tiles[0]
         self.log(f"qsa tile: rows={tile[0]} warps={tile[1] or 'default'}")
         self.save()
         for s in cfg.seq_lens:
@@ -375,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mass-lens", type=int, nargs="*", help="lengths with captured-mass runs")
     p.add_argument("--budget-s", type=float, help="stop starting new sections after this long")
     p.add_argument("--fig4-ks", type=int, nargs="*", help="k values of the top-k latency sweep")
+    p.add_argument("--tile", type=int, nargs=2, metavar=("ROWS", "WARPS"),
+                   help="QSA tile (sampled rows per program, warps; 0 = default) instead of sweeping")
     p.add_argument("--name", default="momo", help="result file prefix")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
@@ -387,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, budget_s=args.budget_s)
     if args.fig4_ks is not None:
         cfg = dataclasses.replace(cfg, fig4_ks=tuple(args.fig4_ks))
+    if args.tile:
+        cfg = dataclasses.replace(cfg, qsa_tiles=(tuple(args.tile),))
     if not on_gpu:
         print("no GPU: small interpret-mode run (timings are not kernel speed)")
     runner = Runner(cfg, args.out, name=args.name)

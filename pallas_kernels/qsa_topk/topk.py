@@ -242,6 +242,10 @@ def estimated_result(state: EstimatedState, k_exact: int):
 
 # ----------------------------------------------------------------- shared driver
 def init(algorithm: str, rows: int, k: int, k_exact: int):
+    """``algorithm`` may also be "none" (no structure: the kernel's attention alone, for
+    benchmarks)."""
+    if algorithm == "none":
+        return ()
     if algorithm == "exact":
         return exact_init(rows, k)
     if algorithm == "tournament":
@@ -250,6 +254,8 @@ def init(algorithm: str, rows: int, k: int, k_exact: int):
 
 
 def offer(algorithm: str, state, x, j, active, remaining, *, k: int, k_exact: int):
+    if algorithm == "none":
+        return state
     if algorithm == "exact":
         return exact_offer(state, x, j, active)[0]
     if algorithm == "tournament":
@@ -259,6 +265,8 @@ def offer(algorithm: str, state, x, j, active, remaining, *, k: int, k_exact: in
 
 def parts(algorithm: str, state, k_exact: int) -> tuple[tuple[jax.Array, jax.Array], ...]:
     """The state's slots as one or two (vals ``[R, P]``, ids ``[R, P]``) parts."""
+    if algorithm == "none":
+        return ()
     if algorithm == "exact":
         return (exact_result(state),)
     if algorithm == "tournament":

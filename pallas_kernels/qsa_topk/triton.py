@@ -110,6 +110,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *topk_refs, sm_scale, gamma, ro
 
 
 def _part_sizes(algorithm: str, top_k: int, k_exact: int) -> tuple[int, ...]:
+    if algorithm == "none":
+        return ()
     if algorithm == "estimated":
         return (topk_lib.next_pow2(max(k_exact, 1)), topk_lib.next_pow2(max(top_k - k_exact, 1)))
     return (topk_lib.next_pow2(top_k),)
@@ -123,7 +125,8 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
                     sm_scale: float, rows: int = 64, interpret: bool = False,
                     num_warps: int | None = None, num_stages: int | None = None) -> QSATopKResult:
     """See `api.qsa_topk`; inputs are assumed validated. ``rows``: sampled rows per program
-    (a power of two >= 16)."""
+    (a power of two >= 16). ``topk="none"`` (benchmarks only, not accepted by the API) runs
+    the attention and block scores without any top-k structure and selects nothing."""
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
@@ -165,7 +168,11 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
         interpret=interpret,
         name="qsa_topk",
     )(qg, k_in, v_in)
-    vals = jnp.concatenate(parts[0::2], axis=-1)[:, :, :tg]
-    ids = jnp.concatenate(parts[1::2], axis=-1)[:, :, :tg]
-    vals, ids = topk_lib.finalize(vals, ids, top_k)
+    if not parts:
+        vals = jnp.full((b, n, tg, top_k), -jnp.inf, jnp.float32)
+        ids = jnp.full((b, n, tg, top_k), -1, jnp.int32)
+    else:
+        vals = jnp.concatenate(parts[0::2], axis=-1)[:, :, :tg]
+        ids = jnp.concatenate(parts[1::2], axis=-1)[:, :, :tg]
+        vals, ids = topk_lib.finalize(vals, ids, top_k)
     return QSATopKResult(out[:, :tg, :, :d], lse[:, :, :tg], ids, vals)
