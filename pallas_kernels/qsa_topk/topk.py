@@ -25,7 +25,9 @@ A scan offers, at step ``j``, one score ``x [R]`` (block id ``j``) to every row 
   remaining_offers`` (running mean m and population variance sigma^2 by Welford). When
   ``remaining_slots >= remaining_offers`` (p <= 0) everything is accepted, so a row with
   at least k candidates always fills its k slots. With fewer than two scores seen the
-  threshold is +inf unless p <= 0.
+  threshold is +inf unless p <= 0. O(k_exact) vector work per update: the kernel writes
+  accepted items straight to its output (one scattered store per row), so the k - k_exact
+  estimated slots never occupy registers.
 
 Empty slots hold value -inf and a distinct negative id (``-1 - slot``); padding slots
 (when k is not a power of two) hold +inf and are never evicted. `finalize` maps both to
@@ -186,29 +188,34 @@ def erfinv(x: jax.Array) -> jax.Array:
 
 class EstimatedState(NamedTuple):
     exact: ExactState  # k_exact slots (a 1-slot dummy that takes nothing when k_exact = 0)
-    est_vals: jax.Array  # f32 [R, next_pow2(k - k_exact)]
-    est_ids: jax.Array  # int32
+    est_vals: jax.Array | None  # f32 [R, next_pow2(k - k_exact)]; None: kept by the caller
+    est_ids: jax.Array | None  # int32
     count: jax.Array  # int32 [R] filled estimated slots
     n: jax.Array  # f32 [R] scores seen (Welford)
     mean: jax.Array  # f32 [R]
     m2: jax.Array  # f32 [R] sum of squared deviations
 
 
-def estimated_init(rows: int, k: int, k_exact: int) -> EstimatedState:
+def estimated_init(rows: int, k: int, k_exact: int, *, buffers: bool = True) -> EstimatedState:
+    """``buffers=False``: the append-only slots are not held in the state; the caller
+    stores each accepted item itself (the kernel writes it straight to its output)."""
     k_est = k - k_exact
     est_vals, est_ids = _empty_slots(rows, max(k_est, 1))
     if k_est == 0:
         est_vals = jnp.full_like(est_vals, jnp.inf)  # no estimated slot: padding only
+    if not buffers:
+        est_vals = est_ids = None
     zeros = jnp.zeros((rows,), jnp.float32)
     return EstimatedState(exact_init(rows, max(k_exact, 1)), est_vals, est_ids,
                           jnp.zeros((rows,), jnp.int32), zeros, zeros, zeros)
 
 
-def estimated_offer(state: EstimatedState, x: jax.Array, j, active: jax.Array,
-                    remaining: jax.Array, *, k: int, k_exact: int) -> EstimatedState:
-    """``remaining [R]``: offers this row still gets, this one included (the row's
-    candidates are contiguous block ids, so the caller knows it in closed form)."""
-    rows = x.shape[0]
+def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
+                   remaining: jax.Array, *, k: int, k_exact: int):
+    """One offer -> (state, (accept [R], value [R], id [R], slot [R])): the item appended
+    at ``slot`` of the estimated slots where ``accept``. ``remaining [R]``: offers this row
+    still gets, this one included (the row's candidates are contiguous block ids, so the
+    caller knows it in closed form)."""
     # Welford over every score offered.
     n = state.n + active.astype(jnp.float32)
     delta = x - state.mean
@@ -225,11 +232,18 @@ def estimated_offer(state: EstimatedState, x: jax.Array, j, active: jax.Array,
     z = erfinv(jnp.clip(2.0 * p - 1.0, -0.9999999, 0.9999999))
     thr = mean + math.sqrt(2.0) * sigma * z
     accept = ok & (slots_left > 0) & ((p <= 0.0) | ((n >= 2.0) & (sv >= thr)))
-    hit = (_iota(rows, state.est_vals.shape[1]) == state.count[:, None]) & accept[:, None]
-    est_vals = jnp.where(hit, sv[:, None], state.est_vals)
-    est_ids = jnp.where(hit, si[:, None], state.est_ids)
-    return EstimatedState(exact, est_vals, est_ids, state.count + accept.astype(jnp.int32),
-                          n, mean, m2)
+    est_vals, est_ids = state.est_vals, state.est_ids
+    if est_vals is not None:
+        hit = (_iota(x.shape[0], est_vals.shape[1]) == state.count[:, None]) & accept[:, None]
+        est_vals = jnp.where(hit, sv[:, None], est_vals)
+        est_ids = jnp.where(hit, si[:, None], est_ids)
+    new = EstimatedState(exact, est_vals, est_ids, state.count + accept.astype(jnp.int32), n, mean, m2)
+    return new, (accept, sv, si, state.count)
+
+
+def estimated_offer(state: EstimatedState, x: jax.Array, j, active: jax.Array,
+                    remaining: jax.Array, *, k: int, k_exact: int) -> EstimatedState:
+    return estimated_step(state, x, j, active, remaining, k=k, k_exact=k_exact)[0]
 
 
 def estimated_result(state: EstimatedState, k_exact: int):

@@ -42,10 +42,10 @@ def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def default_launch(rows: int, top_k: int, d_pad: int) -> tuple[int, int]:
-    """(num_warps, num_stages): 8 warps when the row tile plus its top-k slots are large
-    (they live in registers), 4 otherwise."""
-    regs = rows * (d_pad + 2 * topk_lib.next_pow2(top_k))
+def default_launch(rows: int, register_slots: int, d_pad: int) -> tuple[int, int]:
+    """(num_warps, num_stages): 8 warps when the row tile plus the top-k slots held in
+    registers are large, 4 otherwise."""
+    regs = rows * (d_pad + 2 * topk_lib.next_pow2(max(register_slots, 1)))
     return (8 if regs > 64 * 192 else 4), 2
 
 
@@ -90,23 +90,50 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *topk_refs, sm_scale, gamma, ro
         l = l * alpha + lb * w
         acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v) * w[:, None]
         active = (j >= sink_blocks) & (j < lo)
-        state = topk_lib.offer(algorithm, state, score, j, active, lo - j, k=top_k, k_exact=k_exact)
+        if algorithm == "estimated":
+            # Accepted items go straight to the output: the estimated slots never live in
+            # registers. Each row writes its own slot ``count`` (distinct addresses).
+            state, (accept, sv, si, slot) = topk_lib.estimated_step(
+                state, score, j, active, lo - j, k=top_k, k_exact=k_exact)
+            est_v_ref, est_i_ref = topk_refs[2], topk_refs[3]
+            pltriton.store(est_v_ref.at[row_iota, slot], sv, mask=accept)
+            pltriton.store(est_i_ref.at[row_iota, slot], si, mask=accept)
+        else:
+            state = topk_lib.offer(algorithm, state, score, j, active, lo - j, k=top_k,
+                                   k_exact=k_exact)
         return m_new, l, acc, state
 
+    row_iota = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    if algorithm == "estimated":
+        state0 = topk_lib.estimated_init(rows, top_k, k_exact, buffers=False)
+    else:
+        state0 = topk_lib.init(algorithm, rows, top_k, k_exact)
     carry = (
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, q.shape[-1]), jnp.float32),
-        topk_lib.init(algorithm, rows, top_k, k_exact),
+        state0,
     )
     m, l, acc, state = lax.fori_loop(0, n_blocks, body, carry)
     has_mass = l > 0.0
     l_safe = jnp.where(has_mass, l, 1.0)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(has_mass, m * LN2 + jnp.log(l_safe), -jnp.inf)
-    for i, (vals, ids) in enumerate(topk_lib.parts(algorithm, state, k_exact)):
-        topk_refs[2 * i][...] = vals
-        topk_refs[2 * i + 1][...] = ids
+    if algorithm == "estimated":
+        (ev, ei), _ = topk_lib.estimated_result(state, k_exact)
+        topk_refs[0][...] = ev
+        topk_refs[1][...] = ei
+        # Slots past each row's count are empty (disjoint from the scattered writes).
+        size = topk_refs[2].shape[-1]
+        slot = lax.broadcasted_iota(jnp.int32, (rows, size), 1)
+        empty = slot >= state.count[:, None]
+        fill = jnp.where(slot < top_k - k_exact, -jnp.inf, jnp.inf).astype(jnp.float32)
+        pltriton.store(topk_refs[2].at[:, :], fill, mask=empty)
+        pltriton.store(topk_refs[3].at[:, :], -1 - slot, mask=empty)
+    else:
+        for i, (vals, ids) in enumerate(topk_lib.parts(algorithm, state, k_exact)):
+            topk_refs[2 * i][...] = vals
+            topk_refs[2 * i + 1][...] = ids
 
 
 def _part_sizes(algorithm: str, top_k: int, k_exact: int) -> tuple[int, ...]:
@@ -149,7 +176,8 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
         part_shapes += [jax.ShapeDtypeStruct((b, n, tgp, size), jnp.float32),
                         jax.ShapeDtypeStruct((b, n, tgp, size), jnp.int32)]
     if num_warps is None or num_stages is None:
-        dw, ds = default_launch(rows, top_k, d_pad)
+        slots = {"none": 0, "estimated": k_exact}.get(topk, top_k)
+        dw, ds = default_launch(rows, slots, d_pad)
         num_warps = dw if num_warps is None else num_warps
         num_stages = ds if num_stages is None else num_stages
     kernel = functools.partial(
