@@ -12,8 +12,16 @@ R = 64 rows covers 64 * gamma real positions. The program scans the key blocks o
   exponential per score, as in flash attention.
 
 and offers ``S(j)`` to the row's top-k structure (`topk.py`: exact buffer, tournament tree
-or estimated hybrid), held in registers for the whole scan. Only candidate blocks are
-offered (see `common.py`); the causal mask is computed only for tiles that need it.
+or estimated hybrid), held in registers for the whole scan; the estimated hybrid keeps only
+its k_exact slots there and stores accepted items straight to the output. Only candidate
+blocks are offered (see `common.py`); the causal mask is computed only for tiles that need
+it.
+
+Measured on an H200 (2026-11-21; B=1, N=28, K=4, D=128, bf16, gamma=16, beta=64, 64
+sampled rows per program): at 128k tokens the kernel takes 25 ms without top-k (about
+300 TFLOP/s on the sampled rows), 34 ms with the estimated hybrid at k=128 (k_exact=8),
+73 ms with the exact buffer, 281 ms with the tournament tree; at 1M tokens 1.9 s
+(estimated, k=128). 32-row tiles were 2.7x slower.
 """
 
 from __future__ import annotations
