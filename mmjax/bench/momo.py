@@ -392,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fig4-ks", type=int, nargs="*", help="k values of the top-k latency sweep")
     p.add_argument("--tile", type=int, nargs=2, metavar=("ROWS", "WARPS"),
                    help="QSA tile (sampled rows per program, warps; 0 = default) instead of sweeping")
+    p.add_argument("--algorithms", nargs="*", choices=("exact", "tournament", "estimated"),
+                   help="top-k algorithms to run")
     p.add_argument("--name", default="momo", help="result file prefix")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
@@ -406,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, fig4_ks=tuple(args.fig4_ks))
     if args.tile:
         cfg = dataclasses.replace(cfg, qsa_tiles=(tuple(args.tile),))
+    if args.algorithms:
+        cfg = dataclasses.replace(cfg, algorithms=tuple(args.algorithms))
     if not on_gpu:
         print("no GPU: small interpret-mode run (timings are not kernel speed)")
     runner = Runner(cfg, args.out, name=args.name)

@@ -281,6 +281,13 @@ def offer(algorithm: str, state, x, j, active, remaining, *, k: int, k_exact: in
     return estimated_offer(state, x, j, active, remaining, k=k, k_exact=k_exact)
 
 
+def weakest_value(algorithm: str, state) -> jax.Array:
+    """f32 ``[R]``: the score an offer must beat to enter the exact or tournament structure."""
+    if algorithm == "exact":
+        return state.min_val
+    return _root(state)[0]
+
+
 def parts(algorithm: str, state, k_exact: int) -> tuple[tuple[jax.Array, jax.Array], ...]:
     """The state's slots as one or two (vals ``[R, P]``, ids ``[R, P]``) parts."""
     if algorithm == "none":

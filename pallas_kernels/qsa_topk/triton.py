@@ -106,9 +106,17 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *topk_refs, sm_scale, gamma, ro
             est_v_ref, est_i_ref = topk_refs[2], topk_refs[3]
             pltriton.store(est_v_ref.at[row_iota, slot], sv, mask=accept)
             pltriton.store(est_i_ref.at[row_iota, slot], si, mask=accept)
-        else:
-            state = topk_lib.offer(algorithm, state, score, j, active, lo - j, k=top_k,
-                                   k_exact=k_exact)
+        elif algorithm != "none":
+            # Most blocks of a long scan beat no row's weakest slot: skip the O(k) update
+            # unless some row of the tile takes the block.
+            takes = active & (score > topk_lib.weakest_value(algorithm, state))
+            state = lax.cond(
+                jnp.max(takes.astype(jnp.int32)) > 0,
+                lambda st: topk_lib.offer(algorithm, st, score, j, active, lo - j, k=top_k,
+                                          k_exact=k_exact),
+                lambda st: st,
+                state,
+            )
         return m_new, l, acc, state
 
     row_iota = lax.broadcasted_iota(jnp.int32, (rows,), 0)
