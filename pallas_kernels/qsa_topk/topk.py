@@ -18,8 +18,9 @@ A scan offers, at step ``j``, one score ``x [R]`` (block id ``j``) to every row 
   nodes. In registers on a SIMT GPU each node access is a masked select over its level,
   so the vector work is O(k) per update as for the exact buffer, with a larger constant
   (three masked reductions per level). Measured on an H200 (2026-11-21, 128k tokens, the
-  fused kernel): 36 / 281 / 913 ms at k = 16 / 128 / 256 vs 27 / 73 / 168 ms for the exact
-  buffer and 25 ms without any top-k. A tree in global memory would need per-level
+  fused kernel): 36 / 281 / 913 ms at k = 16 / 128 / 256 vs 27 / 63 / 172 ms for the exact
+  buffer, 32 / 34 / 38 ms for the estimated hybrid (k_exact = 8) and 25 ms without any
+  top-k. A tree in global memory would need per-level
   barriers that Pallas Triton does not expose; we kept the register version. The selection
   is identical to the exact buffer's.
 * **estimated** (hybrid): ``k_exact`` exact slots; whatever the exact buffer rejects or
