@@ -2,8 +2,8 @@
 
 Estimation: the column mass of A = softmax(Q[-last_q:] K^T) viewed as ``[S / s, s]`` gives
 the mass of every phase p of every candidate stride s. The stride whose best phases carry
-the most mass per key kept (lift = mass * s / phases) wins; near-ties (within 15%) go to the
-smaller stride, so multiples of the true stride do not win.
+the most concentrated lines (lift = mass * s / phases) is taken down to its smallest divisor
+that keeps 70% of that lift, so neither multiples nor divisors of the true stride are picked.
 
 Layout: keys at the chosen phases (vertical lines) are moved to the front of the key order,
 queries at those phases (horizontal lines) to the front of the query order; everything
@@ -25,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mmjax.estimate import last_q_scores
 from mmjax.layout_ops import LayoutSet
@@ -38,7 +39,7 @@ DEFAULT_STRIDES = tuple(sorted(set(range(64, 1025, 16)) | {81, 100, 144, 196, 22
                                                            484, 576, 676, 784, 900}))
 
 
-LIFT_TOLERANCE = 0.85
+LIFT_TOLERANCE = 0.7
 
 
 def phase_mass(vertical: jax.Array, stride: int) -> jax.Array:
@@ -87,23 +88,29 @@ class Grid(Pattern):
         return cands
 
     def estimate(self, q, k) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Stride int32 ``[B,N]``, phases int32 ``[B,N,phases]`` and lift float32 ``[B,N]``."""
+        """Stride int32 ``[B,N]``, phases int32 ``[B,N,phases]`` and lift float32 ``[B,N]``
+        (mass of the chosen phases per key kept, relative to uniform attention)."""
         t, s = q.shape[1], k.shape[1]
         if self.last_q > t:
             raise ValueError(f"last_q: expected last_q <= T={t} (query length); received {self.last_q}")
         vertical, _ = last_q_scores(q, k, last_q=self.last_q)
         cands = self.candidate_strides(s)
-        lifts, phases = [], []
+        lifts, masses, phases = [], [], []
         for stride in cands:
             mass, ph = jax.lax.top_k(phase_mass(vertical, stride), self.phases)
+            masses.append(mass.sum(-1))
             lifts.append(mass.sum(-1) * stride / self.phases)
             phases.append(ph)
         lift = jnp.stack(lifts, -1)  # [B,N,C]
-        best = lift.max(-1, keepdims=True)
-        # Smallest stride within LIFT_TOLERANCE of the best lift: multiples m * s of the true
-        # stride tie with it in expectation (their best phase holds 1/m of the lines on
-        # 1/m of the keys) and win on noise; divisors s / m fall to ~1/m of the lift.
-        pick = jnp.argmax(lift >= LIFT_TOLERANCE * best, axis=-1)
+        # The best-lift stride may be a multiple m * s of the true stride s (its best phase
+        # holds 1/m of the lines on 1/m of the keys: the same lift, and it wins on noise).
+        # Walk down to the smallest divisor of it that keeps LIFT_TOLERANCE of its lift; a
+        # divisor of the true stride s / m keeps only ~1/m and is passed over.
+        best = jnp.argmax(lift, axis=-1)
+        divides = jnp.asarray(np.array(cands)[None, :] % np.array(cands)[:, None] == 0)  # [i, j]: c_i | c_j
+        best_lift = jnp.take_along_axis(lift, best[..., None], -1)
+        ok = divides[:, best].transpose(1, 2, 0) & (lift >= LIFT_TOLERANCE * best_lift)
+        pick = jnp.argmax(ok, axis=-1)  # candidates ascend: the smallest qualifying divisor
         stride = jnp.asarray(cands, jnp.int32)[pick]
         phase_all = jnp.stack(phases, -2)  # [B,N,C,phases]
         phase = jnp.take_along_axis(phase_all, pick[..., None, None], axis=-2)[..., 0, :]
