@@ -1,11 +1,11 @@
-"""`mmjax` command line: `mmjax bench kernels|patterns [...]`."""
+"""`mmjax` command line: `mmjax bench kernels|patterns|momo [...]`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-BENCHMARKS = ("kernels", "patterns")
+BENCHMARKS = ("kernels", "patterns", "momo")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         from mmjax.bench import patterns
 
         return patterns.main(rest)
+    if args.command == "bench" and args.name == "momo":
+        from mmjax.bench import momo
+
+        return momo.main(rest)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

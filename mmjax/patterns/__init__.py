@@ -3,8 +3,9 @@
 
 from mmjax.patterns.base import KernelOptions, Pattern
 from mmjax.patterns.grid import Grid
+from mmjax.patterns.momo import Momo
 from mmjax.patterns.static import AShape, Dense, SFFixed, SFStrided, TriShape
 from mmjax.patterns.vertical_slash import VerticalSlash
 
-__all__ = ["AShape", "Dense", "Grid", "KernelOptions", "Pattern", "SFFixed", "SFStrided", "TriShape",
+__all__ = ["AShape", "Dense", "Grid", "KernelOptions", "Momo", "Pattern", "SFFixed", "SFStrided", "TriShape",
            "VerticalSlash"]
