@@ -31,12 +31,9 @@ from jax import lax
 
 from mmjax.patterns.base import KernelOptions, Pattern, check_block, check_positive
 from pallas_kernels import BlockLayout, QSATopKResult, block_sparse_attention, qsa_topk
+from pallas_kernels.tiling import cdiv
 
 TOPK_ALGORITHMS = ("exact", "tournament", "estimated")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ----------------------------------------------------------------- forced blocks

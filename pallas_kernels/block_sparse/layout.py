@@ -34,9 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pallas_kernels.tiling import cdiv
 
 
 @jax.tree_util.register_dataclass

@@ -16,7 +16,6 @@ the kernel so that GQA groups never materialise per-query-head copies of k and v
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +25,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.block_sparse.layout import BlockLayout
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+from pallas_kernels.tiling import LN2, LOG2E
+from pallas_kernels.tiling import next_pow2 as _next_pow2
+from pallas_kernels.tiling import pad_to as _pad_to
 
 
 def _kernel(
@@ -144,14 +140,6 @@ def default_launch(block_q: int, block_k: int, d_pad: int, dtype) -> tuple[int, 
     stage_bytes = 2 * block_k * d_pad * jnp.dtype(dtype).itemsize
     num_stages = max(1, min(3, _STAGE_SMEM_BUDGET // stage_bytes))
     return num_warps, num_stages
-
-
-def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
 
 
 def _lead_flags(x: jax.Array) -> tuple[bool, bool, bool]:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from pallas_kernels import tiling
 
 
 class QSATopKResult(NamedTuple):
@@ -38,8 +39,7 @@ class QSATopKResult(NamedTuple):
     block_score: jax.Array
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+cdiv = tiling.cdiv
 
 
 def sampled_positions(q_len: int, kv_len: int, gamma: int) -> jax.Array:

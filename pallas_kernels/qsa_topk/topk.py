@@ -47,13 +47,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from pallas_kernels.tiling import next_pow2
 
 ALGORITHMS = ("exact", "tournament", "estimated")
 _INT_MIN = -(2**31)
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def _iota(rows: int, size: int) -> jax.Array:

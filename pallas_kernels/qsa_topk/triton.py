@@ -29,7 +29,6 @@ row needs saved only 14% for the exact buffer).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +39,8 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.qsa_topk.common import QSATopKResult, cdiv
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-
-
-def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
+from pallas_kernels.tiling import LN2, LOG2E
+from pallas_kernels.tiling import pad_to as _pad_to
 
 
 def default_launch(rows: int, register_slots: int, d_pad: int) -> tuple[int, int]:
