@@ -12,3 +12,5 @@ __version__ = "0.1.0"
 
 __all__ = ["LayoutSet", "PrefillOutput", "attention_recall", "build_layout", "decode_step", "patterns",
            "prefill", "sparse_attention"]
+from mmjax.modality import Modality  # noqa: E402
+__all__ += ["Modality"]
