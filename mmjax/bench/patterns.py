@@ -36,6 +36,64 @@ def gpu_patterns() -> dict[str, object]:
     }
 
 
+def gpu_sweep() -> dict[str, object]:
+    """Settings spanning densities, for recall-vs-density curves at ``recall_len``."""
+    out = {}
+    for local in (1024, 4096, 16384):
+        out[f"AShape(local={local})"] = AShape(sink=128, local=local)
+    for vs, ss in ((250, 1024), (500, 2048), (1000, 4096), (2000, 8192)):
+        out[f"VerticalSlash({vs},{ss})"] = VerticalSlash(vertical_size=vs, slash_size=ss, last_q=64)
+    for local in (256, 1024, 4096, 16384):
+        out[f"Grid(local={local})"] = Grid(local=local, last_q=64)
+    out["Grid(local=1024,phases=4)"] = Grid(local=1024, last_q=64, phases=4)
+    for local in (1024, 4096):
+        out[f"SFFixed(local={local})"] = SFFixed(local=local, stride=256, summary=16)
+    return out
+
+
+def cpu_sweep() -> dict[str, object]:
+    small = dict(block_q=32, block_k=16)
+    return {"AShape(local=64)": AShape(sink=32, local=64, **small),
+            "AShape(local=256)": AShape(sink=32, local=256, **small),
+            "Grid(local=32)": Grid(local=32, last_q=32, stride_space=(32, 64, 128), **small),
+            "Grid(local=128)": Grid(local=128, last_q=32, stride_space=(32, 64, 128), **small),
+            "VerticalSlash(32,32)": VerticalSlash(vertical_size=32, slash_size=32, last_q=32, **small)}
+
+
+def run_sweep(cfg: PatternBenchConfig, patterns: dict, out_dir: str | None, log=print,
+              result_name: str = "patterns-sweep") -> dict:
+    """Density, recall and end-to-end time of each setting at ``cfg.recall_len``."""
+    s = cfg.recall_len
+    opts = KernelOptions(interpret=cfg.interpret, implementation="triton" if cfg.interpret else None)
+    q, k, v = video_qkv(jax.random.PRNGKey(s), s, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                        head_dim=cfg.head_dim, frame_hw=cfg.frame_hw, dtype=jnp.dtype(cfg.dtype))
+    anchor = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                  implementation=cfg.anchor))
+    t_anchor = time_fn(lambda: anchor(q, k, v), reps=_reps(s))["ms"]
+    rows = []
+    for name, pattern in patterns.items():
+        try:
+            layout = jax.jit(pattern.build_layout)(q, k)
+            recall = np.asarray(jax.jit(lambda q, k, v, lay: attention_recall(q, k, v, lay, options=opts))(
+                q, k, v, layout))
+            total = jax.jit(lambda q, k, v, p=pattern: p.attend(q, k, v, options=opts)[0])
+            t = time_fn(lambda: total(q, k, v), reps=_reps(s))["ms"]
+            rows.append({"S": s, "setting": name, "density": float(np.mean(np.asarray(layout.density()))),
+                         "recall": float(recall.mean()), "recall_min_head": float(recall.min()),
+                         "recall_max_head": float(recall.max()), "total_ms": t, "speedup": t_anchor / t})
+        except Exception as e:  # reported, not fatal
+            rows.append({"S": s, "setting": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        log(f"  {rows[-1]}")
+    rows.sort(key=lambda r: (r["setting"].split("(")[0], r.get("density", 0.0)))
+    print_table(rows, [("setting", "setting", "s"), ("density", "density", ".4f"), ("recall", "recall", ".3f"),
+                       ("recall_min_head", "min head", ".3f"), ("recall_max_head", "max head", ".3f"),
+                       ("total_ms", "total ms", ".2f"), ("speedup", f"x {cfg.anchor}", ".2f")])
+    result = {"config": dataclasses.asdict(cfg), "anchor_ms": t_anchor, "rows": rows}
+    if out_dir:
+        log(f"wrote {write_result(out_dir, result_name, result)}")
+    return result
+
+
 def cpu_patterns() -> dict[str, object]:
     small = dict(block_q=32, block_k=16)
     return {
@@ -156,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-lens", type=int, nargs="+")
     p.add_argument("--patterns", nargs="+", help="subset of pattern names")
     p.add_argument("--name", default="patterns")
+    p.add_argument("--sweep", action="store_true",
+                   help="recall-vs-density sweep of settings at the recall length instead of the table")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
     cfg = GPU_CONFIG if on_gpu else CPU_CONFIG
@@ -169,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         pats = {n: pats[n] for n in args.patterns}
     if not on_gpu:
         print("no GPU: small interpret-mode run (timings are not kernel speed)")
+    if args.sweep:
+        run_sweep(cfg, gpu_sweep() if on_gpu else cpu_sweep(), args.out, result_name=args.name + "-sweep")
+        return 0
     run_benchmark(cfg, pats, args.out, result_name=args.name)
     return 0
 
