@@ -2,15 +2,26 @@
 `attention_recall`.
 
 Shapes: q ``[B, T, N, D]`` (the last T of S positions), k/v ``[B, S, K, D]``, N % K == 0.
+
+Per-head dispatch: `sparse_attention` also takes one pattern per query head. Heads with an
+identical pattern form a group that runs as one call of the pattern (one layout with
+per-head lists, one kernel launch per layout part): the group's query heads are gathered,
+with their key/value heads (whole GQA groups keep GQA; otherwise each query head gets its
+own copy of its key/value head), and the group outputs are scattered back to their heads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from mmjax.layout_ops import AnyLayout, LayoutSet, attend_layout
+from mmjax.layout_ops import AnyLayout, LayoutSet
+from mmjax.modality import as_modality
 from mmjax.patterns.base import KernelOptions, Pattern
+from mmjax.patterns.boundary import RowSplit, attend_any
 from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse import validation
 
@@ -24,43 +35,110 @@ def _check_pattern(pattern) -> Pattern:
     return pattern
 
 
-def build_layout(q: jax.Array, k: jax.Array, pattern: Pattern, modality=None) -> AnyLayout:
+def build_layout(q: jax.Array, k: jax.Array, pattern: Pattern, modality=None) -> AnyLayout | RowSplit:
     """Estimate the pattern's index online from q/k and build its layout (jit-able).
 
-    Returns a `BlockLayout`, or a `LayoutSet` for patterns made of disjoint parts (Grid,
-    TriShape)."""
+    Returns a `BlockLayout`, a `LayoutSet` for patterns made of disjoint parts (Grid,
+    TriShape), or a `RowSplit` for query-boundary wrappers (rows owned by modality)."""
     validation.check_qkv(q, k, k)
-    return _check_pattern(pattern).build_layout(q, k, modality=modality)
+    return _check_pattern(pattern).build_layout(q, k, modality=as_modality(modality, q, k))
 
 
-def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: Pattern, modality=None, *,
-                     options: KernelOptions = KernelOptions()) -> jax.Array:
-    """Attention with one sparse pattern for every head: out ``[B, T, N, D]`` in q's dtype."""
+def head_groups(patterns: Sequence[Pattern], num_heads: int) -> list[tuple[Pattern, tuple[int, ...]]]:
+    """Per-head patterns -> [(pattern, heads)] in order of first appearance; heads whose
+    patterns compare equal (frozen dataclasses: same kind and hyper-parameters) share a group."""
+    if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Sequence):
+        raise ValueError(f"patterns: expected a pattern or a sequence of one pattern per query head; "
+                         f"received {type(patterns).__name__}")
+    if len(patterns) != num_heads:
+        raise ValueError(f"patterns: expected one pattern per query head (N={num_heads}); "
+                         f"received {len(patterns)}")
+    groups: dict[Pattern, list[int]] = {}
+    for h, p in enumerate(patterns):
+        groups.setdefault(_check_pattern(p), []).append(h)
+    return [(p, tuple(hs)) for p, hs in groups.items()]
+
+
+def _gather_heads(q, k, v, heads: tuple[int, ...]):
+    """The group's query heads and the key/value heads they read (GQA kept when the group
+    is a union of whole GQA groups)."""
+    n, kh = q.shape[2], k.shape[2]
+    g = n // kh
+    hs = np.asarray(heads)
+    qg = q[:, :, hs]
+    kv_heads = np.unique(hs // g)
+    if len(hs) == len(kv_heads) * g and (np.sort(hs) == (kv_heads[:, None] * g + np.arange(g)).ravel()).all():
+        return qg, k[:, :, kv_heads], v[:, :, kv_heads]  # heads are sorted: whole groups in order
+    return qg, k[:, :, hs // g], v[:, :, hs // g]
+
+
+def attend_heads(q: jax.Array, k: jax.Array, v: jax.Array, patterns: Pattern | Sequence[Pattern],
+                 modality=None, *, options: KernelOptions = KernelOptions()) -> tuple[jax.Array, jax.Array]:
+    """out ``[B, T, N, D]`` (q's dtype), lse ``[B, N, T]`` float32 for one pattern or one
+    pattern per query head (see the module docstring). jit-able."""
     validation.check_qkv(q, k, v)
-    out, _ = _check_pattern(pattern).attend(q, k, v, modality=modality, options=options)
+    modality = as_modality(modality, q, k)
+    if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Sequence):
+        return _check_pattern(patterns).attend(q, k, v, modality=modality, options=options)
+    groups = head_groups(patterns, q.shape[2])
+    if len(groups) == 1:
+        return groups[0][0].attend(q, k, v, modality=modality, options=options)
+    outs, lses, order = [], [], []
+    for pattern, heads in groups:
+        qg, kg, vg = _gather_heads(q, k, v, heads)
+        o, l = pattern.attend(qg, kg, vg, modality=modality, options=options)
+        outs.append(o)
+        lses.append(l)
+        order.extend(heads)
+    inv = np.argsort(np.asarray(order))
+    out = jnp.concatenate(outs, axis=2)[:, :, inv]
+    lse = jnp.concatenate(lses, axis=1)[:, inv]
+    return out, lse
+
+
+def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: Pattern | Sequence[Pattern],
+                     modality=None, *, options: KernelOptions = KernelOptions()) -> jax.Array:
+    """Sparse attention: out ``[B, T, N, D]`` in q's dtype.
+
+    pattern: one pattern for every head, or a sequence of N patterns (one per query head);
+    heads sharing an identical pattern run together (one call of the pattern).
+    modality: None, a `Modality`, or int ids ``[B, S]``; checked against k's ``[B, S]``.
+    """
+    out, _ = attend_heads(q, k, v, pattern, modality, options=options)
     return out
 
 
 def _lse(q, k, v, layout: AnyLayout, options: KernelOptions) -> jax.Array:
-    _, lse = attend_layout(q, k, v, layout, sm_scale=options.sm_scale,
-                           implementation=options.implementation, interpret=options.interpret)
+    _, lse = attend_any(q, k, v, layout, sm_scale=options.sm_scale,
+                        implementation=options.implementation, interpret=options.interpret)
     return lse
 
 
-def attention_recall(q: jax.Array, k: jax.Array, v: jax.Array, pattern: Pattern | AnyLayout,
-                     modality=None, *, options: KernelOptions = KernelOptions()) -> jax.Array:
+def attention_recall(q: jax.Array, k: jax.Array, v: jax.Array,
+                     pattern: Pattern | Sequence[Pattern] | AnyLayout, modality=None, *,
+                     options: KernelOptions = KernelOptions()) -> jax.Array:
     """Fraction of causal softmax mass the pattern's layout keeps, float32 ``[B, N]``.
 
     Per query row the kept mass is ``exp(lse_layout - lse_dense)`` (the kernel's lse over the
     layout's keys against the lse over all causal keys); rows are averaged. Chunked through
     the block-sparse kernel, so it never forms S x S and runs at 128k tokens on a GPU.
-    ``pattern`` may also be a prebuilt layout. ``Dense`` gives exactly 1.
+    ``pattern`` may also be a prebuilt layout, or one pattern per query head (heads grouped
+    as in `sparse_attention`). ``Dense`` gives exactly 1.
     """
     validation.check_qkv(q, k, v)
-    layout = pattern if isinstance(pattern, (BlockLayout, LayoutSet)) else build_layout(q, k, pattern, modality)
-    block_q = (layout.parts[0] if isinstance(layout, LayoutSet) else layout).block_q
-    dense = BlockLayout.dense_causal(q.shape[1], k.shape[1], block_q=block_q, block_k=64)
-    lse_sparse = _lse(q, k, v, layout, options)
+    if isinstance(pattern, (BlockLayout, LayoutSet, RowSplit)):
+        lse_sparse = _lse(q, k, v, pattern, options)
+    elif isinstance(pattern, Sequence) and not isinstance(pattern, (str, bytes)):
+        modality = as_modality(modality, q, k)
+        lses, order = [], []
+        for p, heads in head_groups(pattern, q.shape[2]):
+            qg, kg, vg = _gather_heads(q, k, v, heads)
+            lses.append(_lse(qg, kg, vg, p.build_layout(qg, kg, modality=modality), options))
+            order.extend(heads)
+        lse_sparse = jnp.concatenate(lses, axis=1)[:, np.argsort(np.asarray(order))]
+    else:
+        lse_sparse = _lse(q, k, v, build_layout(q, k, pattern, modality), options)
+    dense = BlockLayout.dense_causal(q.shape[1], k.shape[1], block_q=128, block_k=64)
     lse_dense = _lse(q, k, v, dense, options)
     kept = jnp.exp(jnp.minimum(lse_sparse - lse_dense, 0.0))
     return kept.mean(-1)

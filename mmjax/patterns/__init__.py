@@ -9,3 +9,5 @@ from mmjax.patterns.vertical_slash import VerticalSlash
 
 __all__ = ["AShape", "Dense", "Grid", "KernelOptions", "Momo", "Pattern", "SFFixed", "SFStrided", "TriShape",
            "VerticalSlash"]
+from mmjax.patterns.boundary import KBoundary, NoBoundary, QBoundary, RowSplit, TwoDBoundary  # noqa: E402
+__all__ += ["KBoundary", "NoBoundary", "QBoundary", "RowSplit", "TwoDBoundary"]

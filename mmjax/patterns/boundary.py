@@ -1,0 +1,338 @@
+"""Inter-modality wrappers around intra-modality patterns (MMInference boundaries).
+
+* `NoBoundary(p)`: the intra pattern on the original order, index estimated globally.
+* `KBoundary(p)`: keys permuted by modality (stable sort by kind id, so each modality's keys
+  are contiguous); the intra pattern is estimated globally on that key order.
+* `QBoundary({name: p})`: for each query modality m, queries are permuted so that m's rows
+  come last; m's pattern is estimated from the last queries of m and built for every row;
+  query blocks holding no row of m are dropped. Each row takes the result of its own
+  modality's part (`RowSplit`).
+* `TwoDBoundary({(mq, mk): p})`: as QBoundary for the queries; within a query modality, keys
+  are permuted by modality and each pair's pattern keeps only the key blocks owned by mk (a
+  key block, and every single column inside it, belongs to the modality of the block's
+  first key), so the pairs of one query modality are disjoint and are merged by lse
+  (`LayoutSet`). Pairs not listed are not computed.
+
+Every permutation is a `BlockLayout` ``q_perm`` / ``kv_perm``: the kernel applies causality
+on original positions, so each wrapper computes exactly ``layout.to_dense_mask()``.
+Intra patterns that carry their own permutations (Grid) compose with QBoundary and
+KBoundary; TwoDBoundary needs key blocks in the common modality order and rejects them.
+Modality names key the dicts; kinds missing from a QBoundary use ``default`` if given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from mmjax.layout_ops import AnyLayout, LayoutSet, attend_layout
+from mmjax.modality import Modality
+from mmjax.patterns.base import KernelOptions, Pattern
+from pallas_kernels import BlockLayout
+from pallas_kernels.block_sparse.layout import cdiv
+
+
+# ------------------------------------------------------------------- row split
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+    """Layouts whose rows are owned by query modality: row t takes ``parts[i]``'s result
+    where ``row_kind[b, t] == kinds[i]`` (rows of no listed kind give 0 / lse -inf).
+
+    parts: one layout per kind (each computed over all rows; rows it does not own are
+    discarded). row_kind: int32 ``[B, T]``. kinds: static kind ids, one per part.
+    """
+
+    parts: tuple[AnyLayout, ...]
+    row_kind: jax.Array
+    kinds: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def q_len(self) -> int:
+        return self.parts[0].q_len
+
+    @property
+    def kv_len(self) -> int:
+        return self.parts[0].kv_len
+
+    def to_dense_mask(self, causal: bool = True) -> jax.Array:
+        """bool ``[B, N|1, T, S]`` in original order."""
+        out = None
+        for kind, part in zip(self.kinds, self.parts):
+            m = part.to_dense_mask(causal)
+            own = (self.row_kind == kind)[:, None, :, None]
+            m = m & own
+            out = m if out is None else out | m
+        return out
+
+    def density(self, causal: bool = True) -> jax.Array:
+        """Tiles the kernels compute (all parts, discarded rows included) over causal pairs."""
+        total = self.parts[0].density(causal)
+        for p in self.parts[1:]:
+            total = total + p.density(causal)
+        return total
+
+    def attend(self, q, k, v, *, sm_scale=None, implementation=None, interpret=False):
+        """out ``[B, T, N, D]``, lse ``[B, N, T]``: each row from its kind's part."""
+        out = jnp.zeros(q.shape, q.dtype)
+        lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+        for kind, part in zip(self.kinds, self.parts):
+            o, l = attend_layout(q, k, v, part, sm_scale=sm_scale, implementation=implementation,
+                                 interpret=interpret)
+            own = self.row_kind == kind  # [B, T]
+            out = jnp.where(own[:, :, None, None], o, out)
+            lse = jnp.where(own[:, None, :], l, lse)
+        return out, lse
+
+
+def attend_any(q, k, v, layout, *, sm_scale=None, implementation=None, interpret=False):
+    """`attend_layout` for a `BlockLayout`, `LayoutSet` or `RowSplit`."""
+    if isinstance(layout, RowSplit):
+        return layout.attend(q, k, v, sm_scale=sm_scale, implementation=implementation, interpret=interpret)
+    return attend_layout(q, k, v, layout, sm_scale=sm_scale, implementation=implementation, interpret=interpret)
+
+
+# ---------------------------------------------------------------- layout surgery
+def _parts(layout: AnyLayout) -> tuple[BlockLayout, ...]:
+    return layout.parts if isinstance(layout, LayoutSet) else (layout,)
+
+
+def _rebuild(layout: AnyLayout, parts: list[BlockLayout]) -> AnyLayout:
+    return LayoutSet(tuple(parts)) if isinstance(layout, LayoutSet) else parts[0]
+
+
+def _sort_perm(keys: jax.Array) -> jax.Array:
+    """Stable argsort of int keys ``[B, L]`` -> int32 ``[B, L]``."""
+    return jnp.argsort(keys, axis=-1, stable=True).astype(jnp.int32)
+
+
+def _gather_rows(x: jax.Array, perm: jax.Array) -> jax.Array:
+    """x ``[B, L, H, D]`` permuted along L by perm ``[B, L]``."""
+    return jnp.take_along_axis(x, perm[:, :, None, None], axis=1)
+
+
+def _compose(outer: jax.Array, inner: jax.Array | None) -> jax.Array:
+    """outer ``[B, L]`` (original index of each wrapper-permuted row), inner ``[B|1, N|1, L]``
+    or None (intra pattern's own permutation) -> int32 ``[B, N|1, L]``."""
+    outer = outer[:, None]
+    if inner is None:
+        return outer
+    lead = jnp.broadcast_shapes(outer.shape[:2], inner.shape[:2])
+    return jnp.take_along_axis(jnp.broadcast_to(outer, lead + outer.shape[2:]),
+                               jnp.broadcast_to(inner, lead + inner.shape[2:]), axis=-1).astype(jnp.int32)
+
+
+def _with_perms(layout: AnyLayout, q_outer: jax.Array | None, kv_outer: jax.Array | None) -> AnyLayout:
+    parts = []
+    for p in _parts(layout):
+        changes = {}
+        if q_outer is not None:
+            changes["q_perm"] = _compose(q_outer, p.q_perm)
+        if kv_outer is not None:
+            changes["kv_perm"] = _compose(kv_outer, p.kv_perm)
+        parts.append(p.replace(**changes))
+    return _rebuild(layout, parts)
+
+
+def _keep_query_blocks(part: BlockLayout, q_kind: jax.Array, kind: int) -> BlockLayout:
+    """Zero the counts of query blocks holding no row of ``kind`` (q_kind ``[B, T]``)."""
+    t, bq = part.q_len, part.block_q
+    nq = cdiv(t, bq)
+    perm = part.q_perm if part.q_perm is not None else jnp.arange(t, dtype=jnp.int32)[None, None]
+    kinds = jnp.take_along_axis(jnp.broadcast_to(q_kind[:, None], (q_kind.shape[0], perm.shape[1], t)),
+                                jnp.broadcast_to(perm, (q_kind.shape[0],) + perm.shape[1:]), axis=-1)
+    own = jnp.pad(kinds == kind, ((0, 0), (0, 0), (0, nq * bq - t)))
+    has = own.reshape(own.shape[:2] + (nq, bq)).any(-1)  # [B, N|1, nq]
+    changes = dict(kv_block_count=jnp.where(has, part.kv_block_count, 0))
+    if part.kv_columns is not None:
+        changes["kv_column_count"] = jnp.where(has, part.kv_column_count, 0)
+    return part.replace(**changes)
+
+
+def _keep_key_blocks(part: BlockLayout, k_kind_sorted: jax.Array, kind: int) -> BlockLayout:
+    """Keep the listed key blocks whose first key (in the common modality order,
+    k_kind_sorted ``[B, S]``) is of ``kind``, and the columns inside such blocks; compact."""
+    s, bk = part.kv_len, part.block_k
+    nk = cdiv(s, bk)
+    owner = k_kind_sorted[:, ::bk][:, None, None, :nk]  # [B, 1, 1, nk]
+    b = k_kind_sorted.shape[0]
+    blocks = jnp.clip(part.kv_blocks, 0, nk - 1)
+    lead = (b,) + jnp.broadcast_shapes(part.kv_blocks.shape[1:2], part.kv_block_count.shape[1:2])
+    nq = part.kv_block_count.shape[2]
+    blocks = jnp.broadcast_to(blocks, lead + (nq, blocks.shape[-1]))
+    count = jnp.broadcast_to(part.kv_block_count, lead + (nq,))
+    valid = jnp.arange(blocks.shape[-1]) < count[..., None]
+    keep = valid & (jnp.take_along_axis(jnp.broadcast_to(owner, lead + (nq, nk)), blocks, -1) == kind)
+    order = jnp.argsort(~keep, axis=-1, stable=True)
+    new_blocks = jnp.take_along_axis(blocks, order, -1)
+    new_count = keep.sum(-1).astype(jnp.int32)
+    new_blocks = jnp.where(jnp.arange(blocks.shape[-1]) < new_count[..., None], new_blocks, 0).astype(jnp.int32)
+    changes = dict(kv_blocks=new_blocks, kv_block_count=new_count)
+    if part.kv_columns is not None:
+        cols = jnp.broadcast_to(part.kv_columns, lead + (nq, part.kv_columns.shape[-1]))
+        ccount = jnp.broadcast_to(part.kv_column_count, lead + (nq,))
+        cvalid = jnp.arange(cols.shape[-1]) < ccount[..., None]
+        ck = jnp.take_along_axis(jnp.broadcast_to(owner, lead + (nq, nk)), jnp.clip(cols, 0, s - 1) // bk, -1)
+        ckeep = cvalid & (ck == kind)
+        corder = jnp.argsort(~ckeep, axis=-1, stable=True)
+        new_ccount = ckeep.sum(-1).astype(jnp.int32)
+        new_cols = jnp.take_along_axis(cols, corder, -1)
+        changes["kv_columns"] = jnp.where(jnp.arange(cols.shape[-1]) < new_ccount[..., None], new_cols, 0).astype(jnp.int32)
+        changes["kv_column_count"] = new_ccount
+    return part.replace(**changes)
+
+
+# --------------------------------------------------------------------- helpers
+def _need_modality(modality, who: str) -> Modality:
+    if not isinstance(modality, Modality):
+        raise ValueError(f"modality: {who} needs a Modality (per-token kinds); received "
+                         f"{type(modality).__name__}")
+    return modality
+
+
+def _check_inner(name: str, p) -> None:
+    if not isinstance(p, Pattern):
+        raise ValueError(f"{name}: expected an mmjax.patterns pattern; received {type(p).__name__}")
+
+
+def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, kv_outer=None,
+                           who: str | None = None) -> AnyLayout:
+    """The intra layout of one query modality: rows of ``kind`` moved last (stable), the
+    pattern estimated from them (on keys permuted by ``kv_outer`` when given), query blocks
+    without such rows dropped. ``who`` set: reject intra layouts with their own key order."""
+    q_perm = _sort_perm((q_kind == kind).astype(jnp.int32))
+    k_in = k if kv_outer is None else _gather_rows(k, kv_outer)
+    inner = pattern.build_layout(_gather_rows(q, q_perm), k_in, modality=None)
+    if who is not None and any(p.kv_perm is not None for p in _parts(inner)):
+        raise ValueError(f"patterns[{who}]: expected an intra pattern without its own key permutation "
+                         f"(TwoDBoundary keeps key blocks in modality order); received {type(pattern).__name__}")
+    layout = _with_perms(inner, q_perm, kv_outer)
+    return _rebuild(layout, [_keep_query_blocks(p, q_kind, kind) for p in _parts(layout)])
+
+
+class _Wrapper(Pattern):
+    """Boundary wrappers attend through `attend_any` (their layouts may be `RowSplit`)."""
+
+    def attend(self, q, k, v, *, modality=None, options: KernelOptions = KernelOptions()):
+        layout = self.build_layout(q, k, modality=modality)
+        return attend_any(q, k, v, layout, sm_scale=options.sm_scale, implementation=options.implementation,
+                          interpret=options.interpret)
+
+
+# -------------------------------------------------------------------- wrappers
+@dataclasses.dataclass(frozen=True)
+class NoBoundary(_Wrapper):
+    """The intra pattern on the original order (modality ignored)."""
+
+    pattern: Pattern
+
+    def validate(self) -> None:
+        _check_inner("pattern", self.pattern)
+
+    def build_layout(self, q, k, *, modality=None) -> AnyLayout:
+        return self.pattern.build_layout(q, k, modality=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class KBoundary(_Wrapper):
+    """Keys permuted by modality (contiguous per kind); the intra pattern estimated globally."""
+
+    pattern: Pattern
+
+    def validate(self) -> None:
+        _check_inner("pattern", self.pattern)
+
+    def build_layout(self, q, k, *, modality=None) -> AnyLayout:
+        m = _need_modality(modality, "KBoundary")
+        kv_perm = _sort_perm(m.ids)
+        inner = self.pattern.build_layout(q, _gather_rows(k, kv_perm), modality=None)
+        return _with_perms(inner, None, kv_perm)
+
+
+def _items(name: str, mapping, key_ok) -> tuple:
+    if not isinstance(mapping, Mapping) and not isinstance(mapping, tuple):
+        raise ValueError(f"{name}: expected a mapping; received {type(mapping).__name__}")
+    items = tuple(mapping.items()) if isinstance(mapping, Mapping) else mapping
+    if not items:
+        raise ValueError(f"{name}: expected at least one entry")
+    for key, p in items:
+        if not key_ok(key):
+            raise ValueError(f"{name}: bad key {key!r}")
+        _check_inner(f"{name}[{key!r}]", p)
+    return tuple(sorted(items, key=lambda kv: repr(kv[0])))
+
+
+@dataclasses.dataclass(frozen=True)
+class QBoundary(_Wrapper):
+    """One intra pattern per query modality (by name), estimated from that modality's last
+    queries; rows of kinds not listed use ``default`` (error when None)."""
+
+    patterns: Mapping[str, Pattern] | tuple
+    default: Pattern | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patterns", _items("patterns", self.patterns,
+                                                    lambda key: isinstance(key, str)))
+        super().__post_init__()
+
+    def validate(self) -> None:
+        if self.default is not None:
+            _check_inner("default", self.default)
+
+    def build_layout(self, q, k, *, modality=None) -> RowSplit:
+        m = _need_modality(modality, "QBoundary")
+        given = dict(self.patterns)
+        unknown = sorted(set(given) - set(m.names))
+        if unknown:
+            raise ValueError(f"patterns: expected modality names from {m.names}; received {unknown}")
+        if self.default is None and set(given) != set(m.names):
+            raise ValueError(f"patterns: expected a pattern for every modality {m.names} (or a default); "
+                             f"missing {sorted(set(m.names) - set(given))}")
+        q_kind = m.query_ids(q.shape[1])
+        parts, kinds = [], []
+        for kind, name in enumerate(m.names):
+            pattern = given.get(name, self.default)
+            layout = _query_modality_layout(pattern, q, k, q_kind, kind)
+            parts.append(layout)
+            kinds.append(kind)
+        return RowSplit(tuple(parts), q_kind, tuple(kinds))
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoDBoundary(_Wrapper):
+    """One intra pattern per (query modality, key modality) pair, restricted to that pair's
+    key blocks in modality order and merged by lse per query modality. Unlisted pairs are
+    not computed."""
+
+    patterns: Mapping[tuple[str, str], Pattern] | tuple
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patterns", _items(
+            "patterns", self.patterns,
+            lambda key: isinstance(key, tuple) and len(key) == 2 and all(isinstance(x, str) for x in key)))
+        super().__post_init__()
+
+    def build_layout(self, q, k, *, modality=None) -> RowSplit:
+        m = _need_modality(modality, "TwoDBoundary")
+        unknown = sorted({x for key, _ in self.patterns for x in key} - set(m.names))
+        if unknown:
+            raise ValueError(f"patterns: expected modality names from {m.names}; received {unknown}")
+        q_kind = m.query_ids(q.shape[1])
+        kv_perm = _sort_perm(m.ids)
+        k_kind_sorted = jnp.take_along_axis(m.ids, kv_perm, axis=-1)
+        parts, kinds = [], []
+        for qk, q_name in enumerate(m.names):
+            pairs = [(k_name, p) for (qn, k_name), p in self.patterns if qn == q_name]
+            if not pairs:
+                continue
+            pair_parts = []
+            for k_name, pattern in pairs:
+                layout = _query_modality_layout(pattern, q, k, q_kind, qk, kv_outer=kv_perm,
+                                                who=repr((q_name, k_name)))
+                pair_parts += [_keep_key_blocks(p, k_kind_sorted, m.kind(k_name)) for p in _parts(layout)]
+            parts.append(LayoutSet(tuple(pair_parts)))
+            kinds.append(qk)
+        return RowSplit(tuple(parts), q_kind, tuple(kinds))
