@@ -14,3 +14,5 @@ __all__ = ["LayoutSet", "PrefillOutput", "attention_recall", "build_layout", "de
            "prefill", "sparse_attention"]
 from mmjax.modality import Modality  # noqa: E402
 __all__ += ["Modality"]
+from mmjax.sparse_config import SparseConfig  # noqa: E402
+__all__ += ["SparseConfig"]
