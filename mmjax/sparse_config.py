@@ -7,6 +7,9 @@ Saved as versioned JSON::
                 ...L]}
 
 Every pattern field is written (defaults included), so a file states the whole config.
+Boundary wrappers nest their intra patterns: ``{"pattern": "KBoundary", "params":
+{"pattern": {...}}}``, QBoundary ``{"patterns": {name: {...}}, "default": {...} | null}``,
+TwoDBoundary ``{"patterns": [{"query": mq, "key": mk, "pattern": {...}}, ...]}``.
 Loading checks the version, the layer/head counts, the pattern names, the parameter names
 and types, and each pattern's own hyper-parameter checks; every error is a ValueError that
 names the place (``layers[3][5] (Grid).local: ...``).
@@ -27,6 +30,7 @@ import jax
 
 from mmjax.attention import sparse_attention
 from mmjax.patterns import AShape, Dense, Grid, SFFixed, SFStrided, TriShape, VerticalSlash
+from mmjax.patterns.boundary import KBoundary, NoBoundary, QBoundary, TwoDBoundary
 from mmjax.patterns.base import KernelOptions, Pattern
 from mmjax.patterns.momo import Momo
 from models.attention import dense_attention
@@ -34,8 +38,10 @@ from models.attention import dense_attention
 SCHEMA_VERSION = 1
 
 PATTERNS: dict[str, type[Pattern]] = {
-    cls.__name__: cls for cls in (Dense, AShape, TriShape, SFFixed, SFStrided, VerticalSlash, Grid, Momo)
+    cls.__name__: cls for cls in (Dense, AShape, TriShape, SFFixed, SFStrided, VerticalSlash, Grid, Momo,
+                                  NoBoundary, KBoundary, QBoundary, TwoDBoundary)
 }
+WRAPPERS = ("NoBoundary", "KBoundary", "QBoundary", "TwoDBoundary")
 
 _JSON_TYPES = {"int": int, "bool": bool, "str": str, "float": float, "None": type(None)}
 
@@ -67,6 +73,8 @@ def pattern_to_dict(pattern: Pattern) -> dict[str, Any]:
     name = type(pattern).__name__
     if PATTERNS.get(name) is not type(pattern):
         raise ValueError(f"pattern: expected one of {sorted(PATTERNS)}; received {name}")
+    if name in WRAPPERS:
+        return {"pattern": name, "params": _wrapper_to_params(pattern)}
     params = {}
     for f in dataclasses.fields(pattern):
         value = getattr(pattern, f.name)
@@ -89,6 +97,8 @@ def pattern_from_dict(entry: Any, where: str = "pattern") -> Pattern:
     params = entry.get("params", {})
     if not isinstance(params, dict):
         raise ValueError(f"{where} ({name}).params: expected an object; received {type(params).__name__}")
+    if name in WRAPPERS:
+        return _wrapper_from_params(cls, params, where)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(params) - set(fields))
     if unknown:
@@ -103,6 +113,54 @@ def pattern_from_dict(entry: Any, where: str = "pattern") -> Pattern:
     try:
         return cls(**kwargs)
     except ValueError as e:
+        raise ValueError(f"{where} ({name}).{e}") from e
+
+
+# ------------------------------------------------------------ boundary wrappers
+def _wrapper_to_params(p: Pattern) -> dict[str, Any]:
+    """JSON params of a boundary wrapper (nested patterns)."""
+    if isinstance(p, (NoBoundary, KBoundary)):
+        return {"pattern": pattern_to_dict(p.pattern)}
+    if isinstance(p, QBoundary):
+        return {"patterns": {name: pattern_to_dict(x) for name, x in p.patterns},
+                "default": None if p.default is None else pattern_to_dict(p.default)}
+    if isinstance(p, TwoDBoundary):
+        return {"patterns": [{"query": mq, "key": mk, "pattern": pattern_to_dict(x)} for (mq, mk), x in p.patterns]}
+    raise ValueError(f"pattern: expected a boundary wrapper; received {type(p).__name__}")
+
+
+def _wrapper_from_params(cls: type, params: dict, where: str) -> Pattern:
+    name = cls.__name__
+    allowed = {"NoBoundary": {"pattern"}, "KBoundary": {"pattern"}, "QBoundary": {"patterns", "default"},
+               "TwoDBoundary": {"patterns"}}[name]
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise ValueError(f"{where} ({name}).params: unknown parameter(s) {unknown}; expected a subset of "
+                         f"{sorted(allowed)}")
+    missing = sorted({"pattern", "patterns"} & allowed - set(params))
+    if missing:
+        raise ValueError(f"{where} ({name}).params: missing {missing}")
+    try:
+        if name in ("NoBoundary", "KBoundary"):
+            return cls(pattern_from_dict(params["pattern"], f"{where} ({name}).pattern"))
+        if name == "QBoundary":
+            pats = params["patterns"]
+            if not isinstance(pats, dict):
+                raise ValueError(f"{where} ({name}).patterns: expected an object {{modality name: pattern}}; "
+                                 f"received {type(pats).__name__}")
+            default = params.get("default")
+            return cls({m: pattern_from_dict(e, f"{where} ({name}).patterns[{m!r}]") for m, e in pats.items()},
+                       None if default is None else pattern_from_dict(default, f"{where} ({name}).default"))
+        pats = params["patterns"]
+        if not isinstance(pats, list) or not all(isinstance(e, dict) and set(e) == {"query", "key", "pattern"}
+                                                 for e in pats):
+            raise ValueError(f"{where} ({name}).patterns: expected a list of {{\"query\", \"key\", \"pattern\"}} "
+                             f"objects; received {pats!r}"[:400])
+        return cls({(e["query"], e["key"]): pattern_from_dict(e["pattern"], f"{where} ({name}).patterns[{i}]")
+                    for i, e in enumerate(pats)})
+    except ValueError as e:
+        if str(e).startswith(where):
+            raise
         raise ValueError(f"{where} ({name}).{e}") from e
 
 

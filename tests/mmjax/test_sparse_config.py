@@ -121,3 +121,60 @@ def test_layer_attention_plugs_into_the_model_hook():
     with pytest.raises(ValueError, match=r"q: expected \[B, T, N=4, D\]"):
         attn.for_layer(0)(q[:, :, :2], k[:, :, :1], v[:, :, :1], layer=0, q_positions=pos, kv_valid=valid,
                           modality=types)
+
+
+def _wrapped_config():
+    from mmjax.patterns import KBoundary, NoBoundary, QBoundary, TwoDBoundary
+    a = AShape(sink=16, local=48, **SMALL)
+    return SparseConfig(((NoBoundary(Dense(**SMALL)), KBoundary(a),
+                          QBoundary({"video": Grid(stride_space=(48,), **SMALL)}, default=a),
+                          TwoDBoundary({("video", "text"): a, ("text", "text"): Dense(**SMALL)})),))
+
+
+def test_round_trip_with_boundary_wrappers(tmp_path):
+    cfg = _wrapped_config()
+    cfg.save(tmp_path / "w.json")
+    data = json.loads((tmp_path / "w.json").read_text())
+    assert data["layers"][0][1]["params"]["pattern"]["pattern"] == "AShape"
+    assert {e["query"] for e in data["layers"][0][3]["params"]["patterns"]} == {"video", "text"}
+    assert SparseConfig.load(tmp_path / "w.json") == cfg
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d["layers"][0][1]["params"].pop("pattern"), r"layers\[0\]\[1\] \(KBoundary\)\.params: missing"),
+    (lambda d: d["layers"][0][1]["params"]["pattern"]["params"].update(local=-1),
+     r"layers\[0\]\[1\] \(KBoundary\)\.pattern \(AShape\)\.local: expected an int >= 1"),
+    (lambda d: d["layers"][0][2]["params"].update(patterns=[1]),
+     r"layers\[0\]\[2\] \(QBoundary\)\.patterns: expected an object"),
+    (lambda d: d["layers"][0][2]["params"]["patterns"].update(audio={"pattern": "Nope"}),
+     r"layers\[0\]\[2\] \(QBoundary\)\.patterns\['audio'\]\.pattern: expected one of"),
+    (lambda d: d["layers"][0][3]["params"]["patterns"][0].pop("key"),
+     r"layers\[0\]\[3\] \(TwoDBoundary\)\.patterns: expected a list of"),
+    (lambda d: d["layers"][0][3]["params"].update(extra=1), r"\(TwoDBoundary\)\.params: unknown parameter"),
+])
+def test_malformed_wrapper_fails_with_clear_message(edit, match):
+    d = _wrapped_config().to_dict()
+    edit(d)
+    with pytest.raises(ValueError, match=match):
+        SparseConfig.from_dict(d)
+
+
+def test_prefill_with_a_config_runs_the_tiny_vlm():
+    import jax
+
+    from mmjax.inference import prefill
+    from mmjax.patterns import QBoundary
+    from models.qwen2_5_vl import Qwen2_5_VL
+    from tests.models.helpers import small_config, video_prompt
+
+    cfg = small_config()
+    model = Qwen2_5_VL(cfg, dtype=jnp.float32, key=jax.random.key(7))
+    inputs = video_prompt(cfg, frames=12, rng=np.random.default_rng(0))  # 102 tokens, 96 video
+    dense = np.asarray(prefill(model, inputs).logits)
+    uniform = SparseConfig.uniform(Dense(**SMALL), num_layers=3, num_heads=4, options=REF)
+    np.testing.assert_allclose(np.asarray(prefill(model, inputs, attention=uniform).logits), dense, atol=1e-4)
+    q_video_sparse = QBoundary({"video": AShape(sink=0, local=16, **SMALL)}, default=Dense(**SMALL))
+    mixed = SparseConfig(((Dense(**SMALL),) * 4, (q_video_sparse, q_video_sparse, Dense(**SMALL), Dense(**SMALL)),
+                          (Dense(**SMALL),) * 4), options=REF)
+    got = np.asarray(prefill(model, inputs, attention=mixed).logits)
+    assert np.isfinite(got).all() and np.abs(got - dense).max() > 1e-4
