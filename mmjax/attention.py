@@ -22,7 +22,7 @@ from mmjax.layout_ops import AnyLayout, LayoutSet
 from mmjax.modality import as_modality
 from mmjax.patterns.base import KernelOptions, Pattern
 from mmjax.patterns.boundary import RowSplit, attend_any
-from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels import BlockLayout
 from pallas_kernels.block_sparse import validation
 
 
