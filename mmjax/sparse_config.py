@@ -27,6 +27,7 @@ import os
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from mmjax.attention import sparse_attention
 from mmjax.patterns import AShape, Dense, Grid, SFFixed, SFStrided, TriShape, VerticalSlash
@@ -169,9 +170,9 @@ class LayerSparseAttention:
     """The attention function of one layer (see ``models.attention``).
 
     Prefill from an empty cache (T == S: queries and keys are the same positions) runs the
-    per-head patterns with `sparse_attention`; the sparse path assumes no padding (it
-    ignores ``kv_valid``) and ``q_positions == arange(T)``. Other calls (decode over a
-    cache, T != S) run exact `dense_attention` with ``q_positions`` and ``kv_valid``.
+    per-head patterns with `sparse_attention` when the batch has no padding and
+    ``q_positions == arange(T)`` (checked on device; otherwise, and for decode over a cache
+    with T != S, exact `dense_attention` with ``q_positions`` and ``kv_valid`` runs).
     """
 
     patterns: tuple[Pattern, ...]
@@ -182,9 +183,19 @@ class LayerSparseAttention:
         if q.ndim != 4 or q.shape[2] != len(self.patterns):
             raise ValueError(f"q: expected [B, T, N={len(self.patterns)}, D] (the config's heads); "
                              f"received shape {tuple(q.shape)}")
+        def dense():
+            return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid).astype(q.dtype)
+
         if q.shape[1] != k.shape[1]:
-            return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid)
-        return sparse_attention(q, k, v, self.patterns, modality, options=self.options)
+            return dense()
+        # The sparse path knows no padding and assumes positions 0..T-1; a padded batch or
+        # shifted positions take the exact dense path instead of a silently wrong result.
+        plain = jnp.all(kv_valid) & jnp.all(q_positions == jnp.arange(q.shape[1])[None, :])
+        return jax.lax.cond(
+            plain,
+            lambda: sparse_attention(q, k, v, self.patterns, modality, options=self.options).astype(q.dtype),
+            dense,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

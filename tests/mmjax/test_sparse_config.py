@@ -121,6 +121,12 @@ def test_layer_attention_plugs_into_the_model_hook():
     with pytest.raises(ValueError, match=r"q: expected \[B, T, N=4, D\]"):
         attn.for_layer(0)(q[:, :, :2], k[:, :, :1], v[:, :, :1], layer=0, q_positions=pos, kv_valid=valid,
                           modality=types)
+    # A padded prefill (kv_valid not all true) is exact dense attention, never a sparse
+    # result that ignores the padding.
+    pad_valid = valid.at[:, :10].set(False)
+    got_p = attn.for_layer(0)(q, k, v, layer=0, q_positions=pos, kv_valid=pad_valid, modality=types)
+    want_p = dense_attention(q, k, v, q_positions=pos, kv_valid=pad_valid)
+    np.testing.assert_allclose(np.asarray(got_p), np.asarray(want_p), atol=1e-6)
 
 
 def _wrapped_config():
