@@ -22,6 +22,13 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def inverse_permutation(perm: jax.Array) -> jax.Array:
+    """int ``[..., L]`` permutations of 0..L-1 along the last axis -> their inverses (one
+    scatter; no sort)."""
+    idx = jnp.broadcast_to(jnp.arange(perm.shape[-1], dtype=perm.dtype), perm.shape)
+    return jnp.put_along_axis(jnp.zeros_like(perm), perm, idx, axis=-1, inplace=False)
+
+
 def pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
     """Zero-pad ``axis`` of ``x`` up to ``size`` (no-op when it already has that size)."""
     if x.shape[axis] == size:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.tiling import cdiv
+from pallas_kernels.tiling import cdiv, inverse_permutation
 
 
 @jax.tree_util.register_dataclass
@@ -272,8 +272,8 @@ class BlockLayout:
             pairs = pairs & (k_pos[..., None, :] <= q_pos[..., :, None])
         # Scatter permuted rows/cols back to original order.
         q_orig = q_pos - self.q_offset
-        inv_q = jnp.argsort(q_orig, axis=-1)
-        inv_k = jnp.argsort(k_pos, axis=-1)
+        inv_q = inverse_permutation(q_orig)
+        inv_k = inverse_permutation(k_pos)
         pairs = jnp.take_along_axis(pairs, inv_q[..., :, None], axis=-2)
         pairs = jnp.take_along_axis(pairs, inv_k[..., None, :], axis=-1)
         return pairs

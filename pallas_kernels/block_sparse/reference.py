@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.block_sparse.layout import BlockLayout
+from pallas_kernels.tiling import inverse_permutation
 
 _NEG_INF = float("-inf")
 
@@ -144,7 +145,7 @@ def block_sparse_attention_reference(
     out = jnp.einsum("ibnqd->bniqd", out).reshape(b, n, t_pad, d)[:, :, :t]
     lse = jnp.einsum("ibnq->bniq", lse).reshape(b, n, t_pad)[:, :, :t]
     # Back to original query order.
-    inv = jnp.argsort(q_orig, axis=-1)
+    inv = inverse_permutation(q_orig)
     out = jnp.take_along_axis(out, inv[..., None], axis=2)
     lse = jnp.take_along_axis(lse, inv, axis=2)
     return jnp.einsum("bntd->btnd", out).astype(q.dtype), lse

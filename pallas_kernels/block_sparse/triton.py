@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.block_sparse.layout import BlockLayout
 
-from pallas_kernels.tiling import LN2, LOG2E
+from pallas_kernels.tiling import LN2, LOG2E, inverse_permutation
 from pallas_kernels.tiling import next_pow2 as _next_pow2
 from pallas_kernels.tiling import pad_to as _pad_to
 
@@ -265,7 +265,7 @@ def block_sparse_attention_triton(
     )
     lse = lse[:, :, :t]
     if layout.q_perm is not None:
-        inv = jnp.argsort(jnp.broadcast_to(layout.q_perm, (b, n, t)), axis=-1)
+        inv = jnp.broadcast_to(inverse_permutation(jnp.clip(layout.q_perm, 0, t - 1)), (b, n, t))
         out = jnp.take_along_axis(out[:, :, :t, :d], inv[..., None], axis=2)
         out = jnp.einsum("bntd->btnd", out)
         lse = jnp.take_along_axis(lse, inv, axis=2)
