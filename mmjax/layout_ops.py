@@ -63,10 +63,7 @@ class LayoutSet:
         return out
 
     def density(self, causal: bool = True) -> jax.Array:
-        total = self.parts[0].density(causal)
-        for p in self.parts[1:]:
-            total = total + p.density(causal)
-        return total
+        return summed_density(self.parts, causal)
 
     @property
     def q_len(self) -> int:
@@ -78,6 +75,14 @@ class LayoutSet:
 
 
 AnyLayout = BlockLayout | LayoutSet
+
+
+def summed_density(parts, causal: bool = True) -> jax.Array:
+    """Sum of the parts' densities (the tiles all their kernel launches compute), ``[B|1, N|1]``."""
+    total = parts[0].density(causal)
+    for p in parts[1:]:
+        total = total + p.density(causal)
+    return total
 
 
 def attend_layout(q, k, v, layout: AnyLayout, *, sm_scale=None, implementation=None,

@@ -28,7 +28,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from mmjax.layout_ops import AnyLayout, LayoutSet, attend_layout
+from mmjax.layout_ops import AnyLayout, LayoutSet, attend_layout, summed_density
 from mmjax.modality import Modality
 from mmjax.patterns.base import KernelOptions, Pattern
 from pallas_kernels import BlockLayout
@@ -70,10 +70,7 @@ class RowSplit:
 
     def density(self, causal: bool = True) -> jax.Array:
         """Tiles the kernels compute (all parts, discarded rows included) over causal pairs."""
-        total = self.parts[0].density(causal)
-        for p in self.parts[1:]:
-            total = total + p.density(causal)
-        return total
+        return summed_density(self.parts, causal)
 
     def attend(self, q, k, v, *, sm_scale=None, implementation=None, interpret=False):
         """out ``[B, T, N, D]``, lse ``[B, N, T]``: each row from its kind's part."""
