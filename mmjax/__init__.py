@@ -16,3 +16,6 @@ from mmjax.modality import Modality  # noqa: E402
 __all__ += ["Modality"]
 from mmjax.sparse_config import SparseConfig  # noqa: E402
 __all__ += ["SparseConfig"]
+from mmjax import speculative  # noqa: E402
+from mmjax.generate import GenerateOutput, generate  # noqa: E402
+__all__ += ["GenerateOutput", "generate", "speculative"]

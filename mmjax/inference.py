@@ -34,13 +34,17 @@ class PrefillOutput:
     """logits: float32 [B, V] at each row's last valid token; cache: KVCache preallocated to
     ``max_length`` slots; hidden_states: {HF hidden-state index: [B, T, H]} (0 = embeddings, i = output
     of layer i-1, L = final normed); token_types: int32 [B, T] (0 text, 1 image, 2 video);
-    rope_deltas: int32 [B]."""
+    rope_deltas: int32 [B]; input_ids: int32 [B, T]; position_ids: int32 [3, B, T] (M-RoPE ids);
+    attention_mask: bool [B, T]."""
 
     logits: jax.Array
     cache: KVCache
     hidden_states: dict[int, jax.Array]
     token_types: jax.Array
     rope_deltas: jax.Array
+    input_ids: jax.Array
+    position_ids: jax.Array
+    attention_mask: jax.Array
 
 
 def _check_model(model):
@@ -77,7 +81,7 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
         model, p.input_ids, image_feats, video_feats, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas, attention=layer_attention,
         max_length=max_length, hidden_layers=hidden_layers, mlp_chunk=mlp_chunk)
     return PrefillOutput(logits, cache, {i: hidden[j] for j, i in enumerate(hidden_layers)}, p.token_types,
-                         p.rope_deltas)
+                         p.rope_deltas, p.input_ids, p.position_ids, p.attention_mask)
 
 
 def decode_step(model, cache: KVCache, tokens: jax.Array, attention: Any = "dense"):
@@ -92,3 +96,7 @@ def decode_step(model, cache: KVCache, tokens: jax.Array, attention: Any = "dens
     if isinstance(attention, str) and attention == "cudnn":
         raise ValueError("attention: 'cudnn' is prefill-only; decode with 'dense' or a callable")
     return qwen_vl.decode_step(model, cache, tokens, resolve_attention(attention))
+
+
+jax.tree_util.register_dataclass(PrefillOutput, data_fields=[f.name for f in dataclasses.fields(PrefillOutput)],
+                                 meta_fields=[])

@@ -10,7 +10,8 @@ An *attention function* has the signature::
                  under ``lax.scan``; see ``LayerAttention``)
     q_positions: int32 [B, T]   index in the key sequence of each query (causal: key j is visible to
                  query i iff j <= q_positions[i]); prefill passes arange(T), decode the cache slot
-    kv_valid:    bool [B, S]    False for padding / unwritten cache slots
+    kv_valid:    bool [B, S]    False for padding / unwritten cache slots; dense attention also takes
+                 a per-query mask bool [B, T, S] (tree attention in speculative decoding)
     modality:    int32 [B, S] or None   token type of each key position: 0 text, 1 image, 2 video
                  (in prefill S == T, so it is also the queries' modality); None in decode
     out:         [B, T, N, D] in q.dtype
@@ -42,8 +43,9 @@ def _check_qkv(q, k, v, q_positions, kv_valid):
         raise ValueError(f"k: expected [B={b}, S, K, D={d}] with N={n} divisible by K, got {k.shape}")
     if q_positions.shape != (b, t):
         raise ValueError(f"q_positions: expected shape {(b, t)}, got {q_positions.shape}")
-    if kv_valid.shape != (b, k.shape[1]):
-        raise ValueError(f"kv_valid: expected shape {(b, k.shape[1])}, got {kv_valid.shape}")
+    if kv_valid.shape not in ((b, k.shape[1]), (b, t, k.shape[1])):
+        raise ValueError(f"kv_valid: expected shape {(b, k.shape[1])} or per query {(b, t, k.shape[1])}, "
+                         f"got {kv_valid.shape}")
 
 
 def _direct(q, k, v, q_positions, kv_valid, scale, causal):
@@ -51,7 +53,7 @@ def _direct(q, k, v, q_positions, kv_valid, scale, causal):
     s_len, kh = k.shape[1], k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, d)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = kv_valid[:, None, None, None, :]
+    mask = kv_valid[:, None, None, None, :] if kv_valid.ndim == 2 else kv_valid[:, None, None, :, :]
     if causal:
         mask = mask & (q_positions[:, None, None, :, None] >= jnp.arange(s_len)[None, None, None, None, :])
     s = jnp.where(mask, s, -jnp.inf)
@@ -76,10 +78,15 @@ def _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k):
     qpos = jnp.pad(q_positions, ((0, 0), (0, tp - t))).reshape(b, nq, block_q)
     kp = jnp.pad(k, ((0, 0), (0, sp - s_len), (0, 0), (0, 0)))
     vp = jnp.pad(v, ((0, 0), (0, sp - s_len), (0, 0), (0, 0)))
-    valid = jnp.pad(kv_valid, ((0, 0), (0, sp - s_len)))
+    per_query = kv_valid.ndim == 3
+    if per_query:  # [B, T, S] -> [nq, B, bq, sp]
+        valid = jnp.pad(kv_valid, ((0, 0), (0, tp - t), (0, sp - s_len))).reshape(b, nq, block_q, sp)
+        valid = jnp.moveaxis(valid, 1, 0)
+    else:
+        valid = jnp.pad(kv_valid, ((0, 0), (0, sp - s_len)))
 
     def one_q_block(args):
-        qc, qp = args  # [B, bq, K, G, D], [B, bq]
+        qc, qp, vq = args  # [B, bq, K, G, D], [B, bq], [B, bq, sp] per-query mask or None
         hi = jnp.minimum(nk, jnp.max(qp) // block_k + 1) if causal else nk
 
         def body(j, carry):
@@ -87,7 +94,10 @@ def _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k):
             start = j * block_k
             kc = jax.lax.dynamic_slice_in_dim(kp, start, block_k, axis=1)
             vc = jax.lax.dynamic_slice_in_dim(vp, start, block_k, axis=1)
-            ok = jax.lax.dynamic_slice_in_dim(valid, start, block_k, axis=1)[:, None, None, None, :]
+            if per_query:
+                ok = jax.lax.dynamic_slice_in_dim(vq, start, block_k, axis=2)[:, None, None, :, :]
+            else:
+                ok = jax.lax.dynamic_slice_in_dim(valid, start, block_k, axis=1)[:, None, None, None, :]
             if causal:
                 ok = ok & (qp[:, None, None, :, None] >= (start + jnp.arange(block_k))[None, None, None, None, :])
             s = jnp.einsum("bqkgd,bskd->bkgqs", qc, kc, preferred_element_type=jnp.float32) * scale
@@ -106,7 +116,8 @@ def _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k):
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
         return jnp.einsum("bkgqd->bqkgd", out).astype(q.dtype)
 
-    out = jax.lax.map(one_q_block, (jnp.moveaxis(qg, 1, 0), jnp.moveaxis(qpos, 1, 0)))  # [nq, B, bq, K, G, D]
+    out = jax.lax.map(one_q_block, (jnp.moveaxis(qg, 1, 0), jnp.moveaxis(qpos, 1, 0),
+                                    valid if per_query else None))  # [nq, B, bq, K, G, D]
     out = jnp.moveaxis(out, 0, 1).reshape(b, tp, n, d)
     return out[:, :t]
 

@@ -220,3 +220,27 @@ class KVCache:
 
 
 jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v", "valid", "length", "next_position"], meta_fields=[])
+
+
+def compact_cache(cache: KVCache, write_slot: jax.Array, src: jax.Array, count: jax.Array) -> KVCache:
+    """Keep a per-row subsequence of a block of freshly written slots (speculative decoding).
+
+    ``n`` slots starting at ``write_slot`` were written (e.g. a verified token tree). For each row b,
+    slots ``write_slot + src[b, i]`` (i < count[b]) are moved to ``write_slot + i`` and marked valid;
+    the other slots of the block stay invalid. The length grows by ``max(count)`` (rows that keep
+    fewer slots leave invalid gaps); ``next_position`` grows by ``count``.
+
+    write_slot: int32 scalar; src: int32 [B, C] offsets into the block, in increasing order;
+    count: int32 [B] in [0, C].
+    """
+    b, c = src.shape
+    slots = write_slot + src.astype(jnp.int32)  # [B, C]
+
+    def move(x):  # x: [L, B, S, K, D]
+        picked = jnp.take_along_axis(x, slots[None, :, :, None, None], axis=2)
+        return jax.lax.dynamic_update_slice_in_dim(x, picked, write_slot, axis=2)
+
+    keep = jnp.arange(c)[None, :] < count[:, None]
+    valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, keep, write_slot, axis=1)
+    return KVCache(move(cache.k), move(cache.v), valid, write_slot + jnp.max(count).astype(jnp.int32),
+                   cache.next_position + count.astype(jnp.int32))

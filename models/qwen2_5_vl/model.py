@@ -239,3 +239,26 @@ def decode_step(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, attention:
     logits = jnp.where(full, jnp.nan, logits)
     new = KVCache(ck, cv, valid, cache.length + (~full), cache.next_position + (~full))
     return logits, new
+
+
+@functools.partial(jax.jit, static_argnames=("hidden_layers",), donate_argnames=("cache",))
+def cached_forward(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, positions: jax.Array, write_slot: jax.Array,
+                   kv_mask: jax.Array, hidden_layers: tuple = ()):
+    """Run text tokens against the cache with an arbitrary per-token visibility mask (token trees).
+
+    tokens: int [B, n] written at slots ``write_slot .. write_slot + n - 1``; positions: int32 [B, n]
+    M-RoPE position of each token (the same on the three axes, as for generated text); kv_mask: bool
+    [B, n, S] keys each token may see (it must hide slots after the token's own slot). The cache's
+    ``valid`` / ``length`` / ``next_position`` are not changed (commit with ``compact_cache``); the
+    input cache is donated. Dense attention.
+
+    Returns (logits float32 [B, n, V], hidden [len(hidden_layers), B, n, H] in HF numbering, cache).
+    """
+    b, n = tokens.shape
+    x = embed_tokens(model.language_model, tokens.astype(jnp.int32))
+    pos = jnp.broadcast_to(positions.astype(jnp.int32)[None], (3, b, n))
+    slots = jnp.broadcast_to(write_slot + jnp.arange(n, dtype=jnp.int32), (b, n))
+    li = _layer_inputs(model.config, pos, slots, kv_mask, None, write_slot)
+    h, ck, cv, hidden = run_decoder(model.language_model, x, li, resolve_attention("dense"), cache_k=cache.k,
+                                    cache_v=cache.v, attend_cache=True, hidden_layers=hidden_layers)
+    return lm_logits(model.language_model, h), hidden, dataclasses.replace(cache, k=ck, v=cv)

@@ -1,0 +1,57 @@
+"""The target model used as its own draft (an oracle for tests and for upper bounds).
+
+Implements the draft protocol of ``mmjax.speculative.draft`` with a private copy of the target's KV
+cache: ``extend`` runs the target on the accepted tokens, ``expand`` runs it on the tree frontier
+with tree attention. With greedy decoding every level of its tree holds the target's own argmax,
+so each speculative step accepts ``depth`` tokens (tau = depth + 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models.qwen2_5_vl.model import cached_forward
+from models.qwen2_text import compact_cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetDraft:
+    """Stateless: the target passed to each call does the drafting."""
+
+    feature_layer = None  # needs no target features
+
+    def begin(self, target, prefill, first_tokens, n_keep: int, extra_slots: int, tree):
+        del n_keep, extra_slots
+        cache = jax.tree.map(jnp.copy, prefill.cache)
+        if cache.max_length - int(prefill.input_ids.shape[1]) < max(tree.expanded_slots, 1):
+            raise ValueError("prefill: the cache needs room for the draft tree after the prompt")
+        b = first_tokens.shape[0]
+        return self.extend(target, cache, first_tokens.reshape(b, 1), None, cache.next_position.reshape(b, 1),
+                           jnp.ones((b,), jnp.int32))
+
+    def extend(self, target, state, tokens, features, positions, count):
+        del features
+        b, c = tokens.shape
+        s = state.max_length
+        rel = jnp.arange(s)[None, None, :] - state.length
+        own = (rel >= 0) & (rel <= jnp.arange(c)[None, :, None]) & (rel < count[:, None, None])
+        mask = (state.valid[:, None, :] & (rel < 0)) | own
+        logits, _, cache = cached_forward(target, state, tokens, positions, state.length, mask)
+        cache = compact_cache(cache, state.length, jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)), count)
+        idx = jnp.clip(count - 1, 0, c - 1)[:, None, None]
+        h = target.config.text.hidden_size
+        return cache, jnp.zeros((b, 1, h), jnp.float32), jnp.take_along_axis(logits, idx, 1)
+
+    def expand(self, target, state, level: int, tokens, parent_z, positions, ancestors):
+        del parent_z
+        b, kk = tokens.shape
+        s = state.max_length
+        pool = jnp.zeros((b, kk, s), bool)
+        pool = jax.lax.dynamic_update_slice_in_dim(pool, ancestors, state.length, axis=2)
+        mask = (state.valid[:, None, :] & (jnp.arange(s) < state.length)[None, None, :]) | pool
+        logits, _, cache = cached_forward(target, state, tokens, positions, state.length + (level - 1) * kk, mask)
+        return cache, jnp.zeros((b, kk, target.config.text.hidden_size), jnp.float32), logits
