@@ -113,7 +113,7 @@ def _verify_fn(tree: TreeConfig):
     return fn
 
 
-def run(cfg: SpecBenchConfig, model, on_gpu: bool) -> list[dict]:
+def run(cfg: SpecBenchConfig, model, on_gpu: bool, on_row=None) -> list[dict]:
     c = model.config.text
     dtype = model.language_model.embed[...].dtype
     key = jax.random.key(1)
@@ -164,6 +164,8 @@ def run(cfg: SpecBenchConfig, model, on_gpu: bool) -> list[dict]:
                 row[f"proj_speedup_tau{tau}"] = tau * row["decode_ms"] / row["step_ms"]
             rows.append(row)
             print(row, flush=True)
+            if on_row is not None:
+                on_row(rows)
             del cache, holder, dstate
             gc.collect()
     return rows
@@ -199,16 +201,19 @@ def main(argv: list[str] | None = None) -> int:
                                   generated_slots=32)
         model = _tiny_model(jnp.float32)
         shape = "tiny"
-    rows = run(cfg, model, on_gpu)
+    def save(rows, table=None):
+        return write_result(args.out, args.name, {"config": dataclasses.asdict(cfg), "model_shape": shape,
+                                                  "layers": model.config.text.num_hidden_layers, "rows": rows,
+                                                  "table": table, "device": device_name(),
+                                                  "note": "speedups are projections: tau * t_decode / t_step"})
+
+    rows = run(cfg, model, on_gpu, save)
     cols = [("tree", "tree", "s"), ("visual_tokens", "visual", "d"), ("draft_round_vata_ms", "round VATA ms", ".3f"),
             ("draft_round_full_kv_ms", "round full-KV ms", ".3f"), ("decode_ms", "decode ms", ".3f"),
             ("verify_ms", "verify ms", ".3f"), ("step_ms", "spec step ms", ".3f"),
             ("verify_over_decode", "verify/decode", ".2f")] + \
         [(f"proj_speedup_tau{t}", f"proj x @tau={t}", ".2f") for t in cfg.taus]
     table = print_table(rows, cols)
-    path = write_result(args.out, args.name, {"config": dataclasses.asdict(cfg), "model_shape": shape,
-                                                  "layers": model.config.text.num_hidden_layers, "rows": rows,
-                                                  "table": table, "device": device_name(),
-                                                  "note": "speedups are projections: tau * t_decode / t_step"})
+    path = save(rows, table)
     print("wrote", path)
     return 0
