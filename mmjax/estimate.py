@@ -17,30 +17,46 @@ import jax.numpy as jnp
 
 
 @functools.partial(jax.jit, static_argnames=("last_q", "sm_scale"))
-def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | None = None
+def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | None = None,
+                  rows: jax.Array | None = None, k_valid: jax.Array | None = None
                   ) -> tuple[jax.Array, jax.Array]:
-    """q ``[B,T,N,D]``, k ``[B,S,K,D]`` -> (vertical, slash), each float32 ``[B,N,S]``."""
+    """q ``[B,T,N,D]``, k ``[B,S,K,D]`` -> (vertical, slash), each float32 ``[B,N,S]``.
+
+    rows: int32 ``[B, last_q]`` original query indices of the estimation rows (default: the
+    last ``last_q`` queries); k_valid: bool ``[B, S]`` keys taking part (default all).
+    vertical is indexed by key position, slash by offset d = query position - key position;
+    causality is on original positions. Rows seeing no valid key add nothing.
+    """
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     if not 1 <= last_q <= t:
         raise ValueError(f"last_q: expected 1 <= last_q <= T={t}; received {last_q}")
+    if rows is None:
+        rows = jnp.broadcast_to(jnp.arange(t - last_q, t, dtype=jnp.int32), (b, last_q))
+    elif tuple(rows.shape) != (b, last_q):
+        raise ValueError(f"rows: expected shape [{b}, {last_q}] ([B, last_q]); received {list(rows.shape)}")
     groups = n // kh
     scale = d ** -0.5 if sm_scale is None else sm_scale
-    q_last = q[:, t - last_q:]  # [B, L, N, D]
-    q_pos = s - last_q + jnp.arange(last_q)  # original positions of the last rows
+    q_last = jnp.take_along_axis(q, rows[:, :, None, None], axis=1)  # [B, L, N, D]
+    q_pos = rows + (s - t)  # original positions of the estimation rows, [B, L]
     k_pos = jnp.arange(s)
-    causal = k_pos[None, :] <= q_pos[:, None]  # [L, S]
-    diag_idx = q_pos[:, None] - k_pos[None, :]  # [L, S]: key index for offset d = column
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, L, S]
+    if k_valid is not None:
+        allowed = allowed & k_valid[:, None, :]
+    diag_idx = q_pos[:, :, None] - k_pos[None, None, :]  # [B, L, S]: key index for offset d = column
 
     def one_head(h):
         qh = jax.lax.dynamic_index_in_dim(q_last, h, axis=2, keepdims=False)  # [B, L, D]
         kk = jax.lax.dynamic_index_in_dim(k, h // groups, axis=2, keepdims=False)  # [B, S, D]
         logits = jnp.einsum("bld,bsd->bls", qh, kk, preferred_element_type=jnp.float32) * scale
-        a = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)  # [B, L, S]
+        logits = jnp.where(allowed, logits, -jnp.inf)
+        m = logits.max(-1, keepdims=True)
+        e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+        a = e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30)  # [B, L, S]; 0 for empty rows
         vertical = a.sum(1)
         # slash[d] = sum_r a[r, pos_r - d]; indices < 0 are outside the sequence.
-        gathered = jnp.take_along_axis(a, jnp.clip(diag_idx, 0, s - 1)[None], axis=-1)
-        slash = jnp.where(diag_idx[None] >= 0, gathered, 0.0).sum(1)
+        gathered = jnp.take_along_axis(a, jnp.clip(diag_idx, 0, s - 1), axis=-1)
+        slash = jnp.where(diag_idx >= 0, gathered, 0.0).sum(1)
         return vertical / last_q, slash / last_q
 
     vertical, slash = jax.lax.map(one_head, jnp.arange(n))  # [N, B, S]

@@ -48,6 +48,13 @@ class Pattern(abc.ABC):
         """Estimate the index online from q/k and return the layout (jit-able): a
         `BlockLayout`, or a `LayoutSet` of disjoint parts."""
 
+    def build_placed(self, q: jax.Array, k: jax.Array, placement) -> AnyLayout:
+        """The layout inside a boundary wrapper: rows and keys in the order and grouping of
+        ``placement`` (`mmjax.placement.Placement`), rules on original positions. Patterns
+        without a position-aware layout cannot run inside a wrapper."""
+        raise ValueError(f"pattern: {self.name} has no position-aware layout, so it cannot run inside a "
+                         f"boundary wrapper; expected Dense, AShape, TriShape, VerticalSlash or Grid")
+
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, modality=None,
                options: KernelOptions = KernelOptions()) -> tuple[jax.Array, jax.Array]:
         """out ``[B, T, N, D]``, lse ``[B, N, T]``: block-sparse attention on the built layout."""

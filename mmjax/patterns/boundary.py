@@ -1,23 +1,26 @@
 """Inter-modality wrappers around intra-modality patterns (MMInference boundaries).
 
 * `NoBoundary(p)`: the intra pattern on the original order, index estimated globally.
-* `KBoundary(p)`: keys permuted by modality (stable sort by kind id, so each modality's keys
-  are contiguous); the intra pattern is estimated globally on that key order.
-* `QBoundary({name: p})`: for each query modality m, queries are permuted so that m's rows
+* `KBoundary(p)`: keys packed by modality (each kind's keys contiguous, in position order);
+  the intra pattern estimated globally, its rules on original positions (so its key blocks
+  hold one modality; order-based rules such as A-shape's sink take the first keys of the
+  first modality).
+* `QBoundary({name: p})`: for each query modality m, rows are permuted so that m's rows
   come last; m's pattern is estimated from the last queries of m and built for every row;
   query blocks holding no row of m are dropped. Each row takes the result of its own
   modality's part (`RowSplit`).
-* `TwoDBoundary({(mq, mk): p})`: as QBoundary for the queries; within a query modality, keys
-  are permuted by modality and each pair's pattern keeps only the key blocks owned by mk (a
-  key block, and every single column inside it, belongs to the modality of the block's
-  first key), so the pairs of one query modality are disjoint and are merged by lse
+* `TwoDBoundary({(mq, mk): p})`: as QBoundary for the queries; each pair's pattern sees the
+  keys of mk only (packed first; estimation over them), so every key is attended through
+  the pattern of its own modality: a key block straddling mk's last key becomes single
+  columns. The pairs of one query modality are disjoint and are merged by lse
   (`LayoutSet`). Pairs not listed are not computed.
 
-Every permutation is a `BlockLayout` ``q_perm`` / ``kv_perm``: the kernel applies causality
-on original positions, so each wrapper computes exactly ``layout.to_dense_mask()``.
-Intra patterns that carry their own permutations (Grid) compose with QBoundary and
-KBoundary; TwoDBoundary needs key blocks in the common modality order and rejects them.
-Modality names key the dicts; kinds missing from a QBoundary use ``default`` if given.
+Inner patterns build through `Pattern.build_placed` (`mmjax.placement`): windows, slash
+offsets, Grid line phases and causal cut-offs are on original positions whatever the
+permutation. Every permutation is a `BlockLayout` ``q_perm`` / ``kv_perm``: the kernel
+applies causality on original positions, so each wrapper computes exactly
+``layout.to_dense_mask()``. Patterns with their own permutation (Grid) compose with every
+wrapper. Modality names key the dicts; kinds missing from a QBoundary use ``default``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 
 from mmjax.layout_ops import AnyLayout, LayoutSet, attend_layout, summed_density
 from mmjax.modality import Modality
+from mmjax.placement import Placement, restrict_to_valid
 from mmjax.patterns.base import KernelOptions, Pattern
 from pallas_kernels import BlockLayout
 from pallas_kernels.block_sparse.layout import cdiv
@@ -106,34 +110,6 @@ def _sort_perm(keys: jax.Array) -> jax.Array:
     return jnp.argsort(keys, axis=-1, stable=True).astype(jnp.int32)
 
 
-def _gather_rows(x: jax.Array, perm: jax.Array) -> jax.Array:
-    """x ``[B, L, H, D]`` permuted along L by perm ``[B, L]``."""
-    return jnp.take_along_axis(x, perm[:, :, None, None], axis=1)
-
-
-def _compose(outer: jax.Array, inner: jax.Array | None) -> jax.Array:
-    """outer ``[B, L]`` (original index of each wrapper-permuted row), inner ``[B|1, N|1, L]``
-    or None (intra pattern's own permutation) -> int32 ``[B, N|1, L]``."""
-    outer = outer[:, None]
-    if inner is None:
-        return outer
-    lead = jnp.broadcast_shapes(outer.shape[:2], inner.shape[:2])
-    return jnp.take_along_axis(jnp.broadcast_to(outer, lead + outer.shape[2:]),
-                               jnp.broadcast_to(inner, lead + inner.shape[2:]), axis=-1).astype(jnp.int32)
-
-
-def _with_perms(layout: AnyLayout, q_outer: jax.Array | None, kv_outer: jax.Array | None) -> AnyLayout:
-    parts = []
-    for p in _parts(layout):
-        changes = {}
-        if q_outer is not None:
-            changes["q_perm"] = _compose(q_outer, p.q_perm)
-        if kv_outer is not None:
-            changes["kv_perm"] = _compose(kv_outer, p.kv_perm)
-        parts.append(p.replace(**changes))
-    return _rebuild(layout, parts)
-
-
 def _keep_query_blocks(part: BlockLayout, q_kind: jax.Array, kind: int) -> BlockLayout:
     """Zero the counts of query blocks holding no row of ``kind`` (q_kind ``[B, T]``)."""
     t, bq = part.q_len, part.block_q
@@ -149,39 +125,6 @@ def _keep_query_blocks(part: BlockLayout, q_kind: jax.Array, kind: int) -> Block
     return part.replace(**changes)
 
 
-def _keep_key_blocks(part: BlockLayout, k_kind_sorted: jax.Array, kind: int) -> BlockLayout:
-    """Keep the listed key blocks whose first key (in the common modality order,
-    k_kind_sorted ``[B, S]``) is of ``kind``, and the columns inside such blocks; compact."""
-    s, bk = part.kv_len, part.block_k
-    nk = cdiv(s, bk)
-    owner = k_kind_sorted[:, ::bk][:, None, None, :nk]  # [B, 1, 1, nk]
-    b = k_kind_sorted.shape[0]
-    blocks = jnp.clip(part.kv_blocks, 0, nk - 1)
-    lead = (b,) + jnp.broadcast_shapes(part.kv_blocks.shape[1:2], part.kv_block_count.shape[1:2])
-    nq = part.kv_block_count.shape[2]
-    blocks = jnp.broadcast_to(blocks, lead + (nq, blocks.shape[-1]))
-    count = jnp.broadcast_to(part.kv_block_count, lead + (nq,))
-    valid = jnp.arange(blocks.shape[-1]) < count[..., None]
-    keep = valid & (jnp.take_along_axis(jnp.broadcast_to(owner, lead + (nq, nk)), blocks, -1) == kind)
-    order = jnp.argsort(~keep, axis=-1, stable=True)
-    new_blocks = jnp.take_along_axis(blocks, order, -1)
-    new_count = keep.sum(-1).astype(jnp.int32)
-    new_blocks = jnp.where(jnp.arange(blocks.shape[-1]) < new_count[..., None], new_blocks, 0).astype(jnp.int32)
-    changes = dict(kv_blocks=new_blocks, kv_block_count=new_count)
-    if part.kv_columns is not None:
-        cols = jnp.broadcast_to(part.kv_columns, lead + (nq, part.kv_columns.shape[-1]))
-        ccount = jnp.broadcast_to(part.kv_column_count, lead + (nq,))
-        cvalid = jnp.arange(cols.shape[-1]) < ccount[..., None]
-        ck = jnp.take_along_axis(jnp.broadcast_to(owner, lead + (nq, nk)), jnp.clip(cols, 0, s - 1) // bk, -1)
-        ckeep = cvalid & (ck == kind)
-        corder = jnp.argsort(~ckeep, axis=-1, stable=True)
-        new_ccount = ckeep.sum(-1).astype(jnp.int32)
-        new_cols = jnp.take_along_axis(cols, corder, -1)
-        changes["kv_columns"] = jnp.where(jnp.arange(cols.shape[-1]) < new_ccount[..., None], new_cols, 0).astype(jnp.int32)
-        changes["kv_column_count"] = new_ccount
-    return part.replace(**changes)
-
-
 # --------------------------------------------------------------------- helpers
 def _need_modality(modality, who: str) -> Modality:
     if not isinstance(modality, Modality):
@@ -190,24 +133,31 @@ def _need_modality(modality, who: str) -> Modality:
     return modality
 
 
+def _present(m: Modality) -> frozenset[int]:
+    """Kinds that occur (from the static spans; every kind when they are unknown)."""
+    if m.spans is None:
+        return frozenset(range(m.num_kinds))
+    return frozenset(kind for row in m.spans for kind, _, _ in row)
+
+
 def _check_inner(name: str, p) -> None:
     if not isinstance(p, Pattern):
         raise ValueError(f"{name}: expected an mmjax.patterns pattern; received {type(p).__name__}")
 
 
-def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, kv_outer=None,
-                           who: str | None = None) -> AnyLayout:
+def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, k_valid=None) -> AnyLayout:
     """The intra layout of one query modality: rows of ``kind`` moved last (stable), the
-    pattern estimated from them (on keys permuted by ``kv_outer`` when given), query blocks
-    without such rows dropped. ``who`` set: reject intra layouts with their own key order."""
-    q_perm = _sort_perm((q_kind == kind).astype(jnp.int32))
-    k_in = k if kv_outer is None else _gather_rows(k, kv_outer)
-    inner = pattern.build_layout(_gather_rows(q, q_perm), k_in, modality=None)
-    if who is not None and any(p.kv_perm is not None for p in _parts(inner)):
-        raise ValueError(f"patterns[{who}]: expected an intra pattern without its own key permutation "
-                         f"(TwoDBoundary keeps key blocks in modality order); received {type(pattern).__name__}")
-    layout = _with_perms(inner, q_perm, kv_outer)
-    return _rebuild(layout, [_keep_query_blocks(p, q_kind, kind) for p in _parts(layout)])
+    pattern estimated from them over the valid keys, query blocks without such rows
+    dropped, listed keys restricted to the valid ones (exactly, per key)."""
+    rows = _sort_perm((q_kind == kind).astype(jnp.int32))
+    b, s = k.shape[0], k.shape[1]
+    pl = Placement(rows=rows, k_group=jnp.zeros((b, s), jnp.int32), k_valid=k_valid)
+    layout = pattern.build_placed(q, k, pl)
+    parts = [_keep_query_blocks(p, q_kind, kind) for p in _parts(layout)]
+    if k_valid is not None:
+        n_valid = k_valid.sum(-1).astype(jnp.int32)[:, None]
+        parts = [restrict_to_valid(p, n_valid) for p in parts]
+    return _rebuild(layout, parts)
 
 
 class _Wrapper(Pattern):
@@ -244,9 +194,10 @@ class KBoundary(_Wrapper):
 
     def build_layout(self, q, k, *, modality=None) -> AnyLayout:
         m = _need_modality(modality, "KBoundary")
-        kv_perm = _sort_perm(m.ids)
-        inner = self.pattern.build_layout(q, _gather_rows(k, kv_perm), modality=None)
-        return _with_perms(inner, None, kv_perm)
+        b, t = q.shape[0], q.shape[1]
+        pl = Placement(rows=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), k_group=m.ids,
+                       num_groups=m.num_kinds)
+        return self.pattern.build_placed(q, k, pl)
 
 
 def _items(name: str, mapping, key_ok) -> tuple:
@@ -291,6 +242,8 @@ class QBoundary(_Wrapper):
         q_kind = m.query_ids(q.shape[1])
         parts, kinds = [], []
         for kind, name in enumerate(m.names):
+            if kind not in _present(m):
+                continue
             pattern = given.get(name, self.default)
             layout = _query_modality_layout(pattern, q, k, q_kind, kind)
             parts.append(layout)
@@ -318,18 +271,18 @@ class TwoDBoundary(_Wrapper):
         if unknown:
             raise ValueError(f"patterns: expected modality names from {m.names}; received {unknown}")
         q_kind = m.query_ids(q.shape[1])
-        kv_perm = _sort_perm(m.ids)
-        k_kind_sorted = jnp.take_along_axis(m.ids, kv_perm, axis=-1)
         parts, kinds = [], []
         for qk, q_name in enumerate(m.names):
-            pairs = [(k_name, p) for (qn, k_name), p in self.patterns if qn == q_name]
+            pairs = [(k_name, p) for (qn, k_name), p in self.patterns
+                     if qn == q_name and m.kind(k_name) in _present(m)]
+            if qk not in _present(m):
+                continue
             if not pairs:
                 continue
             pair_parts = []
             for k_name, pattern in pairs:
-                layout = _query_modality_layout(pattern, q, k, q_kind, qk, kv_outer=kv_perm,
-                                                who=repr((q_name, k_name)))
-                pair_parts += [_keep_key_blocks(p, k_kind_sorted, m.kind(k_name)) for p in _parts(layout)]
+                layout = _query_modality_layout(pattern, q, k, q_kind, qk, k_valid=m.ids == m.kind(k_name))
+                pair_parts += list(_parts(layout))
             parts.append(LayoutSet(tuple(pair_parts)))
             kinds.append(qk)
         return RowSplit(tuple(parts), q_kind, tuple(kinds))

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax import placement as plc
 from mmjax.estimate import last_q_scores
 from mmjax.layout_ops import LayoutSet
 from mmjax.patterns.base import Pattern, check_block, check_positive
@@ -87,13 +88,14 @@ class Grid(Pattern):
                              f"S={s}); received {self.stride_space!r}")
         return cands
 
-    def estimate(self, q, k) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def estimate(self, q, k, *, rows=None, k_valid=None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Stride int32 ``[B,N]``, phases int32 ``[B,N,phases]`` and lift float32 ``[B,N]``
-        (mass of the chosen phases per key kept, relative to uniform attention)."""
+        (mass of the chosen phases per key kept, relative to uniform attention). rows /
+        k_valid: estimation rows and keys as in `last_q_scores`."""
         t, s = q.shape[1], k.shape[1]
         if self.last_q > t:
             raise ValueError(f"last_q: expected last_q <= T={t} (query length); received {self.last_q}")
-        vertical, _ = last_q_scores(q, k, last_q=self.last_q)
+        vertical, _ = last_q_scores(q, k, last_q=self.last_q, rows=rows, k_valid=k_valid)
         cands = self.candidate_strides(s)
         lifts, masses, phases = [], [], []
         for stride in cands:
@@ -173,3 +175,50 @@ class Grid(Pattern):
     def build_layout(self, q, k, *, modality=None) -> LayoutSet:
         stride, phase, _ = self.estimate(q, k)
         return self.layout_from_index(stride, phase, q.shape[1], k.shape[1])
+
+    def build_placed(self, q, k, placement) -> LayoutSet:
+        """Grid inside a boundary wrapper: stride and phases estimated from the last rows of
+        the row order over the valid keys; line keys (position % stride at a phase) packed
+        first within each key group, line rows first; lines, band and full rows as in
+        `layout_from_index`, all on original positions."""
+        stride, phase, _ = self.estimate(q, k, rows=placement.est_rows(self.last_q), k_valid=placement.k_valid)
+        return self.placed_from_index(stride, phase, placement, q.shape[1], k.shape[1])
+
+    def placed_from_index(self, stride, phase, placement, t: int, s: int) -> LayoutSet:
+        bq, bk = self.block_q, self.block_k
+        nq, nk = cdiv(t, bq), cdiv(s, bk)
+
+        def on_line(pos):  # pos [B|1, L] -> bool [B, N, L]
+            return (pos[:, None, :, None] % stride[..., None, None] == phase[..., None, :]).any(-1)
+
+        lead = stride.shape
+        k_line = on_line(jnp.arange(s, dtype=jnp.int32)[None]) if self.use_vline else jnp.zeros((1, 1, s), bool)
+        order = plc.pack_keys(placement, jnp.broadcast_to(jnp.where(k_line, 0, 1), lead + (s,)).astype(jnp.int32), 2)
+        row_pos = placement.rows + (s - t)
+        q_line = on_line(row_pos) if self.use_hline else jnp.zeros(lead + (t,), bool)
+        q_line = jnp.broadcast_to(q_line, lead + (t,))
+        inner_rows = jnp.argsort(jnp.where(q_line, 0, t) + jnp.arange(t), axis=-1).astype(jnp.int32)
+        q_perm, q_pos = plc.q_positions(placement, s, inner_rows)
+        q_min, q_max = plc.row_bounds(q_pos, bq)
+        h_rows = jnp.arange(nq) * bq < q_line.sum(-1)[..., None]  # [B, N, nq]
+        lo, hi = [], []
+        n_line_keys = cdiv(s, min(self.candidate_strides(s))) * self.phases
+        (w1, w2), band_keys = plc.run_windows(q_pos, bq, self.local)
+        width = 0
+        # Packed order: per key group, line keys then the rest; ranges in that order ascend.
+        for v_rng, b1, b2 in zip(plc.segment_prefix(order, 0, q_max), plc.segment_ranges(order, 1, *w1),
+                                 plc.segment_ranges(order, 1, *w2)):
+            for (a, b), on in ((v_rng, self.use_vline), (b1, self.use_slash), (b2, self.use_slash)):
+                lo.append(a // bk)
+                hi.append(jnp.where((b >= a) & on, b // bk, a // bk - 1))
+            width += (cdiv(n_line_keys, bk) + 1 if self.use_vline else 0) + (
+                2 * (cdiv(band_keys, bk) + 1) if self.use_slash else 0)
+        blocks, count = plc.ascending_ranges_to_lists(jnp.stack(lo, -1), jnp.stack(hi, -1), min(width, nk))
+        common = dict(q_perm=q_perm, kv_perm=order.perm, block_q=bq, block_k=bk, q_len=t, kv_len=s)
+        lines = BlockLayout(kv_blocks=blocks, kv_block_count=jnp.where(h_rows, 0, count), **common)
+        n_valid_blocks = (order.n_valid + bk - 1) // bk
+        full = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32)[None, None, None],
+                           kv_block_count=jnp.where(h_rows, n_valid_blocks[..., None], 0).astype(jnp.int32),
+                           **common)
+        return LayoutSet((lines, full))
+

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax import placement as plc
 from mmjax.layout_ops import LayoutSet, query_block_bounds, ranges_to_lists
 from mmjax.patterns.base import Pattern, check_block, check_positive
 from pallas_kernels import BlockLayout
@@ -44,6 +45,42 @@ class Dense(Pattern):
     def build_layout(self, q, k, *, modality=None) -> BlockLayout:
         t, s = _lens(q, k)
         return BlockLayout.dense_causal(t, s, block_q=self.block_q, block_k=self.block_k)
+
+    def build_placed(self, q, k, placement) -> BlockLayout:
+        """Every valid key at a position <= the block's last row (one causal prefix per key
+        segment, listed without a sort)."""
+        t, s = _lens(q, k)
+        order = plc.pack_keys(placement)
+        q_perm, q_pos = plc.q_positions(placement, s)
+        _, q_max = plc.row_bounds(q_pos, self.block_q)
+        return _placed_prefix(self, order, q_perm, q_max, t, s)
+
+
+def _placed_prefix(p: Pattern, order, q_perm, q_max, t: int, s: int) -> BlockLayout:
+    """Causal prefixes (positions <= q_max ``[B, N|1, nq]``) of every key segment."""
+    ranges = plc.segment_prefix(order, 0, q_max)
+    lo = jnp.stack([r[0] // p.block_k for r in ranges], -1)
+    hi = jnp.stack([jnp.where(r[1] >= r[0], r[1] // p.block_k, r[0] // p.block_k - 1) for r in ranges], -1)
+    blocks, count = plc.ascending_ranges_to_lists(lo, hi, cdiv(s, p.block_k))
+    return BlockLayout(kv_blocks=blocks, kv_block_count=count, q_perm=q_perm, kv_perm=order.perm,
+                       block_q=p.block_q, block_k=p.block_k, q_len=t, kv_len=s)
+
+
+def _placed_ashape(p, sink: int, local: int, order, q_perm, q_pos, t: int, s: int) -> BlockLayout:
+    """A-shape in a placement: the first ``sink`` keys of the packed order plus the
+    position windows of each block's row runs, in every key segment."""
+    bk = p.block_k
+    windows, width = plc.run_windows(q_pos, p.block_q, local)
+    q_max = windows[1][1]
+    groups = [g for lo_w, hi_w in windows
+              for g in plc.to_block_ranges(plc.segment_ranges(order, 0, lo_w, hi_w), bk, width)]
+    if sink:
+        n_sink = jnp.minimum(order.n_valid, sink)[..., None]  # [B, N|1, 1]
+        hi = jnp.broadcast_to(jnp.where(n_sink > 0, (n_sink - 1) // bk, -1), q_max.shape)
+        groups.append((jnp.zeros_like(hi)[..., None], hi[..., None], cdiv(sink, bk)))
+    blocks, count = ranges_to_lists(groups, cdiv(s, bk))
+    return BlockLayout(kv_blocks=blocks, kv_block_count=count, q_perm=q_perm, kv_perm=order.perm,
+                       block_q=p.block_q, block_k=bk, q_len=t, kv_len=s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +115,12 @@ class AShape(Pattern):
         blocks, count = ranges_to_lists(self.ranges(t, s), cdiv(s, self.block_k))
         return _layout(blocks, count, self, t, s)
 
+    def build_placed(self, q, k, placement) -> BlockLayout:
+        t, s = _lens(q, k)
+        order = plc.pack_keys(placement)
+        q_perm, q_pos = plc.q_positions(placement, s)
+        return _placed_ashape(self, self.sink, self.local, order, q_perm, q_pos, t, s)
+
 
 @dataclasses.dataclass(frozen=True)
 class TriShape(Pattern):
@@ -107,6 +150,21 @@ class TriShape(Pattern):
             _layout(blocks, jnp.where(dense_rows, 0, count), self, t, s),
             dense.replace(kv_block_count=jnp.where(dense_rows, dense.kv_block_count, 0)),
         ))
+
+    def build_placed(self, q, k, placement) -> LayoutSet:
+        """A-shape for every block, dense causal prefixes for the blocks holding the last
+        ``last`` rows of the row order (the last queries of the wrapper's modality)."""
+        t, s = _lens(q, k)
+        if self.last > t:
+            raise ValueError(f"last: expected last <= T={t} (query length); received {self.last}")
+        order = plc.pack_keys(placement)
+        q_perm, q_pos = plc.q_positions(placement, s)
+        _, q_max = plc.row_bounds(q_pos, self.block_q)
+        dense_rows = jnp.arange(cdiv(t, self.block_q)) >= (t - self.last) // self.block_q
+        a = _placed_ashape(self, self.sink, self.local, order, q_perm, q_pos, t, s)
+        d = _placed_prefix(self, order, q_perm, q_max, t, s)
+        return LayoutSet((a.replace(kv_block_count=jnp.where(dense_rows, 0, a.kv_block_count)),
+                          d.replace(kv_block_count=jnp.where(dense_rows, d.kv_block_count, 0))))
 
 
 @dataclasses.dataclass(frozen=True)

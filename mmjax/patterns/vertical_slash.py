@@ -17,7 +17,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from mmjax import placement as plc
 from mmjax.estimate import last_q_scores
+from mmjax.layout_ops import ranges_to_lists
 from mmjax.patterns.base import Pattern, check_block, check_positive
 from pallas_kernels import BlockLayout
 from pallas_kernels.block_sparse.layout import cdiv
@@ -62,15 +64,20 @@ class VerticalSlash(Pattern):
         if self.block_q % self.block_k:
             raise ValueError(f"block_q: expected a multiple of block_k={self.block_k}; received {self.block_q}")
 
-    def estimate(self, q, k) -> tuple[jax.Array, jax.Array]:
+    def estimate(self, q, k, *, rows=None, k_valid=None) -> tuple[jax.Array, jax.Array]:
         """Top columns (ascending) int32 ``[B,N,vs]``, top slash offsets int32 ``[B,N,ss]``
-        and the slash scores float32 ``[B,N,S]`` (forced diagonals are +inf)."""
+        and the slash scores float32 ``[B,N,S]`` (forced diagonals are +inf). rows /
+        k_valid: estimation rows and keys as in `last_q_scores` (invalid keys are never
+        forced columns)."""
         t, s = q.shape[1], k.shape[1]
         if self.last_q > t:
             raise ValueError(f"last_q: expected last_q <= T={t} (query length); received {self.last_q}")
-        vertical, slash = last_q_scores(q, k, last_q=self.last_q)
+        vertical, slash = last_q_scores(q, k, last_q=self.last_q, rows=rows, k_valid=k_valid)
         pos = jnp.arange(s)
-        vertical = jnp.where(pos < self.keep_first, jnp.inf, vertical)
+        forced = pos < self.keep_first
+        if k_valid is not None:
+            forced = forced & k_valid[:, None, :]
+        vertical = jnp.where(forced, jnp.inf, vertical)
         slash = jnp.where(pos < self.keep_local, jnp.inf, slash)
         _, cols = jax.lax.top_k(vertical, min(self.vertical_size, s))
         _, offs = jax.lax.top_k(slash, min(self.slash_size, s))
@@ -144,3 +151,82 @@ class VerticalSlash(Pattern):
     def build_layout(self, q, k, *, modality=None) -> BlockLayout:
         cols, offsets, slash = self.estimate(q, k)
         return self.layout_from_index(cols, offsets, slash, q.shape[1], k.shape[1])
+
+    def build_placed(self, q, k, placement) -> BlockLayout:
+        """Vertical-Slash inside a boundary wrapper (see `placed_from_index`)."""
+        cols, offsets, slash = self.estimate(q, k, rows=placement.est_rows(self.last_q),
+                                             k_valid=placement.k_valid)
+        return self.placed_from_index(cols, offsets, slash, placement, q.shape[1], k.shape[1])
+
+    def placed_from_index(self, cols, offsets, slash_score, placement, t: int, s: int) -> BlockLayout:
+        """Slashes and verticals on original positions, keys in the placement's packed order.
+
+        An offset o takes a row in position block c (``block_k`` positions) to key position
+        block ``c - o // block_k`` or one less; these relative blocks (capped at
+        ``max_blocks`` by slash mass) are applied to anchor position blocks of each of the
+        block's two row runs (`placement.row_runs`): the run's first block, every second
+        block after it (``block_q / block_k`` blocks), and its last block. That covers every
+        row of a block made of one or two contiguous stretches; rows of a third stretch keep
+        their verticals only. Each covered position block becomes the
+        packed key blocks holding its keys; verticals are single columns outside them.
+        """
+        bq, bk = self.block_q, self.block_k
+        r = bq // bk
+        nkp = cdiv(s, bk)
+        order = plc.pack_keys(placement)
+        q_perm, q_pos = plc.q_positions(placement, s)
+        runs = plc.row_runs(q_pos, bq)  # two runs of positions per block, [B, 1, nq] each
+        q_max = runs[1][1]
+        # Relative position blocks rho (key block = anchor - rho) and their slash mass.
+        valid = offsets < s
+        score = jnp.where(jnp.isinf(slash_score), 1.0, slash_score)
+        o_mass = jnp.where(valid, jnp.take_along_axis(score, jnp.clip(offsets, 0, s - 1), -1), 0.0)
+        rho = offsets // bk
+        lead = offsets.shape[:2]
+        mass = jnp.zeros(lead + (nkp + 1,), jnp.float32)
+        hit = jnp.zeros(lead + (nkp + 1,), bool)
+        for w in (0, 1):
+            idx = jnp.where(valid, jnp.clip(rho + w, 0, nkp), nkp)
+            mass = jax.vmap(jax.vmap(lambda m, i, x: m.at[i].add(x)))(mass, idx, o_mass + 1.0)
+            hit = jax.vmap(jax.vmap(lambda h, i: h.at[i].set(True)))(hit, idx)
+        cap = min(nkp, self.max_blocks or default_max_blocks(self.slash_size, bk, r))
+        top, rel = jax.lax.top_k(jnp.where(hit, mass, -1.0)[..., :nkp], cap)  # [B, N, cap]
+        rel_ok = top >= 0
+        anchors = []
+        for lo_run, hi_run in runs:
+            anchors += [jnp.minimum(lo_run // bk + 2 * j, hi_run // bk) for j in range(cdiv(r, 2) + 1)]
+            anchors.append(hi_run // bk)
+        anchor = jnp.stack(anchors, -1)  # [B, 1, nq, A]
+        kblock = anchor[..., None] - rel[..., None, None, :]  # [B, N, nq, A, cap]
+        ok = rel_ok[..., None, None, :] & (kblock >= 0)
+        kblock = kblock.reshape(kblock.shape[:3] + (-1,))
+        ok = ok.reshape(kblock.shape)
+        lo_pos = jnp.where(ok, kblock * bk, 1)
+        hi_pos = jnp.where(ok, kblock * bk + bk - 1, 0)
+        hi_pos = jnp.minimum(hi_pos, q_max[..., None])  # causal
+        groups = [(lo // bk, jnp.where(hi >= lo, hi // bk, lo // bk - 1), 2)
+                  for lo, hi in plc.segment_ranges(order, 0, lo_pos, hi_pos)]
+        blocks, count = ranges_to_lists(groups, cdiv(s, bk))
+        # Verticals: causal, valid, not inside one of the row's listed blocks (packed order).
+        inv = plc.key_inverse(order)  # [B, N|1, S]
+        col_idx = jnp.take_along_axis(jnp.broadcast_to(inv, cols.shape[:2] + (s,)), cols, -1)  # [B, N, vs]
+        col_ok = cols[..., None, :] <= q_max[..., None]  # [B, N, nq, vs]
+        if placement.k_valid is not None:
+            col_ok = col_ok & jnp.take_along_axis(
+                jnp.broadcast_to(placement.k_valid[:, None], cols.shape[:2] + (s,)), cols, -1)[..., None, :]
+        big = jnp.int32(2 ** 30)
+        listed = jnp.where(jnp.arange(blocks.shape[-1]) < count[..., None], blocks, big)
+        cb = jnp.broadcast_to(col_idx[..., None, :] // bk, col_ok.shape)
+        pos = jax.vmap(jax.vmap(jax.vmap(lambda a, v: jnp.searchsorted(a, v))))(
+            jnp.broadcast_to(listed, col_ok.shape[:3] + listed.shape[-1:]), cb)
+        found = jnp.take_along_axis(jnp.broadcast_to(listed, col_ok.shape[:3] + listed.shape[-1:]),
+                                    jnp.minimum(pos, listed.shape[-1] - 1), -1) == cb
+        col_ok = col_ok & ~found
+        vs = cols.shape[-1]
+        slot = jnp.where(col_ok, jnp.cumsum(col_ok, -1) - 1, vs)
+        kv_cols = jnp.zeros(col_ok.shape[:-1] + (vs + 1,), jnp.int32)
+        kv_cols = jnp.put_along_axis(kv_cols, slot, jnp.broadcast_to(col_idx[..., None, :], slot.shape),
+                                     axis=-1, inplace=False)[..., :vs]
+        return BlockLayout(kv_blocks=blocks, kv_block_count=count, kv_columns=kv_cols,
+                           kv_column_count=col_ok.sum(-1).astype(jnp.int32), q_perm=q_perm,
+                           kv_perm=order.perm, block_q=bq, block_k=bk, q_len=t, kv_len=s)

@@ -10,8 +10,9 @@ import mmjax
 from mmjax import Modality
 from mmjax.layout_ops import LayoutSet
 from mmjax.patterns import (AShape, Dense, Grid, KBoundary, KernelOptions, NoBoundary, QBoundary, RowSplit,
-                            TriShape, TwoDBoundary, VerticalSlash)
+                            SFFixed, TriShape, TwoDBoundary, VerticalSlash)
 from pallas_kernels.block_sparse.validation import check_layout_values
+from pallas_kernels.tiling import cdiv
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
 
 SMALL = dict(block_q=32, block_k=16)
@@ -45,6 +46,7 @@ WRAPPERS = [
     QBoundary({"video": TRI}, default=A),
     TwoDBoundary({("text", "text"): D, ("video", "video"): VS, ("video", "text"): A,
                   ("text", "video"): TRI, ("image", "image"): D, ("image", "text"): A}),
+    TwoDBoundary({("video", "video"): G, ("video", "text"): A, ("text", "text"): G, ("image", "video"): VS}),
 ]
 
 
@@ -57,7 +59,8 @@ def _parts(layout):
 # Every wrapper through the Pallas kernel (interpret) on one shape; batch 2 / GQA / T < S on
 # the reference path for the wrappers with their own permutation code.
 CASES = ([(w, (1, 160, 160, 2, 1), True) for w in WRAPPERS]
-         + [(w, (2, 112, 176, 2, 2), False) for w in (WRAPPERS[1], WRAPPERS[2], WRAPPERS[3], WRAPPERS[5])])
+         + [(w, (2, 112, 176, 2, 2), False) for w in (WRAPPERS[1], WRAPPERS[2], WRAPPERS[3], WRAPPERS[5],
+                                                       WRAPPERS[6])])
 
 
 @pytest.mark.parametrize("wrapper,shape,interpret", CASES,
@@ -100,16 +103,19 @@ def test_rows_follow_their_modality():
     causal = np.arange(200)[None, :] <= np.arange(200)[:, None]
     np.testing.assert_array_equal(mask[kinds != 0], causal[kinds != 0])
     assert mask[kinds == 0].sum() < 0.8 * causal[kinds == 0].sum()
-    # TwoD: unlisted query kinds get no keys; listed pairs only see keys of blocks owned by
-    # their key kind (block owner = kind of its first key in modality order).
+    # TwoD: unlisted query kinds get no keys; a listed pair sees exactly the causal keys of
+    # its key kind (per key: blocks straddling two kinds become single columns).
     two = mmjax.build_layout(q, k, TwoDBoundary({("video", "text"): D}), m)
     mask2 = np.asarray(two.to_dense_mask())[0, 0]
-    assert not mask2[kinds != 2].any() and mask2[kinds == 2].any()
-    order = np.argsort(kinds, kind="stable")
-    owner = kinds[order][::16][np.arange(200) // 16]  # owner of each sorted key's block
-    allowed = np.zeros(200, bool)
-    allowed[order[owner == 0]] = True
-    assert not mask2[:, ~allowed].any()
+    assert not mask2[kinds != 2].any()
+    np.testing.assert_array_equal(mask2[kinds == 2], (causal & (kinds == 0)[None, :])[kinds == 2])
+    # All pairs dense: every row's keys are its causal keys, each reached through one pair.
+    pairs = {(a, b_): D for a in NAMES for b_ in NAMES}
+    full = mmjax.build_layout(q, k, TwoDBoundary(pairs), m)
+    np.testing.assert_array_equal(np.asarray(full.to_dense_mask())[0, 0], causal)
+    for part in full.parts:
+        cover = sum(np.asarray(p.to_dense_mask())[0, 0].astype(int) for p in part.parts)
+        assert cover.max() == 1  # pairs disjoint per key
     out = mmjax.sparse_attention(q, k, v, TwoDBoundary({("video", "text"): D}), m,
                                  options=KernelOptions(implementation="reference"))
     assert not np.asarray(out)[0, kinds != 2].any()
@@ -149,11 +155,85 @@ def test_bad_arguments_name_themselves():
         mmjax.build_layout(q, k, QBoundary({"text": A}), m)
     with pytest.raises(ValueError, match=r"patterns: expected modality names from .*'audio'"):
         mmjax.build_layout(q, k, QBoundary({"audio": A}, default=A), m)
-    with pytest.raises(ValueError, match=r"patterns\[\('video', 'video'\)\]: expected an intra pattern without"):
-        mmjax.build_layout(q, k, TwoDBoundary({("video", "video"): G}), m)
+    with pytest.raises(ValueError, match=r"pattern: SFFixed has no position-aware layout"):
+        mmjax.build_layout(q, k, TwoDBoundary({("video", "video"): SFFixed(local=16, stride=16, summary=4, **SMALL)}), m)
     with pytest.raises(ValueError, match=r"patterns\['text'\]: expected an mmjax.patterns pattern"):
         QBoundary({"text": "grid"})
     with pytest.raises(ValueError, match="patterns: bad key"):
         TwoDBoundary({"text": A})
     with pytest.raises(ValueError, match="pattern: expected an mmjax.patterns pattern"):
         KBoundary("a")
+
+
+def _interleaved(frames=4, frame=48, text=16):
+    """Text segments between video frames (25% text, as in MM-NIAH): ids [1, S]."""
+    row = []
+    for _ in range(frames):
+        row += [0] * text + [2] * frame
+    return Modality.from_token_types(np.array([row]), names=NAMES)
+
+
+def test_inner_windows_are_on_original_positions_when_modalities_interleave():
+    m = _interleaved()
+    s = m.ids.shape[1]
+    kinds = np.asarray(m.ids)[0]
+    q, k, v = random_qkv(11, 1, s, s, 2, 1, 16)
+    pos = np.arange(s)
+    causal = pos[None, :] <= pos[:, None]
+    sink, local = 16, 40
+    window = causal & (pos[None, :] > pos[:, None] - local)
+    text_rows = kinds == 0
+    slack = local + 2 * 32 + 2 * 48 + 16  # block granularity + a block spanning a frame
+    far = pos[None, :] < pos[:, None] - slack
+    # QBoundary: text rows get the A-shape in original positions (sink = first positions).
+    qb = mmjax.build_layout(q, k, QBoundary({"text": AShape(sink=sink, local=local, **SMALL)}, default=D), m)
+    mask = np.asarray(qb.to_dense_mask())[0, 0]
+    intended = window | (causal & (pos[None, :] < sink))
+    assert (mask[text_rows] >= intended[text_rows]).all()
+    assert not (mask & far & (pos[None, :] >= sink))[text_rows].any()
+    np.testing.assert_array_equal(mask[~text_rows], causal[~text_rows])
+    # KBoundary: window on positions; sink = the first keys of the first modality (text).
+    kb = mmjax.build_layout(q, k, KBoundary(AShape(sink=sink, local=local, **SMALL)), m)
+    mask = np.asarray(kb.to_dense_mask())[0, 0]
+    first_text = np.zeros(s, bool)
+    first_text[np.flatnonzero(kinds == 0)[:sink]] = True
+    intended = window | (causal & first_text[None, :])
+    assert (mask >= intended).all()
+    sink_blocks = np.zeros(s, bool)
+    sink_blocks[np.argsort(kinds, kind="stable")[:cdiv(sink, 16) * 16]] = True
+    assert not (mask & far & ~sink_blocks[None, :]).any()
+    # Dense inside KBoundary is dense causal (cut-offs on positions, not packed indices).
+    kd = mmjax.build_layout(q, k, KBoundary(D), m)
+    np.testing.assert_array_equal(np.asarray(kd.to_dense_mask())[0, 0], causal)
+    # Outputs still equal masked dense for the built mask.
+    out = mmjax.sparse_attention(q, k, v, KBoundary(AShape(sink=sink, local=local, **SMALL)), m,
+                                 options=KernelOptions(implementation="reference"))
+    ref, _ = masked_dense_attention(q, k, v, kb.to_dense_mask())
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_grid_and_slashes_inside_wrappers_use_original_positions():
+    """A video head with salient keys every 64 positions (Grid lines) and a slash at offset
+    64: inside QBoundary, the video rows' layout holds the lines and the slash although
+    text rows are permuted away."""
+    m = _interleaved(frames=4, frame=48, text=16)
+    s = m.ids.shape[1]
+    kinds = np.asarray(m.ids)[0]
+    pos = np.arange(s)
+    d = 16
+    q = np.zeros((1, s, 1, d), np.float32)
+    k = np.zeros((1, s, 1, d), np.float32)
+    q[..., 0] = 1.0
+    k[0, pos % 64 == 5, 0, 0] = 8.0  # lines at phase 5 of stride 64
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    g = Grid(stride_space=(32, 64), last_q=16, local=16, use_hline=False, **SMALL)
+    mask = np.asarray(mmjax.build_layout(q, k, QBoundary({"video": g}, default=D), m).to_dense_mask())[0, 0]
+    causal = pos[None, :] <= pos[:, None]
+    lines = causal & (pos[None, :] % 64 == 5)
+    vid = kinds == 2
+    assert (mask[vid] >= lines[vid]).all()
+    # The same inside TwoD (video, video): lines of video keys only, text keys never.
+    two = mmjax.build_layout(q, k, TwoDBoundary({("video", "video"): g}), m)
+    mask2 = np.asarray(two.to_dense_mask())[0, 0]
+    assert (mask2[vid] >= (lines & vid[None, :])[vid]).all()
+    assert not mask2[:, ~vid].any() and not mask2[~vid].any()
