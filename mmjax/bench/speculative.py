@@ -102,11 +102,10 @@ def _verify_fn(tree: TreeConfig):
         from models.qwen2_5_vl.model import cached_forward
 
         t = Tree(tokens, parent, depth, ancestors, path, children)
-        s, n = cache.max_length, tree.n_tree
-        mask = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((1, n, s), bool), ancestors, cache.length, axis=2)
-        mask = (cache.valid & (jnp.arange(s)[None] < cache.length))[:, None, :] | mask
+        prefix = cache.valid & (jnp.arange(cache.max_length)[None] < cache.length)
         logits, hidden, cache2 = cached_forward(model, cache, tokens, cache.next_position[:, None] + depth,
-                                                cache.length, mask, hidden_layers=(model.config.text.num_hidden_layers - 1,))
+                                                cache.length, prefix, cache.length, ancestors,
+                                                hidden_layers=(model.config.text.num_hidden_layers - 1,))
         path_, count, bonus = accept_greedy(t, logits)
         cache2 = compact_cache(cache2, cache.length, path_, count)
         return cache2.k[0, 0, 0, 0, 0], hidden[0, 0, 0, 0], bonus

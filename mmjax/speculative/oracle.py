@@ -36,11 +36,10 @@ class TargetDraft:
     def extend(self, target, state, tokens, features, positions, count):
         del features
         b, c = tokens.shape
-        s = state.max_length
-        rel = jnp.arange(s)[None, None, :] - state.length
-        own = (rel >= 0) & (rel <= jnp.arange(c)[None, :, None]) & (rel < count[:, None, None])
-        mask = (state.valid[:, None, :] & (rel < 0)) | own
-        logits, _, cache = cached_forward(target, state, tokens, positions, state.length, mask)
+        prefix = state.valid & (jnp.arange(state.max_length)[None, :] < state.length)
+        i = jnp.arange(c)
+        own = (i[None, None, :] <= i[None, :, None]) & (i[None, None, :] < count[:, None, None])
+        logits, _, cache = cached_forward(target, state, tokens, positions, state.length, prefix, state.length, own)
         cache = compact_cache(cache, state.length, jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)), count)
         idx = jnp.clip(count - 1, 0, c - 1)[:, None, None]
         h = target.config.text.hidden_size
@@ -49,9 +48,7 @@ class TargetDraft:
     def expand(self, target, state, level: int, tokens, parent_z, positions, ancestors):
         del parent_z
         b, kk = tokens.shape
-        s = state.max_length
-        pool = jnp.zeros((b, kk, s), bool)
-        pool = jax.lax.dynamic_update_slice_in_dim(pool, ancestors, state.length, axis=2)
-        mask = (state.valid[:, None, :] & (jnp.arange(s) < state.length)[None, None, :]) | pool
-        logits, _, cache = cached_forward(target, state, tokens, positions, state.length + (level - 1) * kk, mask)
+        prefix = state.valid & (jnp.arange(state.max_length)[None, :] < state.length)
+        logits, _, cache = cached_forward(target, state, tokens, positions, state.length + (level - 1) * kk, prefix,
+                                          state.length, ancestors)
         return cache, jnp.zeros((b, kk, target.config.text.hidden_size), jnp.float32), logits

@@ -61,13 +61,11 @@ def speculative_step(model, draft, cache: KVCache, dstate, root, z_last, logits_
     b = root.shape[0]
     base_pos = cache.next_position
     dstate, t = draft_tree(model, draft, dstate, root, z_last, logits_last, base_pos, tree)
-    s, n = cache.max_length, tree.n_tree
-    tree_mask = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((b, n, s), bool), t.ancestors, cache.length, axis=2)
-    kv_mask = (cache.valid & (jnp.arange(s)[None, :] < cache.length))[:, None, :] | tree_mask
+    prefix = cache.valid & (jnp.arange(cache.max_length)[None, :] < cache.length)
     hl = () if draft.feature_layer is None else (draft.feature_layer,)
     write = cache.length
-    logits, hidden, cache = cached_forward(model, cache, t.tokens, base_pos[:, None] + t.depth, write, kv_mask,
-                                           hidden_layers=hl)
+    logits, hidden, cache = cached_forward(model, cache, t.tokens, base_pos[:, None] + t.depth, write, prefix, write,
+                                           t.ancestors, hidden_layers=hl)
     key, sub = jax.random.split(key)
     if sampling.greedy:
         path, count, bonus = accept_greedy(t, logits)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import LayerAttention, resolve_attention
+from models.attention import LayerAttention, resolve_attention, tree_attention
 from models.qwen2_5_vl import vision as vision_lib
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from models.qwen2_5_vl.rope_index import get_rope_index, token_types
@@ -243,14 +243,15 @@ def decode_step(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, attention:
 
 @functools.partial(jax.jit, static_argnames=("hidden_layers",), donate_argnames=("cache",))
 def cached_forward(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, positions: jax.Array, write_slot: jax.Array,
-                   kv_mask: jax.Array, hidden_layers: tuple = ()):
-    """Run text tokens against the cache with an arbitrary per-token visibility mask (token trees).
+                   prefix_valid: jax.Array, block_start: jax.Array, block_mask: jax.Array, hidden_layers: tuple = ()):
+    """Run text tokens against the cache with tree-shaped visibility (token trees, chunks).
 
     tokens: int [B, n] written at slots ``write_slot .. write_slot + n - 1``; positions: int32 [B, n]
-    M-RoPE position of each token (the same on the three axes, as for generated text); kv_mask: bool
-    [B, n, S] keys each token may see (it must hide slots after the token's own slot). The cache's
-    ``valid`` / ``length`` / ``next_position`` are not changed (commit with ``compact_cache``); the
-    input cache is donated. Dense attention.
+    M-RoPE position of each token (the same on the three axes, as for generated text). Each token
+    sees the cache slots in ``prefix_valid`` bool [B, S] (which must exclude the block) and, of the
+    W slots from ``block_start``, those in ``block_mask`` bool [B, n, W] (e.g. its ancestors in the
+    tree and itself); see ``models.attention.tree_attention``. The cache's ``valid`` / ``length`` /
+    ``next_position`` are not changed (commit with ``compact_cache``); the input cache is donated.
 
     Returns (logits float32 [B, n, V], hidden [len(hidden_layers), B, n, H] in HF numbering, cache).
     """
@@ -258,7 +259,11 @@ def cached_forward(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, positio
     x = embed_tokens(model.language_model, tokens.astype(jnp.int32))
     pos = jnp.broadcast_to(positions.astype(jnp.int32)[None], (3, b, n))
     slots = jnp.broadcast_to(write_slot + jnp.arange(n, dtype=jnp.int32), (b, n))
-    li = _layer_inputs(model.config, pos, slots, kv_mask, None, write_slot)
-    h, ck, cv, hidden = run_decoder(model.language_model, x, li, resolve_attention("dense"), cache_k=cache.k,
+    li = _layer_inputs(model.config, pos, slots, prefix_valid, None, write_slot)
+
+    def attn(q, k, v, **_):
+        return tree_attention(q, k, v, prefix_valid, block_start, block_mask)
+
+    h, ck, cv, hidden = run_decoder(model.language_model, x, li, LayerAttention(uniform=attn), cache_k=cache.k,
                                     cache_v=cache.v, attend_cache=True, hidden_layers=hidden_layers)
     return lm_logits(model.language_model, h), hidden, dataclasses.replace(cache, k=ck, v=cv)

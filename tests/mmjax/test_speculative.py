@@ -191,14 +191,12 @@ def test_tree_forward_of_a_chain_equals_sequential_decode(target, prompts):
         logits, cache = decode_step(target, cache, jnp.asarray([x]))
         want.append(np.asarray(logits[0]))
     pre = prefill(target, inputs, max_length=t + 8)
-    s = pre.cache.max_length
-    chain = np.tril(np.ones((3, 3), bool))
-    mask = np.zeros((1, 3, s), bool)
-    mask[0, :, :t] = True
-    mask[0, :, t:t + 3] = chain
+    chain = np.tril(np.ones((1, 3, 3), bool))
+    prefix = np.asarray(pre.cache.valid)
     pos = np.asarray(pre.cache.next_position)[:, None] + np.arange(3)
-    logits, _, c2 = cached_forward(target, pre.cache, jnp.asarray([toks]), jnp.asarray(pos), jnp.asarray(t, jnp.int32),
-                                   jnp.asarray(mask))
+    slot = jnp.asarray(t, jnp.int32)
+    logits, _, c2 = cached_forward(target, pre.cache, jnp.asarray([toks]), jnp.asarray(pos), slot, jnp.asarray(prefix),
+                                   slot, jnp.asarray(chain))
     np.testing.assert_allclose(np.asarray(logits[0]), np.stack(want), atol=2e-4)
 
 

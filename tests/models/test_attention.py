@@ -77,3 +77,50 @@ def test_resolve_attention():
         resolve_attention(3)
     with pytest.raises(ValueError):
         LayerAttention()
+
+
+def _per_query_case(t=5, s_len=40, start=30, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((2, t, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, s_len, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, s_len, 2, 8)), jnp.float32)
+    prefix = rng.random((2, s_len)) < 0.7
+    prefix[:, start:] = False
+    prefix[1, :] = False  # row 1 sees only its block
+    block = rng.random((2, t, t)) < 0.5
+    block[:, 2, :] = False  # a query that sees nothing in the block
+    block[1, 2, :] = False
+    full = np.zeros((2, t, s_len), bool)
+    full[:, :, :start] = prefix[:, None, :start]
+    full[:, :, start:start + t] = block
+    return q, k, v, prefix, block, full, start
+
+
+def test_per_query_mask_direct_and_blocked_agree_with_numpy():
+    q, k, v, _, _, full, start = _per_query_case()
+    qpos = jnp.broadcast_to(start + jnp.arange(5), (2, 5))
+    direct = dense_attention(q, k, v, q_positions=qpos, kv_valid=jnp.asarray(full), causal=False)
+    blocked = dense_attention(q, k, v, q_positions=qpos, kv_valid=jnp.asarray(full), causal=False,
+                              direct_max_scores=0, block_q=2, block_k=8)
+    kk = np.repeat(np.asarray(k), 2, axis=2)
+    vv = np.repeat(np.asarray(v), 2, axis=2)
+    sc = np.einsum("btnd,bsnd->bnts", np.asarray(q), kk) / np.sqrt(8)
+    sc = np.where(full[:, None], sc, -np.inf)
+    m = np.max(sc, -1, keepdims=True)
+    p = np.where(full[:, None], np.exp(sc - np.where(np.isfinite(m), m, 0)), 0)
+    want = np.einsum("bnts,bsnd->btnd", p / np.maximum(p.sum(-1, keepdims=True), 1e-30), vv)
+    np.testing.assert_allclose(np.asarray(direct), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(blocked), want, atol=1e-5)
+    assert np.all(np.asarray(direct)[1, 2] == 0)  # sees nothing -> 0
+
+
+def test_tree_attention_equals_per_query_mask():
+    from models.attention import tree_attention
+
+    q, k, v, prefix, block, full, start = _per_query_case(seed=1)
+    qpos = jnp.broadcast_to(start + jnp.arange(5), (2, 5))
+    want = dense_attention(q, k, v, q_positions=qpos, kv_valid=jnp.asarray(full), causal=False)
+    got = tree_attention(q, k, v, jnp.asarray(prefix), jnp.asarray(start, jnp.int32), jnp.asarray(block))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    with pytest.raises(ValueError, match="prefix_valid"):
+        tree_attention(q, k, v, jnp.asarray(prefix[:, :3]), jnp.asarray(start), jnp.asarray(block))
