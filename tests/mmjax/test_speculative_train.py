@@ -183,6 +183,30 @@ def test_mtp_steps_change_loss_terms(setup):
     assert np.all(np.asarray(p["count"]) < counts)
 
 
+def test_chunked_attention_matches_one_chunk(setup):
+    model = setup[0]
+    batch = small_batch(setup, 2)
+    draft = SparrowDraft.init(model, jax.random.key(1))
+    grad = jax.jit(jax.grad(lambda p, c: loss_fn(p, draft, model, batch, c)[0]), static_argnums=1)
+    whole, chunked = TrainConfig(attn_chunk=1024), TrainConfig(attn_chunk=24)  # 64 = 24 + 24 + 16 (padded)
+    np.testing.assert_allclose(jit_loss(draft.params(), draft, model, batch, chunked)[0],
+                               jit_loss(draft.params(), draft, model, batch, whole)[0], rtol=1e-5)
+    ga, gb = grad(draft.params(), whole), grad(draft.params(), chunked)
+    for k in ga:
+        np.testing.assert_allclose(ga[k], gb[k], rtol=1e-3, atol=1e-7, err_msg=k)
+
+
+def test_bfloat16_draft_trains(setup):
+    model = setup[0]
+    batch = small_batch(setup, 2)
+    draft = SparrowDraft.init(model, jax.random.key(1), dtype=jnp.bfloat16)
+    cfg = TrainConfig(learning_rate=3e-3, warmup_steps=1, total_steps=10)
+    state = init_train_state(draft, cfg)
+    for _ in range(3):
+        state, metrics = train_step(state, draft, model, batch, cfg)
+    assert np.isfinite(float(metrics["loss"])) and state.params["wq"].dtype == jnp.bfloat16
+
+
 # -------------------------------------------------------------------- optimisation
 def test_loss_decreases_and_only_draft_params_change(setup):
     model = setup[0]
