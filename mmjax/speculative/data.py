@@ -135,7 +135,8 @@ def build_example(model, inputs: Mapping[str, Any], config: DataConfig = DataCon
     if ids.ndim != 2 or ids.shape[0] != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"inputs: expected integer 'input_ids' of shape [1, T] (one example per dict), got "
                          f"{ids.dtype} {ids.shape}")
-    mask = np.ones(ids.shape, bool) if inputs.get("attention_mask") is None else np.asarray(inputs["attention_mask"]).astype(bool)
+    mask = inputs.get("attention_mask")
+    mask = np.ones(ids.shape, bool) if mask is None else np.asarray(mask).astype(bool)
     if mask.shape != ids.shape:
         raise ValueError(f"inputs: expected 'attention_mask' of shape {ids.shape}, got {mask.shape}")
     L = model.config.text.num_hidden_layers

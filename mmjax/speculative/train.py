@@ -22,6 +22,11 @@ m*) and the target's final normed states ``g_t`` (text positions):
   averaged over its positions, weighted ``regression_weight`` / ``ce_weight`` and ``mtp_decay**(j-1)``.
 
 Only the draft's parameters are trained; the target's embedding and LM head are used, never updated.
+
+Notes. With ``ivsb=True`` the draft trains with visual keys that VATA drops at inference; on the tiny
+random targets of the tests this mismatch costs tau (``ivsb=False`` trains on exactly the inference
+key set). The chain attention scores every query against all ``mtp_steps * T`` keys (a per-query
+mask, chunked over queries), ``mtp_steps`` times the work of the causal part alone.
 """
 
 from __future__ import annotations
