@@ -1,11 +1,11 @@
-"""`mmjax` command line: `mmjax bench kernels|patterns|momo [...]`."""
+"""`mmjax` command line: `mmjax bench kernels|patterns|momo|mixed [...]`, `mmjax search [...]`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-BENCHMARKS = ("kernels", "patterns", "momo")
+BENCHMARKS = ("kernels", "patterns", "momo", "mixed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,7 +14,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run a benchmark (GPU; small interpret-mode run on CPU)")
     bench.add_argument("name", choices=BENCHMARKS)
+    sub.add_parser("search", help="search per-head sparse patterns from a calibration .npz", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "search":
+        from mmjax.pattern_search import cli
+
+        return cli.main(rest)
     if args.command == "bench" and args.name == "kernels":
         from mmjax.bench import kernels
 
@@ -23,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from mmjax.bench import patterns
 
         return patterns.main(rest)
+    if args.command == "bench" and args.name == "mixed":
+        from mmjax.bench import mixed
+
+        return mixed.main(rest)
     if args.command == "bench" and args.name == "momo":
         from mmjax.bench import momo
 
