@@ -19,3 +19,5 @@ __all__ += ["SparseConfig"]
 from mmjax import speculative  # noqa: E402
 from mmjax.generate import GenerateOutput, generate  # noqa: E402
 __all__ += ["GenerateOutput", "generate", "speculative"]
+from mmjax.pattern_search import Calibration, CalibrationRecorder, SearchSpace, search  # noqa: E402
+__all__ += ["Calibration", "CalibrationRecorder", "SearchSpace", "search"]
