@@ -1,0 +1,158 @@
+"""`tree_decode_attention`: validation and dispatch to an implementation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.block_sparse import validation as bs_validation
+from pallas_kernels.tiling import cdiv
+from pallas_kernels.tree_decode import triton as td_triton
+from pallas_kernels.tree_decode.reference import tree_decode_attention_reference
+
+IMPLEMENTATIONS = ("reference", "triton")
+
+# SMs of the H100 / H200, the default when the backend does not report its cores.
+_DEFAULT_CORES = 132
+
+
+def default_implementation(interpret: bool = False) -> str:
+    """triton on a GPU, or on CPU when ``interpret``; reference otherwise."""
+    if interpret or jax.default_backend() == "gpu":
+        return "triton"
+    return "reference"
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _check_int(name: str, value, lo: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}; received {value!r}")
+
+
+def _check_pow2(name: str, value, lo: int = 16) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or value & (value - 1):
+        raise ValueError(f"{name}: expected a power of two >= {lo}; received {value!r}")
+
+
+def _num_cores() -> int:
+    if jax.default_backend() == "gpu":
+        return int(getattr(jax.devices()[0], "core_count", None) or _DEFAULT_CORES)
+    return _DEFAULT_CORES
+
+
+def check_masks(q, k, prefix_valid, block_start, block_mask) -> None:
+    """prefix_valid bool ``[B, S]``, block_start an int32 scalar (or Python int), block_mask
+    bool ``[B, T, W]`` with ``1 <= W <= S``; a concrete block_start must lie in [0, S - W]."""
+    b, t = q.shape[0], q.shape[1]
+    s = k.shape[1]
+    if getattr(prefix_valid, "shape", None) != (b, s):
+        raise ValueError(f"prefix_valid: expected shape [{b}, {s}] ([B, S] from q and k); "
+                         f"received {_fmt(getattr(prefix_valid, 'shape', ()))}")
+    if prefix_valid.dtype != jnp.bool_:
+        raise ValueError(f"prefix_valid: expected dtype bool; received {prefix_valid.dtype}")
+    shape = getattr(block_mask, "shape", None)
+    if shape is None or len(shape) != 3 or shape[:2] != (b, t):
+        raise ValueError(f"block_mask: expected shape [{b}, {t}, W] ([B, T, W] from q); "
+                         f"received {_fmt(shape or ())}")
+    if not 1 <= shape[2] <= s:
+        raise ValueError(f"block_mask: expected 1 <= W <= S={s}; received W={shape[2]}")
+    if block_mask.dtype != jnp.bool_:
+        raise ValueError(f"block_mask: expected dtype bool; received {block_mask.dtype}")
+    if isinstance(block_start, bool) or not (
+        isinstance(block_start, int)
+        or (getattr(block_start, "shape", None) == () and jnp.issubdtype(block_start.dtype, jnp.integer))
+    ):
+        raise ValueError(f"block_start: expected an int32 scalar; received "
+                         f"{type(block_start).__name__} {getattr(block_start, 'shape', '')} "
+                         f"{getattr(block_start, 'dtype', '')}".rstrip())
+    if not isinstance(block_start, jax.core.Tracer):
+        start = int(np.asarray(block_start))
+        if not 0 <= start <= s - shape[2]:
+            raise ValueError(f"block_start: expected 0 <= block_start <= S - W = {s - shape[2]}; "
+                             f"received {start}")
+
+
+def tree_decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    prefix_valid: jax.Array,
+    block_start: jax.Array | int,
+    block_mask: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+    block_k: int = 64,
+    block_r: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:
+    """Attention of T new tokens over a long cache: one softmax over the prefix and a block.
+
+    Args:
+      q: ``[B, T, N, D]`` new-token queries (T small, e.g. <= 64 draft-tree nodes); bf16,
+        fp16 or fp32.
+      k, v: ``[B, S, K, D]`` the cache with the new tokens' keys already written; N % K == 0
+        (GQA: head n reads key head n // (N / K)).
+      prefix_valid: bool ``[B, S]``, the cache slots every query sees (must exclude the block).
+      block_start: int32 scalar, first slot of the block.
+      block_mask: bool ``[B, T, W]``, which of the slots ``block_start .. block_start + W - 1``
+        each query sees (its ancestors and itself).
+      sm_scale: softmax scale, default ``D ** -0.5``.
+      implementation: ``"reference"`` (pure JAX) or ``"triton"`` (Pallas Triton split-K);
+        None picks triton on a GPU, reference on CPU unless ``interpret``.
+      interpret: run the Pallas kernel in interpret mode; None means True off GPU.
+      block_k: keys per tile (a power of two >= 16). The last ``S % block_k`` keys are done
+        in plain JAX with the block.
+      block_r: query rows (of the ``G * T`` per key head) per program, a power of two >= 16;
+        default ``G * T`` rounded up to a power of two, at most 128.
+      num_splits: key slices per (batch, key head, row tile); default one program per SM,
+        at least 2 key tiles per slice.
+      num_warps, num_stages: Triton launch parameters (default 4 warps, 3 stages within
+        the shared-memory budget).
+
+    Returns:
+      ``[B, T, N, D]`` in q's dtype; a query that sees no key gives 0.
+    """
+    bs_validation.check_qkv(q, k, v)
+    check_masks(q, k, prefix_valid, block_start, block_mask)
+    b, t, n, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    if implementation is None:
+        implementation = default_implementation(bool(interpret))
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; "
+                         f"received {implementation!r}")
+    _check_pow2("block_k", block_k)
+    if block_r is not None:
+        _check_pow2("block_r", block_r)
+    if num_splits is not None:
+        _check_int("num_splits", num_splits, 1)
+    if num_warps is not None:
+        _check_pow2("num_warps", num_warps, 1)
+    if num_stages is not None:
+        _check_int("num_stages", num_stages, 1)
+    sm_scale = float(d) ** -0.5 if sm_scale is None else float(sm_scale)
+    block_start = jnp.asarray(block_start, jnp.int32)
+    if implementation == "reference":
+        return tree_decode_attention_reference(q, k, v, prefix_valid, block_start, block_mask,
+                                               sm_scale=sm_scale)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    g = n // kh
+    if block_r is None:
+        block_r = td_triton.default_block_r(g * t)
+    if num_splits is None:
+        num_splits = td_triton.default_num_splits(b, kh, cdiv(g * t, block_r), s // block_k,
+                                                  _num_cores())
+    return td_triton.tree_decode_attention_triton(
+        q, k, v, prefix_valid, block_start, block_mask, sm_scale=sm_scale, block_k=block_k,
+        block_r=block_r, num_splits=num_splits, interpret=bool(interpret), num_warps=num_warps,
+        num_stages=num_stages,
+    )
