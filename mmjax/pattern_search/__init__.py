@@ -2,7 +2,7 @@
 `SearchSpace`, `Calibration`, `CalibrationRecorder`."""
 
 from mmjax.pattern_search.calibration import Calibration, CalibrationRecorder, as_calibration
-from mmjax.pattern_search.search import DEFAULT_BUDGET, search
+from mmjax.pattern_search.algorithm import DEFAULT_BUDGET, search
 from mmjax.pattern_search.space import BOUNDARIES, SearchSpace
 
 __all__ = ["BOUNDARIES", "Calibration", "CalibrationRecorder", "DEFAULT_BUDGET", "SearchSpace", "as_calibration",

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="kernel implementation (default: triton on GPU, reference on CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    from mmjax.pattern_search.search import search
+    from mmjax.pattern_search.algorithm import search
     from mmjax.patterns import KernelOptions
 
     try:
