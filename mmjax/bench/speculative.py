@@ -9,7 +9,8 @@ contents: step costs do not depend on the values). Per V it times
   cache (text positions only) and with the full visual KV (MSD-style: every prompt position);
 * one plain decode step of the target (dense attention over the cache);
 * the verification: one target pass over the ``total_tokens + 1`` tree tokens with the tree mask,
-  greedy acceptance and cache compaction;
+  greedy acceptance and cache compaction, with the split-K Pallas kernel
+  (``pallas_kernels.tree_decode``) and with the XLA ``models.attention.tree_attention``;
 * one whole speculative step (drafting + verification + commit), VATA draft.
 
 From these it *projects* the decoding speedup for given accepted lengths tau (including the
@@ -36,6 +37,7 @@ from mmjax.speculative.step import draft_tree, speculative_step
 from mmjax.speculative.tree import TreeConfig
 from mmjax.speculative.verify import accept_greedy
 from models.qwen2_5_vl import model as qwen_vl
+from pallas_kernels.tree_decode import tree_decode_attention
 from models.qwen2_5_vl.config import preset
 from models.qwen2_text import KVCache, TextConfig, compact_cache
 
@@ -95,7 +97,7 @@ def _draft_round_fn(tree: TreeConfig):
     return fn
 
 
-def _verify_fn(tree: TreeConfig):
+def _verify_fn(tree: TreeConfig, attn=tree_decode_attention):
     @jax.jit
     def fn(model, cache, tokens, ancestors, depth, parent, path, children):
         from mmjax.speculative.tree import Tree
@@ -105,7 +107,8 @@ def _verify_fn(tree: TreeConfig):
         prefix = cache.valid & (jnp.arange(cache.max_length)[None] < cache.length)
         logits, hidden, cache2 = cached_forward(model, cache, tokens, cache.next_position[:, None] + depth,
                                                 cache.length, prefix, cache.length, ancestors,
-                                                hidden_layers=(model.config.text.num_hidden_layers - 1,))
+                                                hidden_layers=(model.config.text.num_hidden_layers - 1,),
+                                                tree_attn=attn)
         path_, count, bonus = accept_greedy(t, logits)
         cache2 = compact_cache(cache2, cache.length, path_, count)
         return cache2.k[0, 0, 0, 0, 0], hidden[0, 0, 0, 0], bonus
@@ -120,7 +123,7 @@ def run(cfg: SpecBenchConfig, model, on_gpu: bool, on_row=None) -> list[dict]:
     rows = []
     for tree_s in cfg.trees:
         tree = TreeConfig.parse(tree_s)
-        round_fn, verify_fn = _draft_round_fn(tree), _verify_fn(tree)
+        round_fn, verify_fn, verify_xla = _draft_round_fn(tree), _verify_fn(tree), _verify_fn(tree, None)
         scratch = max(tree.n_tree, tree.expanded_slots)
         for vis in cfg.visual_tokens:
             prompt = cfg.text_tokens + vis
@@ -142,6 +145,7 @@ def run(cfg: SpecBenchConfig, model, on_gpu: bool, on_row=None) -> list[dict]:
                                                       jnp.asarray([prompt], jnp.int32), tree)[1])(model, draft, dstate, root)
             targs = (t.tokens, t.ancestors, t.depth, t.parent, t.path, t.children)
             row["verify_ms"] = time_fn(lambda: verify_fn(model, cache, *targs), reps=cfg.reps)["ms"]
+            row["verify_xla_attention_ms"] = time_fn(lambda: verify_xla(model, cache, *targs), reps=cfg.reps)["ms"]
             # one whole speculative step (VATA draft); the cache is donated, so re-create per call
             z = jnp.zeros((1, 1, c.hidden_size), dtype)
             lg = jnp.zeros((1, 1, c.vocab_size), jnp.float32)
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(cfg, model, on_gpu, save)
     cols = [("tree", "tree", "s"), ("visual_tokens", "visual", "d"), ("draft_round_vata_ms", "round VATA ms", ".3f"),
             ("draft_round_full_kv_ms", "round full-KV ms", ".3f"), ("decode_ms", "decode ms", ".3f"),
-            ("verify_ms", "verify ms", ".3f"), ("step_ms", "spec step ms", ".3f"),
+            ("verify_ms", "verify ms", ".3f"), ("verify_xla_attention_ms", "verify (XLA attn) ms", ".3f"),
+            ("step_ms", "spec step ms", ".3f"),
             ("verify_over_decode", "verify/decode", ".2f")] + \
         [(f"proj_speedup_tau{t}", f"proj x @tau={t}", ".2f") for t in cfg.taus]
     table = print_table(rows, cols)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from models.qwen2_5_vl.model import cached_forward
+from pallas_kernels.tree_decode import tree_decode_attention
 from models.qwen2_text import compact_cache
 
 
@@ -39,7 +40,8 @@ class TargetDraft:
         prefix = state.valid & (jnp.arange(state.max_length)[None, :] < state.length)
         i = jnp.arange(c)
         own = (i[None, None, :] <= i[None, :, None]) & (i[None, None, :] < count[:, None, None])
-        logits, _, cache = cached_forward(target, state, tokens, positions, state.length, prefix, state.length, own)
+        logits, _, cache = cached_forward(target, state, tokens, positions, state.length, prefix, state.length, own,
+                                          tree_attn=tree_decode_attention)
         cache = compact_cache(cache, state.length, jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)), count)
         idx = jnp.clip(count - 1, 0, c - 1)[:, None, None]
         h = target.config.text.hidden_size
@@ -50,5 +52,5 @@ class TargetDraft:
         b, kk = tokens.shape
         prefix = state.valid & (jnp.arange(state.max_length)[None, :] < state.length)
         logits, _, cache = cached_forward(target, state, tokens, positions, state.length + (level - 1) * kk, prefix,
-                                          state.length, ancestors)
+                                          state.length, ancestors, tree_attn=tree_decode_attention)
         return cache, jnp.zeros((b, kk, target.config.text.hidden_size), jnp.float32), logits

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from models.qwen2_5_vl.model import cached_forward
+from pallas_kernels.tree_decode import tree_decode_attention
 from models.qwen2_text import KVCache, compact_cache
 from mmjax.speculative.sampling import Sampling
 from mmjax.speculative.tree import Pool, Tree, TreeConfig, add_level, empty_pool, level_offset, select_tree
@@ -65,7 +66,7 @@ def speculative_step(model, draft, cache: KVCache, dstate, root, z_last, logits_
     hl = () if draft.feature_layer is None else (draft.feature_layer,)
     write = cache.length
     logits, hidden, cache = cached_forward(model, cache, t.tokens, base_pos[:, None] + t.depth, write, prefix, write,
-                                           t.ancestors, hidden_layers=hl)
+                                           t.ancestors, hidden_layers=hl, tree_attn=tree_decode_attention)
     key, sub = jax.random.split(key)
     if sampling.greedy:
         path, count, bonus = accept_greedy(t, logits)
