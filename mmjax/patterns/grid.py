@@ -199,7 +199,7 @@ class Grid(Pattern):
         q_line = jnp.broadcast_to(q_line, lead + (t,))
         inner_rows = jnp.argsort(jnp.where(q_line, 0, t) + jnp.arange(t), axis=-1).astype(jnp.int32)
         q_perm, q_pos = plc.q_positions(placement, s, inner_rows)
-        q_min, q_max = plc.row_bounds(q_pos, bq)
+        _, q_max = plc.row_bounds(q_pos, bq)
         h_rows = jnp.arange(nq) * bq < q_line.sum(-1)[..., None]  # [B, N, nq]
         lo, hi = [], []
         n_line_keys = cdiv(s, min(self.candidate_strides(s))) * self.phases
