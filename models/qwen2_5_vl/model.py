@@ -234,7 +234,7 @@ def decode_step(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, attention:
     valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, jnp.ones((b, 1), bool), slot, axis=1)
     li = _layer_inputs(model.config, pos, jnp.full((b, 1), slot, jnp.int32), valid, None, slot)
     h, ck, cv, _ = run_decoder(model.language_model, x, li, attention, cache_k=cache.k, cache_v=cache.v,
-                               attend_cache=True)
+                               attend_cache=True, unroll=True)
     logits = lm_logits(model.language_model, h)[:, 0]
     logits = jnp.where(full, jnp.nan, logits)
     new = KVCache(ck, cv, valid, cache.length + (~full), cache.next_position + (~full))
@@ -269,5 +269,5 @@ def cached_forward(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, positio
         return impl(q, k, v, prefix_valid, block_start, block_mask)
 
     h, ck, cv, hidden = run_decoder(model.language_model, x, li, LayerAttention(uniform=attn), cache_k=cache.k,
-                                    cache_v=cache.v, attend_cache=True, hidden_layers=hidden_layers)
+                                    cache_v=cache.v, attend_cache=True, hidden_layers=hidden_layers, unroll=True)
     return lm_logits(model.language_model, h), hidden, dataclasses.replace(cache, k=ck, v=cv)
