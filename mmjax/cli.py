@@ -1,11 +1,11 @@
-"""`mmjax` command line: `mmjax bench kernels|patterns|momo|mixed [...]`, `mmjax search [...]`."""
+"""`mmjax` command line: `mmjax bench kernels|patterns|momo|mixed|speculative [...]`, `mmjax search [...]`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-BENCHMARKS = ("kernels", "patterns", "momo", "mixed")
+BENCHMARKS = ("kernels", "patterns", "momo", "mixed", "speculative")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from mmjax.bench import mixed
 
         return mixed.main(rest)
+    if args.command == "bench" and args.name == "speculative":
+        from mmjax.bench import speculative
+
+        return speculative.main(rest)
     if args.command == "bench" and args.name == "momo":
         from mmjax.bench import momo
 
