@@ -13,12 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.block_sparse.layout import BlockLayout, cdiv
+from pallas_kernels.checks import fmt_shape as _fmt
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-def _fmt(shape) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:

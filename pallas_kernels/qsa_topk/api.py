@@ -5,22 +5,14 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.block_sparse import validation as bs_validation
+from pallas_kernels.block_sparse.api import default_implementation
+from pallas_kernels.checks import check_int as _check_int, check_pow2 as _check_pow2
 from pallas_kernels.qsa_topk.common import QSATopKResult, cdiv
 from pallas_kernels.qsa_topk.reference import qsa_topk_reference
 from pallas_kernels.qsa_topk.topk import ALGORITHMS
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 
 IMPLEMENTATIONS = ("reference", "triton")
-
-
-def _check_int(name: str, value, lo: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ValueError(f"{name}: expected an int >= {lo}; received {value!r}")
-
-
-def _check_pow2(name: str, value, lo: int = 16) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo or value & (value - 1):
-        raise ValueError(f"{name}: expected a power of two >= {lo}; received {value!r}")
 
 
 def qsa_topk(
@@ -82,7 +74,7 @@ def qsa_topk(
     _check_int("local", local, 0)
     _check_pow2("rows", rows)
     if implementation is None:
-        implementation = "triton" if interpret or jax.default_backend() == "gpu" else "reference"
+        implementation = default_implementation(bool(interpret))
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received "
                          f"{implementation!r}")

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.block_sparse import validation as bs_validation
+from pallas_kernels.block_sparse.api import default_implementation
+from pallas_kernels.checks import check_int as _check_int, check_pow2 as _check_pow2, fmt_shape as _fmt
 from pallas_kernels.tiling import cdiv
 from pallas_kernels.tree_decode import triton as td_triton
 from pallas_kernels.tree_decode.reference import tree_decode_attention_reference
@@ -15,27 +17,6 @@ IMPLEMENTATIONS = ("reference", "triton")
 
 # SMs of the H100 / H200, the default when the backend does not report its cores.
 _DEFAULT_CORES = 132
-
-
-def default_implementation(interpret: bool = False) -> str:
-    """triton on a GPU, or on CPU when ``interpret``; reference otherwise."""
-    if interpret or jax.default_backend() == "gpu":
-        return "triton"
-    return "reference"
-
-
-def _fmt(shape) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-def _check_int(name: str, value, lo: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ValueError(f"{name}: expected an int >= {lo}; received {value!r}")
-
-
-def _check_pow2(name: str, value, lo: int = 16) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo or value & (value - 1):
-        raise ValueError(f"{name}: expected a power of two >= {lo}; received {value!r}")
 
 
 def _num_cores() -> int:
