@@ -29,17 +29,18 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mmjax.bench.timing import device_name, print_table, time_fn, write_result
 from mmjax.speculative.draft import DraftCache, SparrowDraft
+from mmjax.speculative.sampling import Sampling
 from mmjax.speculative.step import draft_tree, speculative_step
-from mmjax.speculative.tree import TreeConfig
+from mmjax.speculative.tree import Tree, TreeConfig
 from mmjax.speculative.verify import accept_greedy
 from models.qwen2_5_vl import model as qwen_vl
-from pallas_kernels.tree_decode import tree_decode_attention
 from models.qwen2_5_vl.config import preset
+from models.qwen2_5_vl.model import cached_forward
 from models.qwen2_text import KVCache, TextConfig, compact_cache
+from pallas_kernels.tree_decode import tree_decode_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +101,6 @@ def _draft_round_fn(tree: TreeConfig):
 def _verify_fn(tree: TreeConfig, attn=tree_decode_attention):
     @jax.jit
     def fn(model, cache, tokens, ancestors, depth, parent, path, children):
-        from mmjax.speculative.tree import Tree
-        from models.qwen2_5_vl.model import cached_forward
-
         t = Tree(tokens, parent, depth, ancestors, path, children)
         prefix = cache.valid & (jnp.arange(cache.max_length)[None] < cache.length)
         logits, hidden, cache2 = cached_forward(model, cache, tokens, cache.next_position[:, None] + depth,
@@ -173,8 +171,6 @@ def run(cfg: SpecBenchConfig, model, on_gpu: bool, on_row=None) -> list[dict]:
             gc.collect()
     return rows
 
-
-from mmjax.speculative.sampling import Sampling  # noqa: E402
 
 _GREEDY = Sampling()
 

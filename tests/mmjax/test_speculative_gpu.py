@@ -12,13 +12,11 @@ from pallas_kernels.tree_decode import tree_decode_attention
 from tests.mmjax.test_speculative import _model
 from tests.models.helpers import video_prompt
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(scope="module")
 def setup():
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
     model = _model()
     return model, video_prompt(model.config, frames=4, rng=np.random.default_rng(0))
 
