@@ -33,12 +33,11 @@ import jax.numpy as jnp
 from mmjax.bench.timing import device_name, print_table, time_fn, write_result
 from mmjax.speculative.draft import DraftCache, SparrowDraft
 from mmjax.speculative.sampling import Sampling
-from mmjax.speculative.step import draft_tree, speculative_step
+from mmjax.speculative.step import draft_tree, speculative_step, verify_tree
 from mmjax.speculative.tree import Tree, TreeConfig
 from mmjax.speculative.verify import accept_greedy
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.config import preset
-from models.qwen2_5_vl.model import cached_forward
 from models.qwen2_text import KVCache, TextConfig, compact_cache
 from pallas_kernels.tree_decode import tree_decode_attention
 
@@ -102,11 +101,7 @@ def _verify_fn(tree: TreeConfig, attn=tree_decode_attention):
     @jax.jit
     def fn(model, cache, tokens, ancestors, depth, parent, path, children):
         t = Tree(tokens, parent, depth, ancestors, path, children)
-        prefix = cache.valid & (jnp.arange(cache.max_length)[None] < cache.length)
-        logits, hidden, cache2 = cached_forward(model, cache, tokens, cache.next_position[:, None] + depth,
-                                                cache.length, prefix, cache.length, ancestors,
-                                                hidden_layers=(model.config.text.num_hidden_layers - 1,),
-                                                tree_attn=attn)
+        logits, hidden, cache2 = verify_tree(model, cache, t, (model.config.text.num_hidden_layers - 1,), attn)
         path_, count, bonus = accept_greedy(t, logits)
         cache2 = compact_cache(cache2, cache.length, path_, count)
         return cache2.k[0, 0, 0, 0, 0], hidden[0, 0, 0, 0], bonus

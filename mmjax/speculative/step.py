@@ -53,6 +53,16 @@ def draft_tree(model, draft, dstate, root, z_last, logits_last, base_pos, tree: 
     return dstate, select_tree(pool, root, tree)
 
 
+def verify_tree(model, cache: KVCache, t: Tree, hidden_layers: tuple = (), tree_attn=tree_decode_attention):
+    """One target pass over the tree ``t`` (root first) written at slot ``cache.length``: positions
+    ``cache.next_position + depth`` on all three M-RoPE axes, every node sees the valid prefix and its
+    ancestors. Returns (logits float32 [B, n, V], hidden [len(hidden_layers), B, n, H], cache with the
+    tree's keys written but not committed; commit with ``compact_cache(cache, length, path, count)``)."""
+    prefix = cache.valid & (jnp.arange(cache.max_length)[None, :] < cache.length)
+    return cached_forward(model, cache, t.tokens, cache.next_position[:, None] + t.depth, cache.length, prefix,
+                          cache.length, t.ancestors, hidden_layers=hidden_layers, tree_attn=tree_attn)
+
+
 @functools.partial(jax.jit, static_argnames=("tree", "sampling"), donate_argnames=("cache", "dstate"))
 def speculative_step(model, draft, cache: KVCache, dstate, root, z_last, logits_last, key, *, tree: TreeConfig,
                      sampling: Sampling):
@@ -62,11 +72,9 @@ def speculative_step(model, draft, cache: KVCache, dstate, root, z_last, logits_
     b = root.shape[0]
     base_pos = cache.next_position
     dstate, t = draft_tree(model, draft, dstate, root, z_last, logits_last, base_pos, tree)
-    prefix = cache.valid & (jnp.arange(cache.max_length)[None, :] < cache.length)
     hl = () if draft.feature_layer is None else (draft.feature_layer,)
     write = cache.length
-    logits, hidden, cache = cached_forward(model, cache, t.tokens, base_pos[:, None] + t.depth, write, prefix, write,
-                                           t.ancestors, hidden_layers=hl, tree_attn=tree_decode_attention)
+    logits, hidden, cache = verify_tree(model, cache, t, hl)
     key, sub = jax.random.split(key)
     if sampling.greedy:
         path, count, bonus = accept_greedy(t, logits)
