@@ -235,7 +235,10 @@ def compact_cache(cache: KVCache, write_slot: jax.Array, src: jax.Array, count: 
     write_slot: int32 scalar; src: int32 [B, C] offsets into the block, in increasing order;
     count: int32 [B] in [0, C].
     """
-    b, c = src.shape
+    b = cache.valid.shape[0]
+    if src.ndim != 2 or src.shape[0] != b or count.shape != (b,):
+        raise ValueError(f"src / count: expected [B={b}, C] / [{b}], got {src.shape} / {count.shape}")
+    c = src.shape[1]
     slots = write_slot + src.astype(jnp.int32)  # [B, C]
 
     def move(x):  # x: [L, B, S, K, D]

@@ -247,8 +247,8 @@ def cached_forward(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, positio
                    tree_attn=None):
     """Run text tokens against the cache with tree-shaped visibility (token trees, chunks).
 
-    tokens: int [B, n] written at slots ``write_slot .. write_slot + n - 1``; positions: int32 [B, n]
-    M-RoPE position of each token (the same on the three axes, as for generated text). Each token
+    tokens: int [B, n] written at slots ``write_slot .. write_slot + n - 1``; positions: int32 [B, n] (or
+    [B, 1], broadcast) M-RoPE position of each token (the same on the three axes, as for generated text). Each token
     sees the cache slots in ``prefix_valid`` bool [B, S] (which must exclude the block) and, of the
     W slots from ``block_start``, those in ``block_mask`` bool [B, n, W] (e.g. its ancestors in the
     tree and itself); see ``models.attention.tree_attention``, the default ``tree_attn`` (any function
@@ -257,7 +257,16 @@ def cached_forward(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, positio
 
     Returns (logits float32 [B, n, V], hidden [len(hidden_layers), B, n, H] in HF numbering, cache).
     """
-    b, n = tokens.shape
+    b, s = cache.valid.shape
+    if tokens.ndim != 2 or tokens.shape[0] != b:
+        raise ValueError(f"tokens: expected shape [B={b}, n], got {tokens.shape}")
+    n = tokens.shape[1]
+    if positions.ndim != 2 or positions.shape[0] != b or positions.shape[1] not in (1, n):
+        raise ValueError(f"positions: expected shape {(b, n)} (or [{b}, 1], broadcast), got {positions.shape}")
+    positions = jnp.broadcast_to(positions, (b, n))
+    if prefix_valid.shape != (b, s) or block_mask.ndim != 3 or block_mask.shape[:2] != (b, n):
+        raise ValueError(f"prefix_valid / block_mask: expected [{b}, {s}] / [{b}, {n}, W], got {prefix_valid.shape} / "
+                         f"{block_mask.shape}")
     x = embed_tokens(model.language_model, tokens.astype(jnp.int32))
     pos = jnp.broadcast_to(positions.astype(jnp.int32)[None], (3, b, n))
     slots = jnp.broadcast_to(write_slot + jnp.arange(n, dtype=jnp.int32), (b, n))

@@ -296,3 +296,17 @@ def test_generate_bad_arguments(target, prompts):
     with pytest.raises(ValueError, match="hidden_states"):
         d = SparrowDraft.init(target, jax.random.key(0))
         d.begin(target, prefill(target, prompts["text"]), jnp.asarray([1]), 8, 8, TreeConfig(10, 3, 4))
+
+
+def test_cache_surgery_rejects_bad_shapes(target, prompts):
+    pre = prefill(target, prompts["text"], max_length=16)
+    one = jnp.asarray(6, jnp.int32)
+    with pytest.raises(ValueError, match="positions"):
+        cached_forward(target, pre.cache, jnp.asarray([[1, 2]]), jnp.asarray([[6, 7, 8]]), one, pre.cache.valid,
+                       one, jnp.ones((1, 2, 2), bool))
+    pre = prefill(target, prompts["text"], max_length=16)
+    with pytest.raises(ValueError, match="block_mask"):
+        cached_forward(target, pre.cache, jnp.asarray([[1, 2]]), jnp.asarray([[6, 7]]), one, pre.cache.valid, one,
+                       jnp.ones((1, 3, 2), bool))
+    with pytest.raises(ValueError, match="src / count"):
+        compact_cache(pre.cache, one, jnp.zeros((2, 3), jnp.int32), jnp.ones((2,), jnp.int32))
