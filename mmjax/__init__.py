@@ -1,23 +1,31 @@
-"""mmjax: modality-aware sparse attention and speculative decoding for long-context VLMs.
+"""mmjax: modality-aware sparse prefill (MMInference, MOMO) and speculative decoding (Sparrow) for
+long-context vision-language models, in JAX / Pallas.
 
-Public entry points are listed in ../shared/DESIGN.md.
+Layers, each importing only the ones before it: ``pallas_kernels`` (attention kernels) <-
+``models`` (Flax ports, attention injected) <- ``mmjax.sparse`` (patterns, layouts, search) <-
+``mmjax.inference`` (prefill, decode) <- ``mmjax.speculative`` (Sparrow, generate) <-
+``mmjax.drivers`` (CLI, benchmarks).
 """
 
-from mmjax import patterns
-from mmjax.attention import attention_recall, build_layout, sparse_attention
+from mmjax import patterns, speculative
 from mmjax.inference import PrefillOutput, decode_step, prefill
-from mmjax.layout_ops import LayoutSet
+from mmjax.sparse import (
+                          Calibration,
+                          CalibrationRecorder,
+                          LayoutSet,
+                          Modality,
+                          RowSplit,
+                          SearchSpace,
+                          SparseConfig,
+                          attention_recall,
+                          build_layout,
+                          search,
+                          sparse_attention,
+)
+from mmjax.speculative import GenerateOutput, generate
 
 __version__ = "0.1.0"
 
-__all__ = ["LayoutSet", "PrefillOutput", "attention_recall", "build_layout", "decode_step", "patterns",
-           "prefill", "sparse_attention"]
-from mmjax.modality import Modality  # noqa: E402
-__all__ += ["Modality"]
-from mmjax.sparse_config import SparseConfig  # noqa: E402
-__all__ += ["SparseConfig"]
-from mmjax import speculative  # noqa: E402
-from mmjax.generate import GenerateOutput, generate  # noqa: E402
-__all__ += ["GenerateOutput", "generate", "speculative"]
-from mmjax.pattern_search import Calibration, CalibrationRecorder, SearchSpace, search  # noqa: E402
-__all__ += ["Calibration", "CalibrationRecorder", "SearchSpace", "search"]
+__all__ = ["Calibration", "CalibrationRecorder", "GenerateOutput", "LayoutSet", "Modality", "PrefillOutput",
+           "RowSplit", "SearchSpace", "SparseConfig", "attention_recall", "build_layout", "decode_step", "generate",
+           "patterns", "prefill", "search", "sparse_attention", "speculative"]

@@ -47,7 +47,8 @@ class PrefillOutput:
     attention_mask: jax.Array
 
 
-def _check_model(model):
+def check_model(model) -> None:
+    """Raise ValueError unless ``model`` is a model these entry points run."""
     if not isinstance(model, qwen_vl.Qwen2_5_VL):
         raise ValueError(f"model: expected models.qwen2_5_vl.Qwen2_5_VL, got {type(model).__name__}")
 
@@ -63,7 +64,7 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
     max_length: cache slots (default T + 256). mlp_chunk: tokens per MLP chunk (bounds activation
     memory on long inputs). frames_per_chunk: temporal patches encoded together by the vision tower.
     """
-    _check_model(model)
+    check_model(model)
     if "input_ids" not in inputs:
         raise ValueError("inputs: expected an 'input_ids' entry")
     p = qwen_vl.prepare_inputs(model.config, **{k: inputs[k] for k in PROCESSOR_KEYS if k in inputs})
@@ -90,7 +91,7 @@ def decode_step(model, cache: KVCache, tokens: jax.Array, attention: Any = "dens
     The cache argument is donated (do not reuse it). Positions continue the multimodal RoPE ids:
     ``n_valid_tokens + rope_delta``.
     """
-    _check_model(model)
+    check_model(model)
     if tokens.ndim not in (1, 2) or tokens.shape[0] != cache.valid.shape[0] or tokens.size != cache.valid.shape[0]:
         raise ValueError(f"tokens: expected shape [{cache.valid.shape[0]}] (one token per row), got {tokens.shape}")
     if isinstance(attention, str) and attention == "cudnn":

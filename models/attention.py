@@ -139,38 +139,6 @@ def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None
     return _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k)
 
 
-def tree_attention(q, k, v, prefix_valid, block_start, block_mask, *, sm_scale: float | None = None) -> jax.Array:
-    """Attention of T new tokens (a draft tree, or a chunk) over a cache: one softmax over two key sets.
-
-    q: [B, T, N, D]; k/v: [B, S, K, D] (the new tokens' keys already written); prefix_valid: bool [B, S]
-    cache slots every query sees (must exclude the block); block_start: int32 scalar; block_mask:
-    bool [B, T, W], which of the slots ``block_start .. block_start + W - 1`` each query sees (its
-    ancestors and itself). Avoids a [B, T, S] mask: the prefix takes a per-key mask, the small block a
-    per-query one. Softmax statistics in float32; a query that sees nothing gives 0.
-    """
-    b, t, n, d = q.shape
-    kh, w = k.shape[2], block_mask.shape[-1]
-    if prefix_valid.shape != (b, k.shape[1]) or block_mask.shape[:2] != (b, t):
-        raise ValueError(f"prefix_valid / block_mask: expected [{b}, {k.shape[1]}] / [{b}, {t}, W], got "
-                         f"{prefix_valid.shape} / {block_mask.shape}")
-    scale = d ** -0.5 if sm_scale is None else sm_scale
-    qg = q.reshape(b, t, kh, n // kh, d)
-    kb = jax.lax.dynamic_slice_in_dim(k, block_start, w, axis=1)
-    vb = jax.lax.dynamic_slice_in_dim(v, block_start, w, axis=1)
-    s1 = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    s1 = jnp.where(prefix_valid[:, None, None, None, :], s1, -jnp.inf)
-    s2 = jnp.einsum("btkgd,bskd->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
-    s2 = jnp.where(block_mask[:, None, None, :, :], s2, -jnp.inf)
-    m = jnp.maximum(jnp.max(s1, axis=-1), jnp.max(s2, axis=-1))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
-    p1, p2 = jnp.exp(s1 - m), jnp.exp(s2 - m)
-    l = jnp.sum(p1, axis=-1) + jnp.sum(p2, axis=-1)
-    o = (jnp.einsum("bkgts,bskd->bkgtd", p1.astype(v.dtype), v, preferred_element_type=jnp.float32)
-         + jnp.einsum("bkgts,bskd->bkgtd", p2.astype(v.dtype), vb, preferred_element_type=jnp.float32))
-    o = o / jnp.where(l > 0, l, 1.0)[..., None]
-    return jnp.einsum("bkgtd->btkgd", o).reshape(b, t, n, d).astype(q.dtype)
-
-
 def cudnn_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None,
                     sm_scale: float | None = None) -> jax.Array:
     """cuDNN flash attention via ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16).

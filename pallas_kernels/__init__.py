@@ -1,15 +1,21 @@
-"""Attention kernels (no notion of patterns, models or modalities).
+"""Attention kernels only: no notion of patterns, models or modalities.
 
-One op per folder: `block_sparse/` (the core block-sparse flash attention).
+One op per folder, each with ``api.py`` (validation, dispatch by ``implementation=``),
+``reference.py`` (pure JAX, the definition of correct) and ``triton.py`` (Pallas Triton):
+
+* ``block_sparse/``: attention over the (query block, key block) pairs of a `BlockLayout`;
+  `merge_attention` combines results over disjoint key sets.
+* ``qsa_topk/``: MOMO's fused query-sparse attention with an online top-k of key blocks.
+* ``tree_decode/``: split-K attention of a few new tokens (a draft tree) over a long cache.
+
+Shared by the ops: ``checks.py`` (argument checks), ``platform.py`` (default implementation,
+core count), ``tiling.py`` (ceil division, padding, softmax constants).
 """
 
-from pallas_kernels.block_sparse import (
-    BlockLayout,
-    block_sparse_attention,
-    default_implementation,
-    merge_attention,
-)
+from pallas_kernels.block_sparse import BlockLayout, block_sparse_attention, merge_attention
+from pallas_kernels.platform import default_implementation
 from pallas_kernels.qsa_topk import QSATopKResult, qsa_topk
+from pallas_kernels.tree_decode import tree_decode_attention
 
-__all__ = ["BlockLayout", "QSATopKResult", "block_sparse_attention", "default_implementation",
-           "merge_attention", "qsa_topk"]
+__all__ = ["BlockLayout", "QSATopKResult", "block_sparse_attention", "default_implementation", "merge_attention",
+           "qsa_topk", "tree_decode_attention"]

@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from mmjax.inference import _check_model, prefill
+from mmjax.inference import check_model, prefill
 from mmjax.speculative.draft import DraftConfig
+from mmjax.speculative.generate import generate
 
 STORE_DTYPES = ("float32", "bfloat16")
 ARRAY_FIELDS = ("input_ids", "token_types", "positions", "valid", "states", "final")
@@ -107,8 +108,6 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 def _continuation(model, inputs, config: DataConfig) -> np.ndarray:
     """The target's greedy continuation, cut before the first image / video pad token (a generated pad
     token would not match the visual grids when the sequence is prefilled again)."""
-    from mmjax.generate import generate  # late import: generate imports the speculative package
-
     out = generate(model, inputs, config.max_new_tokens, eos_token_id=config.eos_token_id)
     toks = out.tokens[0, :int(out.num_tokens[0])]
     pads = np.isin(toks, [model.config.image_token_id, model.config.video_token_id])
@@ -124,7 +123,7 @@ def build_example(model, inputs: Mapping[str, Any], config: DataConfig = DataCon
     ``video_grid_thw`` + ``second_per_grid_ts``). draft_config: which layers to keep (resolved
     against the target: ``feature_layer`` default L-1, ``visual_layer`` default L//2).
     """
-    _check_model(model)
+    check_model(model)
     if not isinstance(config, DataConfig):
         raise ValueError(f"config: expected mmjax.speculative.DataConfig, got {type(config).__name__}")
     if not isinstance(draft_config, DraftConfig):

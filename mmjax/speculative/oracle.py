@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from models.qwen2_5_vl.model import cached_forward
-from pallas_kernels.tree_decode import tree_decode_attention
 from models.qwen2_text import compact_cache
+from pallas_kernels.tree_decode import tree_decode_attention
 
 
 @jax.tree_util.register_dataclass

@@ -13,12 +13,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.qwen2_5_vl.model import cached_forward
-from pallas_kernels.tree_decode import tree_decode_attention
-from models.qwen2_text import KVCache, compact_cache
 from mmjax.speculative.sampling import Sampling
-from mmjax.speculative.tree import Pool, Tree, TreeConfig, add_level, empty_pool, level_offset, select_tree
+from mmjax.speculative.tree import Tree, TreeConfig, add_level, empty_pool, level_offset, select_tree
 from mmjax.speculative.verify import accept_greedy, accept_sampling
+from models.qwen2_5_vl.model import cached_forward
+from models.qwen2_text import KVCache, compact_cache
+from pallas_kernels.tree_decode import tree_decode_attention
 
 
 def draft_tree(model, draft, dstate, root, z_last, logits_last, base_pos, tree: TreeConfig):

@@ -40,10 +40,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models.qwen2_5_vl.model import Qwen2_5_VL
-from models.qwen2_text import lm_logits
 from mmjax.speculative.data import Batch
 from mmjax.speculative.draft import SparrowDraft, attend, draft_logits, fuse, project
+from models.qwen2_5_vl.model import Qwen2_5_VL
+from models.qwen2_text import lm_logits
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import LayerAttention, resolve_attention, tree_attention
+from models.attention import LayerAttention, resolve_attention
 from models.qwen2_5_vl import vision as vision_lib
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from models.qwen2_5_vl.rope_index import get_rope_index, token_types
@@ -243,16 +243,17 @@ def decode_step(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, attention:
 
 @functools.partial(jax.jit, static_argnames=("hidden_layers", "tree_attn"), donate_argnames=("cache",))
 def cached_forward(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, positions: jax.Array, write_slot: jax.Array,
-                   prefix_valid: jax.Array, block_start: jax.Array, block_mask: jax.Array, hidden_layers: tuple = (),
-                   tree_attn=None):
+                   prefix_valid: jax.Array, block_start: jax.Array, block_mask: jax.Array, *, tree_attn,
+                   hidden_layers: tuple = ()):
     """Run text tokens against the cache with tree-shaped visibility (token trees, chunks).
 
     tokens: int [B, n] written at slots ``write_slot .. write_slot + n - 1``; positions: int32 [B, n] (or
     [B, 1], broadcast) M-RoPE position of each token (the same on the three axes, as for generated text). Each token
     sees the cache slots in ``prefix_valid`` bool [B, S] (which must exclude the block) and, of the
     W slots from ``block_start``, those in ``block_mask`` bool [B, n, W] (e.g. its ancestors in the
-    tree and itself); see ``models.attention.tree_attention``, the default ``tree_attn`` (any function
-    with its signature can be injected, e.g. a split-K Pallas kernel). The cache's ``valid`` / ``length`` /
+    tree and itself). ``tree_attn(q, k, v, prefix_valid, block_start, block_mask) -> out`` is the
+    injected attention (one softmax over both key sets; e.g. ``pallas_kernels.tree_decode_attention``,
+    whose pure-JAX reference runs on a CPU). The cache's ``valid`` / ``length`` /
     ``next_position`` are not changed (commit with ``compact_cache``); the input cache is donated.
 
     Returns (logits float32 [B, n, V], hidden [len(hidden_layers), B, n, H] in HF numbering, cache).
@@ -272,10 +273,8 @@ def cached_forward(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, positio
     slots = jnp.broadcast_to(write_slot + jnp.arange(n, dtype=jnp.int32), (b, n))
     li = _layer_inputs(model.config, pos, slots, prefix_valid, None, write_slot)
 
-    impl = tree_attention if tree_attn is None else tree_attn
-
     def attn(q, k, v, **_):
-        return impl(q, k, v, prefix_valid, block_start, block_mask)
+        return tree_attn(q, k, v, prefix_valid, block_start, block_mask)
 
     h, ck, cv, hidden = run_decoder(model.language_model, x, li, LayerAttention(uniform=attn), cache_k=cache.k,
                                     cache_v=cache.v, attend_cache=True, hidden_layers=hidden_layers, unroll=True)

@@ -8,15 +8,10 @@ from pallas_kernels.block_sparse import validation
 from pallas_kernels.block_sparse.layout import BlockLayout
 from pallas_kernels.block_sparse.reference import block_sparse_attention_reference
 from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
+from pallas_kernels.checks import check_qkv
+from pallas_kernels.platform import default_implementation
 
 IMPLEMENTATIONS = ("reference", "triton")
-
-
-def default_implementation(interpret: bool = False) -> str:
-    """triton on a GPU, or on CPU when ``interpret``; reference otherwise."""
-    if interpret or jax.default_backend() == "gpu":
-        return "triton"
-    return "reference"
 
 
 def block_sparse_attention(
@@ -50,7 +45,7 @@ def block_sparse_attention(
       out ``[B, T, N, D]`` in q's dtype and lse ``[B, N, T]`` float32 (natural log). Rows
       with no visible key give out 0 and lse -inf.
     """
-    validation.check_qkv(q, k, v)
+    check_qkv(q, k, v)
     b, t, n, d = q.shape
     validation.check_layout_shapes(layout, b, n, t, k.shape[1])
     validation.check_layout_values(layout)

@@ -296,14 +296,19 @@ class BlockLayout:
             keys = keys + self.kv_column_count.astype(jnp.float32)
         computed = (keys * rows).sum(-1)
         if causal:
-            # query t (original) sees keys 0 .. q_offset + t
-            total = self.q_len * self.q_offset + self.q_len * (self.q_len + 1) / 2
+            total = causal_pairs(self.q_len, self.kv_len)
         else:
             total = float(self.q_len * self.kv_len)
         return computed / jnp.float32(total)
 
     def replace(self, **changes: Any) -> "BlockLayout":
         return dataclasses.replace(self, **changes)
+
+
+def causal_pairs(q_len: int, kv_len: int) -> float:
+    """Query-key pairs of causal attention when the queries are the last ``q_len`` of ``kv_len``
+    positions (query t sees keys 0 .. kv_len - q_len + t)."""
+    return q_len * (kv_len - q_len) + q_len * (q_len + 1) / 2
 
 
 def _check_sizes(q_len: int, kv_len: int, block_q: int, block_k: int) -> None:

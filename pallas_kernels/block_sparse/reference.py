@@ -40,16 +40,9 @@ def _online_update(carry, scores, values):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "chunk_blocks"))
-def block_sparse_attention_reference(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    layout: BlockLayout,
-    *,
-    sm_scale: float,
-    causal: bool = True,
-    chunk_blocks: int = 8,
-) -> tuple[jax.Array, jax.Array]:
+def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayout, *,
+                                     sm_scale: float, causal: bool = True, chunk_blocks: int = 8
+                                     ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` -> out ``[B,T,N,D]`` (q.dtype), lse ``[B,N,T]`` f32.
 
     Inputs are assumed validated (see `api.block_sparse_attention`).

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.block_sparse.layout import BlockLayout
-
+from pallas_kernels.online_softmax import softmax_step
 from pallas_kernels.tiling import LN2, LOG2E, inverse_permutation
 from pallas_kernels.tiling import next_pow2 as _next_pow2
 from pallas_kernels.tiling import pad_to as _pad_to
@@ -62,16 +62,8 @@ def _kernel(
         q_min = qi * block_q + q_offset
 
     def update(carry, k, v, s_mask):
-        m_prev, l_prev, acc = carry
         s = pltriton.dot(q, k, trans_b=True) * scale  # [bq, bk] f32
-        s = s_mask(s)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_prev - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_new = l_prev * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
-        return m_new, l_new, acc
+        return softmax_step(carry, s_mask(s), v)
 
     def masked(k_pos):
         ok = k_pos[None, :] < kv_len

@@ -1,4 +1,5 @@
-"""Argument checks for `block_sparse_attention`, run before anything is traced into a kernel.
+"""Layout checks for `block_sparse_attention`, run before anything is traced into a kernel
+(q / k / v are checked by `pallas_kernels.checks.check_qkv`).
 
 Shape and dtype checks always run (they are static). Value checks (block ids in range,
 counts within the list, permutations) run when the layout arrays are concrete; inside
@@ -12,48 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.block_sparse.layout import BlockLayout, cdiv
-from pallas_kernels.checks import fmt_shape as _fmt
-
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
-    """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` with N % K == 0, T <= S, one float dtype."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(
-                f"{name}: expected rank 4 {'[B, T, N, D]' if name == 'q' else '[B, S, K, D]'}; "
-                f"received shape {_fmt(getattr(x, 'shape', ()))}"
-            )
-        if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
-            raise ValueError(
-                f"{name}: expected dtype bfloat16, float16 or float32; received {x.dtype}"
-            )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(
-            f"q, k, v: expected one dtype; received q {q.dtype}, k {k.dtype}, v {v.dtype}"
-        )
-    b, t, n, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"v: expected the shape of k {_fmt(k.shape)}; received {_fmt(v.shape)}")
-    bk, s, kh, dk = k.shape
-    if bk != b:
-        raise ValueError(f"k: expected batch {b} (from q {_fmt(q.shape)}); received {_fmt(k.shape)}")
-    if dk != d:
-        raise ValueError(f"k: expected head dim {d} (from q {_fmt(q.shape)}); received {_fmt(k.shape)}")
-    if kh < 1 or n % kh:
-        raise ValueError(
-            f"k: expected a number of key heads K dividing the query heads N={n} (GQA); "
-            f"received K={kh} (k {_fmt(k.shape)})"
-        )
-    if t > s:
-        raise ValueError(
-            f"q: expected T <= S (queries are the last T of S positions); received T={t}, "
-            f"S={s}"
-        )
-    if min(b, t, n, d, s) < 1:
-        raise ValueError(f"q, k: expected non-empty arrays; received q {_fmt(q.shape)}, k {_fmt(k.shape)}")
+from pallas_kernels.block_sparse.layout import BlockLayout
+from pallas_kernels.checks import fmt_shape
+from pallas_kernels.tiling import cdiv
 
 
 def check_layout_shapes(layout: BlockLayout, batch: int, heads: int, t: int, s: int) -> None:
@@ -83,7 +45,7 @@ def check_layout_shapes(layout: BlockLayout, batch: int, heads: int, t: int, s: 
         if arr.ndim != 2 + len(tail) or not lead_ok(arr.shape) or not all(
             dim_ok(i, x) for i, x in enumerate(tail)
         ):
-            raise ValueError(f"layout.{name}: expected shape {exp}; received {_fmt(arr.shape)}")
+            raise ValueError(f"layout.{name}: expected shape {exp}; received {fmt_shape(arr.shape)}")
         if arr.dtype != dtype:
             raise ValueError(f"layout.{name}: expected dtype int32; received {arr.dtype}")
 

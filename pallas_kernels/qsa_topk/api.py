@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.block_sparse import validation as bs_validation
-from pallas_kernels.block_sparse.api import default_implementation
-from pallas_kernels.checks import check_int as _check_int, check_pow2 as _check_pow2
-from pallas_kernels.qsa_topk.common import QSATopKResult, cdiv
+from pallas_kernels.checks import check_int, check_pow2, check_qkv
+from pallas_kernels.platform import default_implementation
+from pallas_kernels.qsa_topk.common import QSATopKResult
 from pallas_kernels.qsa_topk.reference import qsa_topk_reference
 from pallas_kernels.qsa_topk.topk import ALGORITHMS
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
+from pallas_kernels.tiling import cdiv
 
 IMPLEMENTATIONS = ("reference", "triton")
 
@@ -57,22 +57,22 @@ def qsa_topk(
       `QSATopKResult` (out_gamma ``[B, Tg, N, D]``, lse_gamma ``[B, N, Tg]``, block_idx and
       block_score ``[B, N, Tg, top_k]``), ``Tg = ceil(T / gamma)``.
     """
-    bs_validation.check_qkv(q, k, v)
-    _check_int("gamma", gamma, 1)
-    _check_pow2("block_kv", block_kv)
+    check_qkv(q, k, v)
+    check_int("gamma", gamma, 1)
+    check_pow2("block_kv", block_kv)
     nk = cdiv(k.shape[1], block_kv) if isinstance(block_kv, int) else 0
-    _check_int("top_k", top_k, 1)
+    check_int("top_k", top_k, 1)
     if top_k > nk:
         raise ValueError(f"top_k: expected top_k <= number of key blocks ceil(S / block_kv) = {nk} "
                          f"(S={k.shape[1]}, block_kv={block_kv}); received {top_k}")
-    _check_int("k_exact", k_exact, 0)
+    check_int("k_exact", k_exact, 0)
     if topk == "estimated" and k_exact > top_k:
         raise ValueError(f"k_exact: expected 0 <= k_exact <= top_k={top_k}; received {k_exact}")
     if topk not in ALGORITHMS:
         raise ValueError(f"topk: expected one of {ALGORITHMS}; received {topk!r}")
-    _check_int("sink_blocks", sink_blocks, 0)
-    _check_int("local", local, 0)
-    _check_pow2("rows", rows)
+    check_int("sink_blocks", sink_blocks, 0)
+    check_int("local", local, 0)
+    check_pow2("rows", rows)
     if implementation is None:
         implementation = default_implementation(bool(interpret))
     if implementation not in IMPLEMENTATIONS:

@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from pallas_kernels import tiling
+
+from pallas_kernels.tiling import cdiv
 
 
 class QSATopKResult(NamedTuple):
@@ -38,8 +39,6 @@ class QSATopKResult(NamedTuple):
     block_idx: jax.Array
     block_score: jax.Array
 
-
-cdiv = tiling.cdiv
 
 
 def sampled_positions(q_len: int, kv_len: int, gamma: int) -> jax.Array:

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.qsa_topk import topk as topk_lib
-from pallas_kernels.qsa_topk.common import QSATopKResult, candidate_end, cdiv, sampled_positions
+from pallas_kernels.qsa_topk.common import QSATopKResult, candidate_end, sampled_positions
+from pallas_kernels.tiling import cdiv
 
 
 def block_scores(qg: jax.Array, pos: jax.Array, k: jax.Array, v: jax.Array | None, *,

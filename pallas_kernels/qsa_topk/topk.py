@@ -47,6 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+
 from pallas_kernels.tiling import next_pow2
 
 ALGORITHMS = ("exact", "tournament", "estimated")

@@ -37,9 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.qsa_topk import topk as topk_lib
-from pallas_kernels.qsa_topk.common import QSATopKResult, cdiv
-
-from pallas_kernels.tiling import LN2, LOG2E
+from pallas_kernels.qsa_topk.common import QSATopKResult
+from pallas_kernels.tiling import LN2, LOG2E, cdiv
 from pallas_kernels.tiling import pad_to as _pad_to
 
 

@@ -6,24 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.block_sparse import validation as bs_validation
-from pallas_kernels.block_sparse.api import default_implementation
-from pallas_kernels.checks import check_int as _check_int, check_pow2 as _check_pow2, fmt_shape as _fmt
+from pallas_kernels.checks import check_int, check_pow2, check_qkv, fmt_shape
+from pallas_kernels.platform import default_implementation, num_cores
 from pallas_kernels.tiling import cdiv
 from pallas_kernels.tree_decode import triton as td_triton
 from pallas_kernels.tree_decode.reference import tree_decode_attention_reference
 
 IMPLEMENTATIONS = ("reference", "triton")
-
-# SMs of the H100 / H200, the default when the backend does not report its cores.
-_DEFAULT_CORES = 132
-
-
-def _num_cores() -> int:
-    if jax.default_backend() == "gpu":
-        return int(getattr(jax.devices()[0], "core_count", None) or _DEFAULT_CORES)
-    return _DEFAULT_CORES
-
 
 def check_masks(q, k, prefix_valid, block_start, block_mask) -> None:
     """prefix_valid bool ``[B, S]``, block_start an int32 scalar (or Python int), block_mask
@@ -32,13 +21,13 @@ def check_masks(q, k, prefix_valid, block_start, block_mask) -> None:
     s = k.shape[1]
     if getattr(prefix_valid, "shape", None) != (b, s):
         raise ValueError(f"prefix_valid: expected shape [{b}, {s}] ([B, S] from q and k); "
-                         f"received {_fmt(getattr(prefix_valid, 'shape', ()))}")
+                         f"received {fmt_shape(getattr(prefix_valid, 'shape', ()))}")
     if prefix_valid.dtype != jnp.bool_:
         raise ValueError(f"prefix_valid: expected dtype bool; received {prefix_valid.dtype}")
     shape = getattr(block_mask, "shape", None)
     if shape is None or len(shape) != 3 or shape[:2] != (b, t):
         raise ValueError(f"block_mask: expected shape [{b}, {t}, W] ([B, T, W] from q); "
-                         f"received {_fmt(shape or ())}")
+                         f"received {fmt_shape(shape or ())}")
     if not 1 <= shape[2] <= s:
         raise ValueError(f"block_mask: expected 1 <= W <= S={s}; received W={shape[2]}")
     if block_mask.dtype != jnp.bool_:
@@ -101,7 +90,7 @@ def tree_decode_attention(
     Returns:
       ``[B, T, N, D]`` in q's dtype; a query that sees no key gives 0.
     """
-    bs_validation.check_qkv(q, k, v)
+    check_qkv(q, k, v)
     check_masks(q, k, prefix_valid, block_start, block_mask)
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
@@ -110,15 +99,15 @@ def tree_decode_attention(
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; "
                          f"received {implementation!r}")
-    _check_pow2("block_k", block_k)
+    check_pow2("block_k", block_k)
     if block_r is not None:
-        _check_pow2("block_r", block_r)
+        check_pow2("block_r", block_r)
     if num_splits is not None:
-        _check_int("num_splits", num_splits, 1)
+        check_int("num_splits", num_splits, 1)
     if num_warps is not None:
-        _check_pow2("num_warps", num_warps, 1)
+        check_pow2("num_warps", num_warps, 1)
     if num_stages is not None:
-        _check_int("num_stages", num_stages, 1)
+        check_int("num_stages", num_stages, 1)
     sm_scale = float(d) ** -0.5 if sm_scale is None else float(sm_scale)
     block_start = jnp.asarray(block_start, jnp.int32)
     if implementation == "reference":
@@ -131,7 +120,7 @@ def tree_decode_attention(
         block_r = td_triton.default_block_r(g * t)
     if num_splits is None:
         num_splits = td_triton.default_num_splits(b, kh, cdiv(g * t, block_r), s // block_k,
-                                                  _num_cores())
+                                                  num_cores())
     return td_triton.tree_decode_attention_triton(
         q, k, v, prefix_valid, block_start, block_mask, sm_scale=sm_scale, block_k=block_k,
         block_r=block_r, num_splits=num_splits, interpret=bool(interpret), num_warps=num_warps,

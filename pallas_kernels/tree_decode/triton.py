@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.online_softmax import softmax_step
 from pallas_kernels.tiling import LN2, LOG2E, cdiv, next_pow2
 from pallas_kernels.tiling import pad_to as _pad_to
 
@@ -85,20 +86,12 @@ def _kernel(range_ref, pv_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
     scale = sm_scale * LOG2E
 
     def body(j, carry):
-        m_prev, l_prev, acc = carry
         start = pl.multiple_of(j * block_k, block_k)
         k = k_ref[pl.ds(start, block_k), :]
         v = v_ref[pl.ds(start, block_k), :]
         ok = pv_ref[pl.ds(start, block_k)] != 0
         s = pltriton.dot(q, k, trans_b=True) * scale  # [R, bk] f32, base 2
-        s = jnp.where(ok[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_prev - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_new = l_prev * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
-        return m_new, l_new, acc
+        return softmax_step(carry, jnp.where(ok[None, :], s, -jnp.inf), v)
 
     rows = q.shape[0]
     carry = (

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from models.attention import LayerAttention, cudnn_attention, dense_attention, resolve_attention
+from pallas_kernels import tree_decode_attention
 
 
 def _naive(q, k, v, q_pos, valid, causal=True):
@@ -115,12 +116,13 @@ def test_per_query_mask_direct_and_blocked_agree_with_numpy():
 
 
 def test_tree_attention_equals_per_query_mask():
-    from models.attention import tree_attention
-
+    """The tree-verification attention the speculative step injects (prefix mask + tree block mask,
+    one softmax) equals dense attention with the per-query mask it stands for."""
     q, k, v, prefix, block, full, start = _per_query_case(seed=1)
     qpos = jnp.broadcast_to(start + jnp.arange(5), (2, 5))
     want = dense_attention(q, k, v, q_positions=qpos, kv_valid=jnp.asarray(full), causal=False)
-    got = tree_attention(q, k, v, jnp.asarray(prefix), jnp.asarray(start, jnp.int32), jnp.asarray(block))
+    got = tree_decode_attention(q, k, v, jnp.asarray(prefix), jnp.asarray(start, jnp.int32), jnp.asarray(block),
+                                implementation="reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     with pytest.raises(ValueError, match="prefix_valid"):
-        tree_attention(q, k, v, jnp.asarray(prefix[:, :3]), jnp.asarray(start), jnp.asarray(block))
+        tree_decode_attention(q, k, v, jnp.asarray(prefix[:, :3]), jnp.asarray(start), jnp.asarray(block))

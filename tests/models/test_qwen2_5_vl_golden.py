@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mmjax.inference import decode_step, prefill
 from models.qwen2_5_vl import forward, prepare_inputs
 from models.qwen2_5_vl.model import vision_features
-from mmjax.inference import decode_step, prefill
 from tests.models.conftest import first_row_inputs, get_model, load_case
 
 

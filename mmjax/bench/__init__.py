@@ -1,1 +1,0 @@
-"""Benchmark drivers behind `mmjax bench ...` and the scripts in bench/."""

@@ -1,0 +1,2 @@
+"""Drivers: the `mmjax` command line and the benchmarks. They import everything; nothing in the
+library imports them."""

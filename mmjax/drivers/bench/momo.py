@@ -1,0 +1,424 @@
+"""MOMO benchmark: time split, speedup over dense attention, captured mass, top-k latency.
+
+On a GPU (B=1, N=28, K=4, D=128, bf16; MOMO gamma=16, beta=64, k=128, k_exact=8,
+k_trim=128, chi=128, sink 64, local 128):
+
+* a short tile sweep of the fused QSA + top-k kernel (sampled rows per program, warps);
+* per sequence length (1M, 128k, 512k): cuDNN causal attention vs MOMO, split into
+  QSA + top-k (one fused kernel) / union + trim / key-sparse attention / delta correction,
+  and the end-to-end time (one jit of the four stages);
+* captured attention mass vs the oracle block top-k (same number of blocks per row) on
+  structured inputs (video-like: spatial stripes across frames with a recency bias;
+  needle-like: a few key blocks every query matches), for each top-k algorithm and for
+  mean-pooled block selection, on 256 random rows of the second half of the sequence;
+* latency of the three top-k algorithms as k grows (MOMO Fig. 4) at 128k.
+
+Sections run in that order under a time budget and the JSON is rewritten after each, so a
+run cut short still leaves its results. On a CPU the same at toy sizes in interpret mode
+(XLA dense attention as the anchor): it shows that everything runs, timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mmjax.drivers.bench.report import print_table, write_result
+from mmjax.sparse.metrics import block_mass, captured_mass, mean_pooled_layout, momo_sparsity
+from mmjax.sparse.patterns.momo import Momo, assemble_layout, delta_correct, union_trim
+from mmjax.timing import device_name, time_fn
+from pallas_kernels import block_sparse_attention, qsa_topk
+from pallas_kernels.qsa_topk.triton import qsa_topk_triton
+
+
+@dataclasses.dataclass(frozen=True)
+class MomoBenchConfig:
+    seq_lens: tuple[int, ...] = (1048576, 131072, 524288)  # run in this order
+    heads: int = 28
+    kv_heads: int = 4
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    gamma: int = 16
+    block: int = 64
+    k: int = 128
+    k_exact: int = 8
+    k_trim: int = 128
+    query_block: int = 128
+    sink: int = 64
+    local: int = 128
+    algorithms: tuple[str, ...] = ("exact", "tournament", "estimated")
+    timed_algorithm: str = "estimated"
+    anchor: str = "cudnn"
+    mass_rows: int = 256
+    frame: int = 1024
+    needles: int = 64
+    fig4_len: int = 131072
+    fig4_ks: tuple[int, ...] = (16, 32, 64, 128, 256)
+    # (sampled rows per program, num_warps or 0 for the default) candidates; first is default
+    qsa_tiles: tuple[tuple[int, int], ...] = ((64, 0), (32, 0), (64, 4), (32, 8))
+    interpret: bool = False
+    budget_s: float = 300.0
+    mass_lens: tuple[int, ...] = (1048576, 131072, 524288)
+
+
+GPU_CONFIG = MomoBenchConfig()
+CPU_CONFIG = MomoBenchConfig(
+    seq_lens=(384,), heads=4, kv_heads=2, head_dim=32, dtype="float32", gamma=4, block=16,
+    k=4, k_exact=1, k_trim=4, query_block=32, sink=16, local=16, anchor="xla", mass_rows=32,
+    frame=64, needles=3, fig4_len=256, fig4_ks=(2, 4), qsa_tiles=((16, 0), (32, 0)),
+    interpret=True, budget_s=600.0, mass_lens=(384,),
+)
+
+
+# ------------------------------------------------------------------ inputs
+def video_like(cfg: MomoBenchConfig, s: int, seed: int):
+    """Tokens of frames of ``cfg.frame`` patches: a token is its patch's embedding (shared
+    across frames) plus a smooth function of its frame index, plus noise per head. Queries
+    attend to the same patch in earlier frames, recent frames more: a strided pattern that
+    is not block-aligned within a frame."""
+    d, f = cfg.head_dim, cfg.frame
+    dt = jnp.dtype(cfg.dtype)
+    ke, kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 4)
+    emb = jax.random.normal(ke, (f, d), jnp.float32)
+    idx = jnp.arange(s)
+    frames = max(1, math.ceil(s / f))
+    omega = math.pi / frames * jnp.asarray([0.25, 0.5, 0.75, 1.0])
+    ph = (idx // f)[:, None] * omega[None, :]
+    tfeat = jnp.concatenate([jnp.cos(ph), jnp.sin(ph)], axis=1) * 1.5  # [s, 8]
+    base = 0.6 * emb[idx % f]
+    base = base.at[:, :8].add(tfeat).astype(dt)[None, :, None, :]
+    q = base + jax.random.normal(kq, (1, s, cfg.heads, d), dt)
+    k = base + jax.random.normal(kk, (1, s, cfg.kv_heads, d), dt)
+    v = jax.random.normal(kv, (1, s, cfg.kv_heads, d), dt)
+    return q, k, v
+
+
+def needle_like(cfg: MomoBenchConfig, s: int, seed: int):
+    """Noise plus ``cfg.needles`` key blocks (random, in the first 90% of the sequence)
+    that every query matches strongly, and a strong first (sink) block."""
+    d = cfg.head_dim
+    dt = jnp.dtype(cfg.dtype)
+    ku, kn, kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 5)
+    u = jax.random.normal(ku, (d,), jnp.float32)
+    nk = s // cfg.block
+    blocks = jax.random.choice(kn, jnp.arange(1, max(2, int(nk * 0.9))), (cfg.needles,), replace=False)
+    is_needle = jnp.zeros((nk + 1,), bool).at[blocks].set(True).at[0].set(True)
+    hit = is_needle[jnp.minimum(jnp.arange(s) // cfg.block, nk)]
+    q = jax.random.normal(kq, (1, s, cfg.heads, d), dt) + (0.7 * u).astype(dt)
+    k = jax.random.normal(kk, (1, s, cfg.kv_heads, d), dt)
+    k = k + jnp.where(hit[None, :, None, None], 0.7 * u, 0.0).astype(dt)
+    v = jax.random.normal(kv, (1, s, cfg.kv_heads, d), dt)
+    return q, k, v
+
+
+# ------------------------------------------------------------------ stages
+def _pattern(cfg: MomoBenchConfig, algorithm: str, k: int | None = None) -> Momo:
+    return Momo(gamma=cfg.gamma, block=cfg.block, k=cfg.k if k is None else k,
+                k_exact=min(cfg.k_exact, cfg.k if k is None else k), k_trim=cfg.k_trim,
+                query_block=cfg.query_block, topk=algorithm, sink=cfg.sink, local=cfg.local)
+
+
+def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
+    """Jitted stage functions (qsa, trim, key_sparse, delta, total) with the chosen tile."""
+    rows, warps = tile
+    kw = dict(gamma=pattern.gamma, block_kv=pattern.block, top_k=pattern.k, k_exact=pattern.k_exact,
+              topk=pattern.topk, sink_blocks=pattern.sink_blocks, local=pattern.local,
+              implementation="triton", interpret=cfg.interpret, rows=rows,
+              num_warps=warps or None)
+
+    def qsa(q, k, v):
+        return qsa_topk(q, k, v, **kw)
+
+    def trim(res, t, s):
+        geo = dict(q_len=t, kv_len=s, query_block=pattern.query_block, block=pattern.block,
+                   sink_blocks=pattern.sink_blocks, local=pattern.local)
+        ids, _ = union_trim(res.block_idx, res.block_score, gamma=pattern.gamma, k_trim=pattern.trim, **geo)
+        return assemble_layout(ids, **geo)
+
+    def key_sparse(q, k, v, layout):
+        return block_sparse_attention(q, k, v, layout, implementation="triton", interpret=cfg.interpret)
+
+    def delta(out, lse, res):
+        return delta_correct(out, lse, res.out_gamma, res.lse_gamma, pattern.gamma)
+
+    def total(q, k, v):
+        res = qsa(q, k, v)
+        layout = trim(res, q.shape[1], k.shape[1])
+        out, lse = key_sparse(q, k, v, layout)
+        return delta(out, lse, res)
+
+    return (jax.jit(qsa), jax.jit(trim, static_argnums=(1, 2)), jax.jit(key_sparse),
+            jax.jit(delta), jax.jit(total))
+
+
+def _time(fn, s: int) -> float:
+    """Median ms; the first call (compile + warm-up) is not timed."""
+    reps = 3 if s <= 131072 else (2 if s <= 524288 else 1)
+    return time_fn(fn, warmup=0, reps=reps)["ms"]
+
+
+def _err(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+class Runner:
+    def __init__(self, cfg: MomoBenchConfig, out_dir: str | None, log=print, name: str = "momo"):
+        self.cfg, self.out_dir, self.log, self.name = cfg, out_dir, log, name
+        self.t0 = time.perf_counter()
+        self.result: dict = {"config": dataclasses.asdict(cfg), "sections_skipped": []}
+
+    def left(self) -> float:
+        return self.cfg.budget_s - (time.perf_counter() - self.t0)
+
+    def save(self) -> None:
+        self.result["elapsed_s"] = time.perf_counter() - self.t0
+        if self.out_dir:
+            self.path = write_result(self.out_dir, self.name, self.result)
+
+    # -------------------------------------------------------------- sections
+    def sweep(self) -> tuple[int, int]:
+        cfg = self.cfg
+        s = cfg.fig4_len
+        q, k, v = video_like(cfg, s, seed=1)
+        pattern = _pattern(cfg, cfg.timed_algorithm)
+        rows = []
+        for tile in cfg.qsa_tiles:
+            try:
+                qsa = _stages(cfg, pattern, tile)[0]
+                ms = _time(lambda: qsa(q, k, v), s)
+                rows.append({"rows": tile[0], "num_warps": tile[1] or "default", "ms": ms})
+                self.log(f"  qsa tile rows={tile[0]} warps={tile[1] or 'default'}: {ms:.2f} ms")
+            except Exception as e:
+                rows.append({"rows": tile[0], "num_warps": tile[1] or "default", "error": _err(e)})
+                self.log(f"  qsa tile {tile}: failed: {_err(e)[:200]}")
+        ok = [r for r in rows if "ms" in r]
+        best = min(ok, key=lambda r: r["ms"]) if ok else {"rows": cfg.qsa_tiles[0][0], "num_warps": 0}
+        tile = (best["rows"], 0 if best["num_warps"] == "default" else best["num_warps"])
+        self.result["qsa_tile_sweep"] = {"S": s, "algorithm": cfg.timed_algorithm, "rows": rows,
+                                         "chosen": list(tile)}
+        return tile
+
+    def timing(self, s: int, tile) -> None:
+        cfg = self.cfg
+        q, k, v = video_like(cfg, s, seed=s)
+        row = {"S": s}
+        try:
+            anchor = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=cfg.anchor))
+            row["anchor_ms"] = _time(lambda: anchor(q, k, v), s)
+            self.log(f"  S={s} {cfg.anchor}: {row['anchor_ms']:.1f} ms")
+        except Exception as e:
+            row["anchor_error"] = _err(e)
+            self.log(f"  S={s} {cfg.anchor} failed: {_err(e)[:200]}")
+        gc.collect()
+        pattern = _pattern(cfg, cfg.timed_algorithm)
+        qsa, trim, ks, delta, total = _stages(cfg, pattern, tile)
+        try:
+            res = qsa(q, k, v)
+            layout = trim(res, s, s)
+            out, lse = ks(q, k, v, layout)
+            row["qsa_topk_ms"] = _time(lambda: qsa(q, k, v), s)
+            row["trim_ms"] = _time(lambda: trim(res, s, s), s)
+            row["key_sparse_ms"] = _time(lambda: ks(q, k, v, layout), s)
+            row["delta_ms"] = _time(lambda: delta(out, lse, res), s)
+            del out, lse
+            row["total_ms"] = _time(lambda: total(q, k, v), s)
+            row["density"] = float(np.mean(np.asarray(layout.density())))
+            row["sparsity_eq9"] = float(np.mean(np.asarray(momo_sparsity(layout, cfg.gamma))))
+            row["blocks_per_query_block"] = float(np.mean(np.asarray(layout.kv_block_count)))
+            if "anchor_ms" in row:
+                row["speedup"] = row["anchor_ms"] / row["total_ms"]
+            self.log(f"  S={s} MOMO ({cfg.timed_algorithm}): total {row['total_ms']:.1f} ms = qsa+topk "
+                     f"{row['qsa_topk_ms']:.1f} + trim {row['trim_ms']:.1f} + key-sparse "
+                     f"{row['key_sparse_ms']:.1f} + delta {row['delta_ms']:.1f}; density "
+                     f"{row['density']:.4f}; speedup {row.get('speedup', float('nan')):.2f}x")
+            del res, layout
+        except Exception as e:
+            row["momo_error"] = _err(e)
+            self.log(f"  S={s} MOMO failed: {_err(e)[:300]}")
+        self.result.setdefault("timing", []).append(row)
+        del q, k, v
+        gc.collect()
+
+    def mass(self, s: int, tile) -> None:
+        cfg = self.cfg
+        rng = np.random.default_rng(s)
+        rows = jnp.asarray(np.sort(rng.choice(np.arange(s // 2, s), cfg.mass_rows, replace=False)), jnp.int32)
+        mass_fn = jax.jit(lambda q, k: block_mass(q, k, rows, block=cfg.block))
+        cap_fn = jax.jit(lambda m, lay: captured_mass(m, lay, rows))
+        for kind, make in (("video", video_like), ("needle", needle_like)):
+            if self.left() < 0:
+                self.result["sections_skipped"].append(f"mass S={s} {kind}")
+                continue
+            q, k, v = make(cfg, s, seed=s + 1)
+            m = mass_fn(q, k)
+            layouts = {}
+            for alg in cfg.algorithms:
+                pattern = _pattern(cfg, alg)
+                qsa, trim = _stages(cfg, pattern, tile)[:2]
+                try:
+                    layouts[alg] = trim(qsa(q, k, v), s, s)
+                except Exception as e:
+                    self.result.setdefault("mass", []).append({"S": s, "input": kind, "method": alg,
+                                                               "error": _err(e)})
+            layouts["mean-pooled"] = jax.jit(lambda q, k: mean_pooled_layout(
+                q, k, query_block=cfg.query_block, block=cfg.block, k_trim=cfg.k_trim,
+                sink_blocks=_pattern(cfg, "exact").sink_blocks, local=cfg.local))(q, k)
+            for method, lay in layouts.items():
+                c = {name: float(np.mean(np.asarray(x))) for name, x in cap_fn(m, lay).items()}
+                row = {"S": s, "input": kind, "method": method, **c, "gap": c["oracle"] - c["captured"],
+                       "density": float(np.mean(np.asarray(lay.density())))}
+                self.result.setdefault("mass", []).append(row)
+                self.log(f"  S={s} {kind} {method}: captured {c['captured']:.4f} oracle {c['oracle']:.4f} "
+                         f"gap {row['gap']:.4f} ({c['blocks']:.1f} blocks/row)")
+            del q, k, v, m, layouts
+            gc.collect()
+
+    def fig4(self, tile) -> None:
+        cfg = self.cfg
+        s = cfg.fig4_len
+        q, k, v = video_like(cfg, s, seed=4)
+        if cfg.fig4_ks and self.left() >= 0:
+            # The same kernel without any top-k structure: what the structures add.
+            row = {"S": s, "k": 0, "algorithm": "none (attention + block scores only)"}
+            try:
+                p = _pattern(cfg, "exact")
+                bare = jax.jit(lambda q, k, v: qsa_topk_triton(
+                    q, k, v, gamma=p.gamma, block_kv=p.block, top_k=1, k_exact=0, topk="none",
+                    sink_blocks=p.sink_blocks, local=p.local, sm_scale=cfg.head_dim ** -0.5,
+                    rows=tile[0], interpret=cfg.interpret, num_warps=tile[1] or None))
+                row["ms"] = _time(lambda: bare(q, k, v), s)
+                self.log(f"  fig4 S={s} no top-k: {row['ms']:.2f} ms")
+            except Exception as e:
+                row["error"] = _err(e)
+            self.result.setdefault("fig4", []).append(row)
+        for topk_k in cfg.fig4_ks:
+            for alg in cfg.algorithms:
+                if self.left() < 0:
+                    self.result["sections_skipped"].append(f"fig4 k={topk_k} {alg}")
+                    continue
+                row = {"S": s, "k": topk_k, "algorithm": alg}
+                try:
+                    qsa = _stages(cfg, _pattern(cfg, alg, topk_k), tile)[0]
+                    row["ms"] = _time(lambda: qsa(q, k, v), s)
+                    self.log(f"  fig4 S={s} k={topk_k} {alg}: {row['ms']:.2f} ms")
+                except Exception as e:
+                    row["error"] = _err(e)
+                    self.log(f"  fig4 k={topk_k} {alg}: failed: {_err(e)[:200]}")
+                self.result.setdefault("fig4", []).append(row)
+            self.save()
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.log(f"device: {device_name()} ({jax.default_backend()}), jax {jax.__version__}")
+        tile = self.sweep() if len(cfg.qsa_tiles) > 1 else cfg.qsa_tiles[0]
+        self.log(f"qsa tile: rows={tile[0]} warps={tile[1] or 'default'}")
+        self.save()
+        for s in cfg.seq_lens:
+            if self.left() < 0:
+                self.result["sections_skipped"].append(f"timing S={s}")
+            else:
+                self.timing(s, tile)
+            self.save()
+            if s in cfg.mass_lens:
+                if self.left() < 0:
+                    self.result["sections_skipped"].append(f"mass S={s}")
+                else:
+                    self.mass(s, tile)
+                self.save()
+        self.fig4(tile)
+        self.summarize()
+        self.save()
+        return self.result
+
+    def summarize(self) -> None:
+        cfg = self.cfg
+        log = self.log
+        timing = sorted(self.result.get("timing", []), key=lambda r: r["S"])
+        log("")
+        print_table(timing, [
+            ("S", "S", "d"), ("anchor_ms", f"{cfg.anchor} ms", ".1f"), ("total_ms", "MOMO ms", ".1f"),
+            ("speedup", "speedup", ".2f"), ("qsa_topk_ms", "qsa+topk", ".1f"), ("trim_ms", "trim", ".1f"),
+            ("key_sparse_ms", "key-sparse", ".1f"), ("delta_ms", "delta", ".1f"),
+            ("density", "density", ".4f"), ("sparsity_eq9", "sparsity", ".4f"),
+        ])
+        mass = [r for r in self.result.get("mass", []) if "captured" in r]
+        if mass:
+            log("")
+            print_table(sorted(mass, key=lambda r: (r["S"], r["input"])), [
+                ("S", "S", "d"), ("input", "input", "s"), ("method", "method", "s"),
+                ("captured", "captured", ".4f"), ("oracle", "oracle", ".4f"), ("gap", "gap", ".4f"),
+                ("blocks", "blocks/row", ".1f"), ("density", "density", ".4f"),
+            ])
+        fig4 = [r for r in self.result.get("fig4", []) if "ms" in r]
+        if fig4:
+            log("")
+            print_table(fig4, [("S", "S", "d"), ("k", "k", "d"), ("algorithm", "top-k", "s"), ("ms", "ms", ".2f")])
+        targets = []
+        for r in timing:
+            if r["S"] >= 1048576 and "speedup" in r:
+                targets.append({"target": f">= 3x faster than {cfg.anchor} at S={r['S']}",
+                                "value": r["speedup"], "met": r["speedup"] >= 3.0})
+        for r in mass:
+            if r["method"] in cfg.algorithms:
+                targets.append({"target": f"captured mass within 0.015 of the oracle ({r['input']}, "
+                                          f"S={r['S']}, {r['method']})",
+                                "value": r["gap"], "met": r["gap"] <= 0.015})
+        self.result["targets"] = targets
+        log("")
+        if cfg.interpret:
+            log("targets are GPU targets; not judged in interpret mode")
+        else:
+            for tg in targets:
+                log(f"target {tg['target']}: {tg['value']:.4f} -> {'met' if tg['met'] else 'NOT met'}")
+        if self.result["sections_skipped"]:
+            log(f"skipped (time budget): {self.result['sections_skipped']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mmjax bench momo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results", help="directory for the JSON result")
+    p.add_argument("--cpu", action="store_true", help="small interpret-mode run even on a GPU")
+    p.add_argument("--seq-lens", type=int, nargs="*", help="override the sequence lengths")
+    p.add_argument("--mass-lens", type=int, nargs="*", help="lengths with captured-mass runs")
+    p.add_argument("--budget-s", type=float, help="stop starting new sections after this long")
+    p.add_argument("--fig4-ks", type=int, nargs="*", help="k values of the top-k latency sweep")
+    p.add_argument("--tile", type=int, nargs=2, metavar=("ROWS", "WARPS"),
+                   help="QSA tile (sampled rows per program, warps; 0 = default) instead of sweeping")
+    p.add_argument("--algorithms", nargs="*", choices=("exact", "tournament", "estimated"),
+                   help="top-k algorithms to run")
+    p.add_argument("--name", default="momo", help="result file prefix")
+    args = p.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu" and not args.cpu
+    cfg = GPU_CONFIG if on_gpu else CPU_CONFIG
+    if args.seq_lens is not None:
+        cfg = dataclasses.replace(cfg, seq_lens=tuple(args.seq_lens))
+    if args.mass_lens is not None:
+        cfg = dataclasses.replace(cfg, mass_lens=tuple(args.mass_lens))
+    if args.budget_s is not None:
+        cfg = dataclasses.replace(cfg, budget_s=args.budget_s)
+    if args.fig4_ks is not None:
+        cfg = dataclasses.replace(cfg, fig4_ks=tuple(args.fig4_ks))
+    if args.tile:
+        cfg = dataclasses.replace(cfg, qsa_tiles=(tuple(args.tile),))
+    if args.algorithms:
+        cfg = dataclasses.replace(cfg, algorithms=tuple(args.algorithms))
+    if not on_gpu:
+        print("no GPU: small interpret-mode run (timings are not kernel speed)")
+    runner = Runner(cfg, args.out, name=args.name)
+    runner.run()
+    if args.out:
+        print(f"wrote {runner.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

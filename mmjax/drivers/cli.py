@@ -1,0 +1,51 @@
+"""The `mmjax` command: ``mmjax COMMAND [args]``; ``mmjax COMMAND --help`` for a command's options.
+
+A command that fails on bad input prints one line ``mmjax COMMAND: error: ...`` and exits with
+status 2 (``--debug`` before the command shows the traceback instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module exposing main(argv) -> int, one-line purpose)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("mmjax.drivers.bench", "run a benchmark by name (`mmjax bench --help` lists them)"),
+    "search": ("mmjax.drivers.search", "search per-head sparse patterns from a calibration .npz -> SparseConfig"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmjax", description="mmjax: fast long-context vision-language inference in JAX",
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, (_, purpose) in COMMANDS.items():
+        sub.add_parser(name, help=purpose, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv[:1]
+    argv = argv[1:] if debug else argv
+    p = parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        p.print_help()
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        p.error(f"argument COMMAND: invalid choice: {name!r} (choose from {', '.join(COMMANDS)})")
+    try:
+        return importlib.import_module(COMMANDS[name][0]).main(rest)
+    except (ValueError, OSError) as e:
+        if debug:
+            raise
+        print(f"mmjax {name}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Range arithmetic -> block lists: the vectorised helpers every pattern builder uses to turn
+per-row key-block ranges into the ascending, distinct lists of a `BlockLayout`.
+
+All functions are jit-able; sizes that shape arrays are static Python ints.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.tiling import cdiv
+
+
+def query_block_bounds(q_len: int, kv_len: int, block_q: int) -> tuple[jax.Array, jax.Array]:
+    """Original positions of the first and last query of each query block: int32 ``[nq]``."""
+    nq = cdiv(q_len, block_q)
+    off = kv_len - q_len
+    start = np.arange(nq) * block_q + off
+    end = np.minimum((np.arange(nq) + 1) * block_q, q_len) - 1 + off
+    return jnp.asarray(start, jnp.int32), jnp.asarray(end, jnp.int32)
+
+
+def ranges_to_lists(groups: list[tuple[jax.Array, jax.Array, int]], num_kv_blocks: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Union of inclusive block ranges per row -> ascending, distinct block lists.
+
+    groups: ``(lo, hi, max_width)`` with lo, hi int32 ``[..., R]`` (one group's ranges are
+    at most ``max_width`` blocks wide, static; a range with hi < lo is empty; ranges may
+    overlap). Ids are clipped to ``[0, num_kv_blocks)``. Returns (blocks int32
+    ``[..., L]`` with L = sum of R * max_width, count ``[...]``).
+    """
+    big = jnp.int32(np.iinfo(np.int32).max)
+    flats = []
+    for lo, hi, max_width in groups:
+        cand = lo[..., None] + jnp.arange(max_width, dtype=jnp.int32)  # [..., R, W]
+        valid = (cand <= hi[..., None]) & (cand >= 0) & (cand < num_kv_blocks)
+        flats.append(jnp.where(valid, cand, big).reshape(lo.shape[:-1] + (-1,)))
+    flat = jnp.sort(jnp.concatenate(flats, -1), axis=-1)
+    dup = jnp.concatenate([jnp.zeros_like(flat[..., :1], bool), flat[..., 1:] == flat[..., :-1]], -1)
+    flat = jnp.sort(jnp.where(dup, big, flat), axis=-1)
+    count = (flat != big).sum(-1).astype(jnp.int32)
+    return jnp.where(flat == big, 0, flat).astype(jnp.int32), count
+
+
+def ascending_ranges_to_lists(lo: jax.Array, hi: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """Block ranges ``[..., R]`` (inclusive; ``lo`` non-decreasing along R; empty when
+    hi < lo) -> ascending distinct lists ``[..., width]`` and counts, without a sort."""
+    prev_hi = jax.lax.cummax(hi, axis=hi.ndim - 1)
+    prev_hi = jnp.concatenate([jnp.full_like(hi[..., :1], -1), prev_hi[..., :-1]], -1)
+    start = jnp.maximum(lo, prev_hi + 1)
+    length = jnp.maximum(hi - start + 1, 0)
+    end = jnp.cumsum(length, -1)
+    j = jnp.arange(width, dtype=jnp.int32)
+    r = (end[..., None, :] <= j[:, None]).sum(-1)  # range holding entry j
+    r = jnp.minimum(r, lo.shape[-1] - 1)
+    first = jnp.take_along_axis(end - length, r, -1)
+    blocks = jnp.take_along_axis(start, r, -1) + j - first
+    count = jnp.minimum(end[..., -1], width).astype(jnp.int32)
+    return jnp.where(j < count[..., None], blocks, 0).astype(jnp.int32), count

@@ -1,0 +1,138 @@
+"""What a pattern builds and how it is attended: `BlockLayout` parts, `LayoutSet`, `RowSplit`
+and the one `attend(q, k, v, layout)`.
+
+* `BlockLayout` (``pallas_kernels``): for each (batch, head, query block) the key blocks and
+  single key columns to compute, optional row / key permutations; one kernel launch.
+* `LayoutSet`: layouts over disjoint (query, key) pairs; attention over their union is the
+  lse-merge of attention over each part (exact). Tri-shape, Grid and each (query, key)
+  modality pair of a TwoDBoundary build one.
+* `RowSplit`: layouts whose rows are owned by query modality (QBoundary / TwoDBoundary): row t
+  takes the result of the part of its own kind.
+
+``Layout`` is any of the three; ``AnyLayout`` a `BlockLayout` or a `LayoutSet` (what an inner
+pattern builds). `KernelOptions` says how the kernel runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import BlockLayout, block_sparse_attention, merge_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How the block-sparse kernel is run (static)."""
+
+    implementation: str | None = None  # None: triton on GPU, reference on CPU
+    interpret: bool = False
+    sm_scale: float | None = None
+
+
+class _Parts:
+    """Sizes and density of a layout made of ``parts`` (every part is built for the same T, S)."""
+
+    parts: tuple
+
+    @property
+    def q_len(self) -> int:
+        return self.parts[0].q_len
+
+    @property
+    def kv_len(self) -> int:
+        return self.parts[0].kv_len
+
+    def density(self, causal: bool = True) -> jax.Array:
+        """Tiles all the parts' kernel launches compute over the causal pairs, ``[B|1, N|1]``."""
+        return summed_density(self.parts, causal)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayoutSet(_Parts):
+    """Layouts that together list each (query, key) pair at most once; attention over the
+    union is the lse-merge of attention over each part (exact)."""
+
+    parts: tuple[BlockLayout, ...]
+
+    def to_dense_mask(self, causal: bool = True) -> jax.Array:
+        """bool ``[B|1, N|1, T, S]`` in original order (the union of the parts' masks)."""
+        out = None
+        for p in self.parts:
+            m = p.to_dense_mask(causal)
+            out = m if out is None else out | m
+        return out
+
+
+AnyLayout = BlockLayout | LayoutSet
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSplit(_Parts):
+    """Layouts whose rows are owned by query modality: row t takes ``parts[i]``'s result
+    where ``row_kind[b, t] == kinds[i]`` (rows of no listed kind give 0 / lse -inf).
+
+    parts: one layout per kind (each computed over all rows; rows it does not own are
+    discarded). row_kind: int32 ``[B, T]``. kinds: static kind ids, one per part.
+    """
+
+    parts: tuple[AnyLayout, ...]
+    row_kind: jax.Array
+    kinds: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    def to_dense_mask(self, causal: bool = True) -> jax.Array:
+        """bool ``[B, N|1, T, S]`` in original order."""
+        out = None
+        for kind, part in zip(self.kinds, self.parts):
+            m = part.to_dense_mask(causal) & (self.row_kind == kind)[:, None, :, None]
+            out = m if out is None else out | m
+        return out
+
+
+Layout = BlockLayout | LayoutSet | RowSplit
+
+
+def block_parts(layout: Layout) -> tuple[BlockLayout, ...]:
+    """Every `BlockLayout` (one kernel launch each) of a layout, in order."""
+    if isinstance(layout, RowSplit):
+        return tuple(p for part in layout.parts for p in block_parts(part))
+    return layout.parts if isinstance(layout, LayoutSet) else (layout,)
+
+
+def with_parts(layout: AnyLayout, parts) -> AnyLayout:
+    """The same kind of layout as ``layout`` (a `BlockLayout` or a `LayoutSet`) over ``parts``."""
+    return LayoutSet(tuple(parts)) if isinstance(layout, LayoutSet) else parts[0]
+
+
+def summed_density(parts, causal: bool = True) -> jax.Array:
+    """Sum of the parts' densities (the tiles all their kernel launches compute), ``[B|1, N|1]``."""
+    total = parts[0].density(causal)
+    for p in parts[1:]:
+        total = total + p.density(causal)
+    return total
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
+           options: KernelOptions = KernelOptions()) -> tuple[jax.Array, jax.Array]:
+    """Block-sparse attention over any layout: out ``[B, T, N, D]`` (q's dtype), lse ``[B, N, T]``
+    float32. A `LayoutSet`'s parts are merged by lse; a `RowSplit`'s rows each take the result
+    of their own kind's part. q ``[B, T, N, D]``, k/v ``[B, S, K, D]``."""
+    if isinstance(layout, RowSplit):
+        out = jnp.zeros(q.shape, q.dtype)
+        lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+        for kind, part in zip(layout.kinds, layout.parts):
+            o, l = attend(q, k, v, part, options)
+            own = layout.row_kind == kind  # [B, T]
+            out = jnp.where(own[:, :, None, None], o, out)
+            lse = jnp.where(own[:, None, :], l, lse)
+        return out, lse
+    out, lse = None, None
+    for part in block_parts(layout):
+        o, l = block_sparse_attention(q, k, v, part, sm_scale=options.sm_scale,
+                                      implementation=options.implementation, interpret=options.interpret)
+        out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
+    return out, lse

@@ -1,0 +1,131 @@
+"""MOMO metrics: attention mass a layout captures vs the oracle block top-k (MOMO Fig. 2e),
+sparsity (Eq. 9), and the mean-pooled block selection MOMO is compared with.
+
+All mass metrics evaluate a set of query rows (indices into q) against every key, in
+chunks of key blocks, so they run at 1M tokens on a GPU for a few hundred rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mmjax.sparse.patterns.momo import assemble_layout, window_start
+from pallas_kernels import BlockLayout
+from pallas_kernels.block_sparse.layout import causal_pairs
+from pallas_kernels.qsa_topk.reference import block_scores
+from pallas_kernels.tiling import cdiv
+
+
+def block_mass(q: jax.Array, k: jax.Array, rows: jax.Array, *, block: int,
+               sm_scale: float | None = None, chunk: int = 16) -> jax.Array:
+    """Softmax mass of every key block for the query rows ``rows`` (int ``[R]``).
+
+    q ``[B, T, N, D]``, k ``[B, S, K, D]`` -> float32 ``[B, N, R, nk]`` (rows sum to 1 over
+    causal blocks; 0 for blocks after the row)."""
+    t, s = q.shape[1], k.shape[1]
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    rows = jnp.asarray(rows, jnp.int32)
+    _, lse, scores = block_scores(q[:, rows], rows + (s - t), k, None, block_kv=block,
+                                  sm_scale=scale, chunk=chunk)
+    return jnp.exp(scores - lse[..., None])
+
+
+def _row_blocks(layout: BlockLayout, rows: jax.Array, batch: int, heads: int) -> jax.Array:
+    """bool ``[B, N, R, nk]``: blocks the layout computes for each row's query block."""
+    nk = layout.num_kv_blocks
+    blocks = layout.kv_blocks
+    count = layout.kv_block_count
+    qb = rows // layout.block_q
+
+    def per_row(x):  # lead dims and the query-block dim may broadcast
+        x = jnp.broadcast_to(x, (batch, heads) + x.shape[2:])
+        return x[:, :, qb] if x.shape[2] > 1 else jnp.repeat(x, rows.shape[0], axis=2)
+
+    blocks, count = per_row(blocks), per_row(count)  # [B, N, R, mb], [B, N, R]
+    valid = jnp.arange(blocks.shape[-1]) < count[..., None]
+    ids = jnp.where(valid, blocks, nk)
+    onehot = jax.nn.one_hot(ids, nk + 1, dtype=jnp.int32).sum(-2)[..., :nk]
+    return onehot > 0
+
+
+def captured_mass(mass: jax.Array, layout: BlockLayout, rows: jax.Array) -> dict[str, jax.Array]:
+    """Mass the layout captures vs the oracle that keeps, for every row, its own best blocks,
+    as many as the layout computes (causal blocks only) for that row.
+
+    Args:
+      mass: ``[B, N, R, nk]`` from `block_mass` (same block size as ``layout.block_k``).
+      rows: the query rows ``[R]`` mass was computed for.
+
+    Returns dict of float32 ``[B, N]`` means over rows: "captured", "oracle", "ratio"
+    (captured / oracle), and "blocks" (mean blocks per row).
+    """
+    b, n, r, nk = mass.shape
+    rows = jnp.asarray(rows, jnp.int32)
+    chosen = _row_blocks(layout, rows, b, n)
+    pos = rows + layout.q_offset
+    causal = (jnp.arange(nk) * layout.block_k <= pos[:, None])[None, None]
+    chosen = chosen & causal
+    captured = jnp.where(chosen, mass, 0.0).sum(-1)
+    count = chosen.sum(-1)
+    ranked = -jnp.sort(-mass, axis=-1)
+    cum = jnp.cumsum(ranked, axis=-1)
+    oracle = jnp.take_along_axis(cum, jnp.maximum(count - 1, 0)[..., None], -1)[..., 0]
+    oracle = jnp.where(count > 0, oracle, 0.0)
+    return {
+        "captured": captured.mean(-1),
+        "oracle": oracle.mean(-1),
+        "ratio": captured.mean(-1) / jnp.maximum(oracle.mean(-1), 1e-30),
+        "blocks": count.astype(jnp.float32).mean(-1),
+    }
+
+
+def momo_sparsity(layout: BlockLayout, gamma: int) -> jax.Array:
+    """Sparsity as we read MOMO Eq. 9: ``1 - (pairs of the key-sparse pass + pairs of the
+    query-sparse pass) / causal pairs``, per (batch, head) ``[B|1, N|1]``. The QSA pass
+    computes every causal key for the ``ceil(T / gamma)`` sampled rows."""
+    t, s = layout.q_len, layout.kv_len
+    pos = np.arange(0, t, gamma) + s - t
+    qsa = float((pos + 1).sum())
+    total = causal_pairs(t, s)
+    return 1.0 - (layout.density() * total + qsa) / total
+
+
+def mean_pooled_layout(q: jax.Array, k: jax.Array, *, query_block: int, block: int, k_trim: int,
+                       sink_blocks: int, local: int, sm_scale: float | None = None) -> BlockLayout:
+    """Baseline block selection: score(c, j) = mean-pooled q of query block c . mean-pooled
+    k of key block j, keep the k_trim best candidates (the blocks before the query block's
+    local window, after the sink) plus the same forced blocks as MOMO. One head at a time,
+    so an nq x nk score matrix of one head is the largest temporary."""
+    b, t, n, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    groups = n // kh
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    nq, nk = cdiv(t, query_block), cdiv(s, block)
+
+    def pool(x, size, blocks):
+        """[B, L, H, D] -> [B, blocks, H, D] means over each block's real rows."""
+        length = x.shape[1]
+        x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, blocks * size - length), (0, 0), (0, 0)))
+        summed = x.reshape(x.shape[0], blocks, size, x.shape[2], x.shape[3]).sum(2)
+        counts = jnp.minimum(size, length - jnp.arange(blocks) * size).astype(jnp.float32)
+        return summed / counts[None, :, None, None]
+
+    qp = pool(q, query_block, nq)  # [B, nq, N, D]
+    kp = pool(k, block, nk)  # [B, nk, K, D]
+    lo = jnp.asarray(window_start(t, s, query_block=query_block, block=block, local=local))
+    j = jnp.arange(nk)
+    cand = (j[None, :] >= sink_blocks) & (j[None, :] < lo[:, None])  # [nq, nk]
+    take = min(k_trim, nk)
+
+    def head(h):
+        sc = jnp.einsum("bqd,bkd->bqk", qp[:, :, h], kp[:, :, h // groups]) * scale
+        sc = jnp.where(cand[None], sc, -jnp.inf)
+        vals, ids = jax.lax.top_k(sc, take)
+        return jnp.where(jnp.isneginf(vals), -1, ids).astype(jnp.int32)
+
+    ids = jax.lax.map(head, jnp.arange(n))  # [N, B, nq, take]
+    ids = jnp.einsum("nbqk->bnqk", ids)
+    return assemble_layout(ids, q_len=t, kv_len=s, query_block=query_block, block=block,
+                           sink_blocks=sink_blocks, local=local)

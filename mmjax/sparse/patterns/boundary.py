@@ -1,0 +1,214 @@
+"""Inter-modality wrappers around intra-modality patterns (MMInference boundaries).
+
+* `NoBoundary(p)`: the intra pattern on the original order, index estimated globally.
+* `KBoundary(p)`: keys packed by modality (each kind's keys contiguous, in position order);
+  the intra pattern estimated globally, its rules on original positions (so its key blocks
+  hold one modality; order-based rules such as A-shape's sink take the first keys of the
+  first modality).
+* `QBoundary({name: p})`: for each query modality m, rows are permuted so that m's rows
+  come last; m's pattern is estimated from the last queries of m and built for every row;
+  query blocks holding no row of m are dropped. Each row takes the result of its own
+  modality's part (`RowSplit`).
+* `TwoDBoundary({(mq, mk): p})`: as QBoundary for the queries; each pair's pattern sees the
+  keys of mk only (packed first; estimation over them), so every key is attended through
+  the pattern of its own modality: a key block straddling mk's last key becomes single
+  columns. The pairs of one query modality are disjoint and are merged by lse
+  (`LayoutSet`). Pairs not listed are not computed.
+
+Inner patterns build through `Pattern.build_placed` (`mmjax.sparse.placement`): windows, slash
+offsets, Grid line phases and causal cut-offs are on original positions whatever the
+permutation. Every permutation is a `BlockLayout` ``q_perm`` / ``kv_perm``: the kernel
+applies causality on original positions, so each wrapper computes exactly
+``layout.to_dense_mask()``. Patterns with their own permutation (Grid) compose with every
+wrapper. Modality names key the dicts; kinds missing from a QBoundary use ``default``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from mmjax.sparse.layouts import AnyLayout, LayoutSet, RowSplit, block_parts, with_parts
+from mmjax.sparse.modality import Modality
+from mmjax.sparse.patterns.base import Pattern
+from mmjax.sparse.placement import Placement, restrict_to_valid
+from pallas_kernels import BlockLayout
+from pallas_kernels.tiling import cdiv
+
+
+# ---------------------------------------------------------------- layout surgery
+def _sort_perm(keys: jax.Array) -> jax.Array:
+    """Stable argsort of int keys ``[B, L]`` -> int32 ``[B, L]``."""
+    return jnp.argsort(keys, axis=-1, stable=True).astype(jnp.int32)
+
+
+def _keep_query_blocks(part: BlockLayout, q_kind: jax.Array, kind: int) -> BlockLayout:
+    """Zero the counts of query blocks holding no row of ``kind`` (q_kind ``[B, T]``)."""
+    t, bq = part.q_len, part.block_q
+    nq = cdiv(t, bq)
+    perm = part.q_perm if part.q_perm is not None else jnp.arange(t, dtype=jnp.int32)[None, None]
+    kinds = jnp.take_along_axis(jnp.broadcast_to(q_kind[:, None], (q_kind.shape[0], perm.shape[1], t)),
+                                jnp.broadcast_to(perm, (q_kind.shape[0],) + perm.shape[1:]), axis=-1)
+    own = jnp.pad(kinds == kind, ((0, 0), (0, 0), (0, nq * bq - t)))
+    has = own.reshape(own.shape[:2] + (nq, bq)).any(-1)  # [B, N|1, nq]
+    changes = dict(kv_block_count=jnp.where(has, part.kv_block_count, 0))
+    if part.kv_columns is not None:
+        changes["kv_column_count"] = jnp.where(has, part.kv_column_count, 0)
+    return part.replace(**changes)
+
+
+# --------------------------------------------------------------------- helpers
+def _need_modality(modality, who: str) -> Modality:
+    if not isinstance(modality, Modality):
+        raise ValueError(f"modality: {who} needs a Modality (per-token kinds); received "
+                         f"{type(modality).__name__}")
+    return modality
+
+
+def _present(m: Modality) -> frozenset[int]:
+    """Kinds that occur (from the static spans; every kind when they are unknown)."""
+    if m.spans is None:
+        return frozenset(range(m.num_kinds))
+    return frozenset(kind for row in m.spans for kind, _, _ in row)
+
+
+def _check_inner(name: str, p) -> None:
+    if not isinstance(p, Pattern):
+        raise ValueError(f"{name}: expected an mmjax.sparse.patterns pattern; received {type(p).__name__}")
+
+
+def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, k_valid=None) -> AnyLayout:
+    """The intra layout of one query modality: rows of ``kind`` moved last (stable), the
+    pattern estimated from them over the valid keys, query blocks without such rows
+    dropped, listed keys restricted to the valid ones (exactly, per key)."""
+    rows = _sort_perm((q_kind == kind).astype(jnp.int32))
+    b, s = k.shape[0], k.shape[1]
+    pl = Placement(rows=rows, k_group=jnp.zeros((b, s), jnp.int32), k_valid=k_valid)
+    layout = pattern.build_placed(q, k, pl)
+    parts = [_keep_query_blocks(p, q_kind, kind) for p in block_parts(layout)]
+    if k_valid is not None:
+        n_valid = k_valid.sum(-1).astype(jnp.int32)[:, None]
+        parts = [restrict_to_valid(p, n_valid) for p in parts]
+    return with_parts(layout, parts)
+
+
+# -------------------------------------------------------------------- wrappers
+@dataclasses.dataclass(frozen=True)
+class NoBoundary(Pattern):
+    """The intra pattern on the original order (modality ignored)."""
+
+    pattern: Pattern
+
+    def validate(self) -> None:
+        _check_inner("pattern", self.pattern)
+
+    def build_layout(self, q, k, *, modality=None) -> AnyLayout:
+        return self.pattern.build_layout(q, k, modality=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class KBoundary(Pattern):
+    """Keys permuted by modality (contiguous per kind); the intra pattern estimated globally."""
+
+    pattern: Pattern
+
+    def validate(self) -> None:
+        _check_inner("pattern", self.pattern)
+
+    def build_layout(self, q, k, *, modality=None) -> AnyLayout:
+        m = _need_modality(modality, "KBoundary")
+        b, t = q.shape[0], q.shape[1]
+        pl = Placement(rows=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), k_group=m.ids,
+                       num_groups=m.num_kinds)
+        return self.pattern.build_placed(q, k, pl)
+
+
+def _items(name: str, mapping, key_ok) -> tuple:
+    if not isinstance(mapping, Mapping) and not isinstance(mapping, tuple):
+        raise ValueError(f"{name}: expected a mapping; received {type(mapping).__name__}")
+    items = tuple(mapping.items()) if isinstance(mapping, Mapping) else mapping
+    if not items:
+        raise ValueError(f"{name}: expected at least one entry")
+    for key, p in items:
+        if not key_ok(key):
+            raise ValueError(f"{name}: bad key {key!r}")
+        _check_inner(f"{name}[{key!r}]", p)
+    return tuple(sorted(items, key=lambda kv: repr(kv[0])))
+
+
+@dataclasses.dataclass(frozen=True)
+class QBoundary(Pattern):
+    """One intra pattern per query modality (by name), estimated from that modality's last
+    queries; rows of kinds not listed use ``default`` (error when None)."""
+
+    patterns: Mapping[str, Pattern] | tuple
+    default: Pattern | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patterns", _items("patterns", self.patterns,
+                                                    lambda key: isinstance(key, str)))
+        super().__post_init__()
+
+    def validate(self) -> None:
+        if self.default is not None:
+            _check_inner("default", self.default)
+
+    def build_layout(self, q, k, *, modality=None) -> RowSplit:
+        m = _need_modality(modality, "QBoundary")
+        given = dict(self.patterns)
+        unknown = sorted(set(given) - set(m.names))
+        if unknown:
+            raise ValueError(f"patterns: expected modality names from {m.names}; received {unknown}")
+        if self.default is None and set(given) != set(m.names):
+            raise ValueError(f"patterns: expected a pattern for every modality {m.names} (or a default); "
+                             f"missing {sorted(set(m.names) - set(given))}")
+        q_kind = m.query_ids(q.shape[1])
+        parts, kinds = [], []
+        for kind, name in enumerate(m.names):
+            if kind not in _present(m):
+                continue
+            pattern = given.get(name, self.default)
+            layout = _query_modality_layout(pattern, q, k, q_kind, kind)
+            parts.append(layout)
+            kinds.append(kind)
+        return RowSplit(tuple(parts), q_kind, tuple(kinds))
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoDBoundary(Pattern):
+    """One intra pattern per (query modality, key modality) pair, restricted to that pair's
+    key blocks in modality order and merged by lse per query modality. Unlisted pairs are
+    not computed."""
+
+    patterns: Mapping[tuple[str, str], Pattern] | tuple
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patterns", _items(
+            "patterns", self.patterns,
+            lambda key: isinstance(key, tuple) and len(key) == 2 and all(isinstance(x, str) for x in key)))
+        super().__post_init__()
+
+    def build_layout(self, q, k, *, modality=None) -> RowSplit:
+        m = _need_modality(modality, "TwoDBoundary")
+        unknown = sorted({x for key, _ in self.patterns for x in key} - set(m.names))
+        if unknown:
+            raise ValueError(f"patterns: expected modality names from {m.names}; received {unknown}")
+        q_kind = m.query_ids(q.shape[1])
+        parts, kinds = [], []
+        for qk, q_name in enumerate(m.names):
+            pairs = [(k_name, p) for (qn, k_name), p in self.patterns
+                     if qn == q_name and m.kind(k_name) in _present(m)]
+            if qk not in _present(m):
+                continue
+            if not pairs:
+                continue
+            pair_parts = []
+            for k_name, pattern in pairs:
+                layout = _query_modality_layout(pattern, q, k, q_kind, qk, k_valid=m.ids == m.kind(k_name))
+                pair_parts += list(block_parts(layout))
+            parts.append(LayoutSet(tuple(pair_parts)))
+            kinds.append(qk)
+        return RowSplit(tuple(parts), q_kind, tuple(kinds))

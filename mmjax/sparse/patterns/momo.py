@@ -1,0 +1,256 @@
+"""MOMO ("Measure Once, Mask Once"): query-sparse measurement, one block mask, delta
+correction.
+
+1. `qsa_topk` (one fused kernel): dense causal attention of every gamma-th query (rows
+   ``t ≡ 0 mod gamma``) -> O_gamma, and an online top-k of key blocks (size ``block``)
+   per sampled row, scored by S(j) = logsumexp of the block's scaled logits.
+2. `union_trim` (MOMO Algorithm 2): per query block of ``query_block`` (chi) rows, merge
+   the selections of its ``chi / gamma`` sampled rows, average the scores of repeated block
+   ids, keep the ``k_trim`` best (ties to the lower id); `assemble_layout` adds the forced
+   blocks (sink blocks, and every block from the local window of the query block's first
+   row to its diagonal block) and builds a `BlockLayout`.
+3. Key-sparse attention of all queries on that layout (`block_sparse_attention`) -> O_*.
+4. Delta correction (Eq. 3): ``out[t] = O_*[t] + (O_gamma - O_*)[gamma * (t // gamma)]``,
+   so the sampled rows equal dense attention and every row of a gamma group is shifted by
+   its sampled row's error. The returned lse is the key-sparse lse, with the dense lse on
+   the sampled rows.
+
+Forced blocks never compete for the k slots (the kernel offers a row only blocks before
+its local window and after the sink), so k and k_trim count selected blocks beyond them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mmjax.sparse.layouts import KernelOptions
+from mmjax.sparse.patterns.base import Pattern
+from pallas_kernels import BlockLayout, QSATopKResult, block_sparse_attention, qsa_topk
+from pallas_kernels.checks import check_int, check_pow2
+from pallas_kernels.tiling import cdiv
+
+TOPK_ALGORITHMS = ("exact", "tournament", "estimated")
+
+
+# ----------------------------------------------------------------- forced blocks
+def forced_blocks(q_len: int, kv_len: int, *, query_block: int, block: int, sink_blocks: int,
+                  local: int) -> tuple[np.ndarray, np.ndarray]:
+    """Static forced key blocks per query block: (ids int32 ``[nq, F]`` ascending, padded
+    with 0; count int32 ``[nq]``). Query block c forces the sink blocks it may see and every
+    block in ``[max(first - local, 0) // block, last // block]`` (first/last: positions of
+    its first and last rows)."""
+    nq = cdiv(q_len, query_block)
+    offset = kv_len - q_len
+    first = np.arange(nq) * query_block + offset
+    last = np.minimum((np.arange(nq) + 1) * query_block, q_len) - 1 + offset
+    lo, hi = np.maximum(first - local, 0) // block, last // block
+    lists = [sorted(set(range(min(sink_blocks, lo[c]))) | set(range(lo[c], hi[c] + 1)))
+             for c in range(nq)]
+    width = max(len(x) for x in lists)
+    ids = np.zeros((nq, width), np.int32)
+    count = np.array([len(x) for x in lists], np.int32)
+    for c, x in enumerate(lists):
+        ids[c, : len(x)] = x
+    return ids, count
+
+
+def window_start(q_len: int, kv_len: int, *, query_block: int, block: int, local: int) -> np.ndarray:
+    """int32 ``[nq]``: first forced local block of each query block (candidates lie below)."""
+    nq = cdiv(q_len, query_block)
+    first = np.arange(nq) * query_block + kv_len - q_len
+    return (np.maximum(first - local, 0) // block).astype(np.int32)
+
+
+# -------------------------------------------------------------- union and trim
+def union_trim(block_idx: jax.Array, block_score: jax.Array, *, q_len: int, kv_len: int,
+               gamma: int, query_block: int, block: int, k_trim: int, sink_blocks: int,
+               local: int) -> tuple[jax.Array, jax.Array]:
+    """MOMO Algorithm 2 on the QSA selections.
+
+    Args:
+      block_idx, block_score: ``[B, N, Tg, k]`` from `qsa_topk` (-1 / -inf for empty slots).
+
+    Returns (ids int32 ``[B, N, nq, k_trim]``, scores f32 ``[B, N, nq, k_trim]``): per query
+    block the k_trim blocks with the highest mean score over the sampled rows that selected
+    them (ties to the lower id), forced blocks excluded; by score descending, empty slots
+    -1 / -inf.
+    """
+    b, n, tg, k = block_idx.shape
+    per = query_block // gamma
+    nq = cdiv(q_len, query_block)
+    pad = nq * per - tg
+    ids = jnp.pad(block_idx, ((0, 0), (0, 0), (0, max(pad, 0)), (0, 0)), constant_values=-1)
+    sc = jnp.pad(block_score, ((0, 0), (0, 0), (0, max(pad, 0)), (0, 0)), constant_values=-jnp.inf)
+    ids = ids[:, :, : nq * per].reshape(b, n, nq, per * k)
+    sc = sc[:, :, : nq * per].reshape(b, n, nq, per * k)
+    lo = jnp.asarray(window_start(q_len, kv_len, query_block=query_block, block=block, local=local))
+    big = cdiv(kv_len, block)
+    valid = (ids >= sink_blocks) & (ids < lo[None, None, :, None])
+    ids = jnp.where(valid, ids, big)
+    sc = jnp.where(valid, sc, 0.0)
+    ids, sc = lax.sort((ids, sc), dimension=3, num_keys=1)  # ascending id, empties last
+    m = ids.shape[-1]
+    first = jnp.concatenate([jnp.ones(ids.shape[:-1] + (1,), bool), ids[..., 1:] != ids[..., :-1]], -1)
+    seg = jnp.cumsum(first, axis=-1) - 1  # segment number within the row, [.., M]
+    flat = (jnp.arange(b * n * nq).reshape(b, n, nq, 1) * m + seg).ravel()
+    total = jax.ops.segment_sum(sc.ravel(), flat, num_segments=b * n * nq * m)
+    count = jax.ops.segment_sum(jnp.ones_like(sc).ravel(), flat, num_segments=b * n * nq * m)
+    seg_id = jax.ops.segment_max(ids.ravel(), flat, num_segments=b * n * nq * m)
+    shape = (b, n, nq, m)
+    total, count, seg_id = total.reshape(shape), count.reshape(shape), seg_id.reshape(shape)
+    mean = jnp.where((count > 0) & (seg_id < big), total / jnp.maximum(count, 1.0), -jnp.inf)
+    take = min(k_trim, m)
+    vals, pos = lax.top_k(mean, take)  # segments are in id order: ties go to the lower id
+    out_ids = jnp.take_along_axis(seg_id, pos, axis=-1)
+    empty = jnp.isneginf(vals)
+    out_ids = jnp.where(empty, -1, out_ids).astype(jnp.int32)
+    if take < k_trim:
+        widths = ((0, 0), (0, 0), (0, 0), (0, k_trim - take))
+        out_ids = jnp.pad(out_ids, widths, constant_values=-1)
+        vals = jnp.pad(vals, widths, constant_values=-jnp.inf)
+    return out_ids, vals
+
+
+def assemble_layout(trim_ids: jax.Array, *, q_len: int, kv_len: int, query_block: int,
+                    block: int, sink_blocks: int, local: int) -> BlockLayout:
+    """Forced blocks ∪ selected blocks ``trim_ids [B, N, nq, k']`` (-1 = empty, never a
+    forced id) -> `BlockLayout` with ascending distinct lists (block_q = query_block,
+    block_k = block)."""
+    b, n, nq, _ = trim_ids.shape
+    nk = cdiv(kv_len, block)
+    f_ids, f_count = forced_blocks(q_len, kv_len, query_block=query_block, block=block,
+                                   sink_blocks=sink_blocks, local=local)
+    f_ids = np.where(np.arange(f_ids.shape[1]) < f_count[:, None], f_ids, nk)
+    forced = jnp.broadcast_to(jnp.asarray(f_ids, jnp.int32), (b, n) + f_ids.shape)
+    chosen = jnp.where(trim_ids >= 0, trim_ids, nk)
+    lists = jnp.sort(jnp.concatenate([forced, chosen], axis=-1), axis=-1)
+    count = (lists < nk).sum(-1).astype(jnp.int32)
+    width = min(lists.shape[-1], nk)
+    lists = jnp.where(lists[..., :width] < nk, lists[..., :width], 0).astype(jnp.int32)
+    return BlockLayout(kv_blocks=lists, kv_block_count=count, block_q=query_block, block_k=block,
+                       q_len=q_len, kv_len=kv_len)
+
+
+# -------------------------------------------------------------- delta correction
+def delta_correct(out_star: jax.Array, lse_star: jax.Array, out_gamma: jax.Array,
+                  lse_gamma: jax.Array, gamma: int) -> tuple[jax.Array, jax.Array]:
+    """Eq. 3: out_star ``[B, T, N, D]``, out_gamma ``[B, Tg, N, D]`` -> out ``[B, T, N, D]``
+    (out_star's dtype) with ``out[t] = out_star[t] + (out_gamma - out_star[::gamma])[t //
+    gamma]``; lse ``[B, N, T]`` = lse_star with lse_gamma on the sampled rows."""
+    t = out_star.shape[1]
+    delta = out_gamma.astype(jnp.float32) - out_star[:, ::gamma].astype(jnp.float32)
+    out = out_star.astype(jnp.float32) + jnp.repeat(delta, gamma, axis=1)[:, :t]
+    lse = lse_star.at[:, :, ::gamma].set(lse_gamma)
+    return out.astype(out_star.dtype), lse
+
+
+# ------------------------------------------------------------------- pattern
+class MomoPlan(NamedTuple):
+    """What MOMO measures once: the QSA result and the layout built from it."""
+
+    qsa: QSATopKResult
+    layout: BlockLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Momo(Pattern):
+    """MOMO pattern (hyper-parameters static).
+
+    Attributes:
+      gamma: query sampling stride (rows ``t ≡ 0 mod gamma`` are measured and corrected).
+      block: key block size beta (power of two >= 16).
+      k: blocks kept per sampled row by the online top-k (<= number of key blocks).
+      k_exact: exact slots of the "estimated" hybrid (0 <= k_exact <= k; ignored otherwise).
+      k_trim: blocks kept per query block after union and trim (default k).
+      query_block: chi, the layout's query block (power of two, a multiple of gamma).
+      topk: "exact" | "tournament" | "estimated".
+      sink: leading tokens forced in (rounded up to whole blocks).
+      local: local window in tokens forced in (with the diagonal blocks).
+    """
+
+    gamma: int = 16
+    block: int = 64
+    k: int = 128
+    k_exact: int = 8
+    k_trim: int | None = None
+    query_block: int = 128
+    topk: str = "estimated"
+    sink: int = 64
+    local: int = 128
+
+    @property
+    def block_q(self) -> int:  # type: ignore[override]
+        return self.query_block
+
+    @property
+    def block_k(self) -> int:  # type: ignore[override]
+        return self.block
+
+    @property
+    def trim(self) -> int:
+        return self.k if self.k_trim is None else self.k_trim
+
+    @property
+    def sink_blocks(self) -> int:
+        return cdiv(self.sink, self.block)
+
+    def validate(self) -> None:
+        check_int("gamma", self.gamma, 1)
+        check_pow2("block", self.block)
+        check_pow2("query_block", self.query_block)
+        check_int("k", self.k, 1)
+        check_int("k_exact", self.k_exact, 0)
+        if self.topk == "estimated" and self.k_exact > self.k:
+            raise ValueError(f"k_exact: expected 0 <= k_exact <= k={self.k}; received {self.k_exact}")
+        if self.k_trim is not None:
+            check_int("k_trim", self.k_trim, 1)
+        if self.query_block % self.gamma:
+            raise ValueError(f"gamma: expected a divisor of query_block={self.query_block}; "
+                             f"received {self.gamma}")
+        if self.topk not in TOPK_ALGORITHMS:
+            raise ValueError(f"topk: expected one of {TOPK_ALGORITHMS}; received {self.topk!r}")
+        check_int("sink", self.sink, 0)
+        check_int("local", self.local, 0)
+
+    def check_lengths(self, kv_len: int) -> None:
+        nk = cdiv(kv_len, self.block)
+        if self.k > nk:
+            raise ValueError(f"k: expected k <= number of key blocks ceil(S / block) = {nk} "
+                             f"(S={kv_len}, block={self.block}); received {self.k}")
+
+    def plan(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
+             options: KernelOptions = KernelOptions()) -> MomoPlan:
+        """QSA + top-k, then union/trim and the layout (jit-able)."""
+        self.check_lengths(k.shape[1])
+        t, s = q.shape[1], k.shape[1]
+        res = qsa_topk(q, k, v, gamma=self.gamma, block_kv=self.block, top_k=self.k,
+                       k_exact=self.k_exact, topk=self.topk, sink_blocks=self.sink_blocks,
+                       local=self.local, sm_scale=options.sm_scale,
+                       implementation=options.implementation, interpret=options.interpret)
+        geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,
+                   sink_blocks=self.sink_blocks, local=self.local)
+        ids, _ = union_trim(res.block_idx, res.block_score, gamma=self.gamma, k_trim=self.trim, **geo)
+        return MomoPlan(res, assemble_layout(ids, **geo))
+
+    def build_layout(self, q: jax.Array, k: jax.Array, *, modality=None) -> BlockLayout:
+        """The MOMO layout (``modality`` is ignored: MOMO measures every head directly). The
+        QSA pass needs values only for O_gamma, so k stands in for v here; `attend` runs
+        one QSA pass with the real values and reuses it."""
+        return self.plan(q, k, k).layout
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, modality=None,
+               options: KernelOptions = KernelOptions()) -> tuple[jax.Array, jax.Array]:
+        """out ``[B, T, N, D]``, lse ``[B, N, T]``: key-sparse attention plus the delta
+        correction (see the module docstring)."""
+        plan = self.plan(q, k, v, options=options)
+        out, lse = block_sparse_attention(
+            q, k, v, plan.layout, sm_scale=options.sm_scale,
+            implementation=options.implementation, interpret=options.interpret,
+        )
+        return delta_correct(out, lse, plan.qsa.out_gamma, plan.qsa.lse_gamma, self.gamma)

@@ -1,0 +1,231 @@
+"""Vertical-Slash: top vertical columns and top slash diagonals estimated from the last
+queries, compiled to key blocks (slashes) plus single gathered columns (verticals).
+
+Conversion (vectorised, per head): with ``block_q = r * block_k``, the key blocks a slash
+at offset o touches for query block i are ``i * r + u`` for u in a range that does not
+depend on i. So the covered blocks are one shared set U of relative offsets per head
+(adjacent ranges merge by construction); U is capped at ``max_blocks`` relative blocks
+chosen by slash mass, and each query block's list is ``i * r + U`` clipped to the causal
+range. Verticals not inside a listed block become the row's single columns. Cost: one
+scatter of ``slash_size`` ranges and a sort of ``[nq, vertical_size]`` per head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mmjax.sparse import placement as plc
+from mmjax.sparse.block_lists import ranges_to_lists
+from mmjax.sparse.estimate import last_q_scores
+from mmjax.sparse.patterns.base import Pattern
+from pallas_kernels import BlockLayout
+from pallas_kernels.checks import check_int
+from pallas_kernels.tiling import cdiv
+
+
+def default_max_blocks(slash_size: int, block_k: int, r: int) -> int:
+    """Relative key blocks kept per head: every slash's r + 1 blocks when slashes are few;
+    for many slashes, what contiguous runs of them need plus 256 blocks of scattered ones
+    (bounds the lists at 1M tokens to ~0.5 GB for 28 heads)."""
+    return min(slash_size * (r + 1), 4 * cdiv(slash_size, block_k) + 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerticalSlash(Pattern):
+    """MInference/MMInference Vertical-Slash head.
+
+    vertical_size: columns kept per head; slash_size: diagonals kept per head; last_q: rows
+    used for estimation; keep_first: first columns always kept (attention sink);
+    keep_local: nearest diagonals always kept (local window); max_blocks: cap on key blocks
+    per query block (default `default_max_blocks`); past the cap, blocks with the least
+    slash mass are dropped.
+    """
+
+    vertical_size: int = 1000
+    slash_size: int = 4096
+    last_q: int = 64
+    keep_first: int = 64
+    keep_local: int = 128
+    max_blocks: int | None = None
+    block_q: int = 128
+    block_k: int = 64
+
+    def validate(self) -> None:
+        for name in ("vertical_size", "slash_size", "last_q"):
+            check_int(name, getattr(self, name), 1)
+        check_int("keep_first", self.keep_first, 0)
+        check_int("keep_local", self.keep_local, 0)
+        if self.max_blocks is not None:
+            check_int("max_blocks", self.max_blocks, 1)
+        if self.block_q % self.block_k:
+            raise ValueError(f"block_q: expected a multiple of block_k={self.block_k}; received {self.block_q}")
+
+    def estimate(self, q, k, *, rows=None, k_valid=None) -> tuple[jax.Array, jax.Array]:
+        """Top columns (ascending) int32 ``[B,N,vs]``, top slash offsets int32 ``[B,N,ss]``
+        and the slash scores float32 ``[B,N,S]`` (forced diagonals are +inf). rows /
+        k_valid: estimation rows and keys as in `last_q_scores` (invalid keys are never
+        forced columns)."""
+        t, s = q.shape[1], k.shape[1]
+        if self.last_q > t:
+            raise ValueError(f"last_q: expected last_q <= T={t} (query length); received {self.last_q}")
+        vertical, slash = last_q_scores(q, k, last_q=self.last_q, rows=rows, k_valid=k_valid)
+        pos = jnp.arange(s)
+        forced = pos < self.keep_first
+        if k_valid is not None:
+            forced = forced & k_valid[:, None, :]
+        vertical = jnp.where(forced, jnp.inf, vertical)
+        slash = jnp.where(pos < self.keep_local, jnp.inf, slash)
+        _, cols = jax.lax.top_k(vertical, min(self.vertical_size, s))
+        _, offs = jax.lax.top_k(slash, min(self.slash_size, s))
+        return jnp.sort(cols, -1).astype(jnp.int32), offs.astype(jnp.int32), slash
+
+    def layout_from_index(self, cols, offsets, slash_score, t: int, s: int) -> BlockLayout:
+        """cols ``[B,N,vs]``, offsets ``[B,N,ss]`` (key offsets d = i - j), slash_score
+        ``[B,N,S]`` -> layout with per-row block lists and single columns."""
+        bq, bk = self.block_q, self.block_k
+        r = bq // bk
+        nq, nk = cdiv(t, bq), cdiv(s, bk)
+        off = s - t
+        # Relative block u (block = i * r + u) covered by offset o for a full query block:
+        # keys [i*bq + off - o, i*bq + off + bq - 1 - o].
+        # Block i * r + u lies in [0, nk) for i < nq, so u in [-(nk + r), nk); index = u + shift.
+        shift = nk + r
+        n_rel = 2 * nk + r
+        u_lo = jnp.floor_divide(off - offsets, bk)
+        u_hi = jnp.floor_divide(off + bq - 1 - offsets, bk)
+        valid = offsets < s
+        lead = offsets.shape[:2]
+        delta = jnp.zeros(lead + (n_rel + 1,), jnp.int32)
+        lo_i = jnp.clip(u_lo + shift, 0, n_rel)
+        hi_i = jnp.clip(u_hi + shift + 1, 0, n_rel)
+        one = valid.astype(jnp.int32)
+        delta = jax.vmap(jax.vmap(lambda dl, lo, hi, o: dl.at[lo].add(o).at[hi].add(-o)))(delta, lo_i, hi_i, one)
+        covered = jnp.cumsum(delta, -1)[..., :n_rel] > 0  # [B,N,n_rel]
+        # Mass per relative block: slash mass of the offsets it holds (for the cap).
+        d = jnp.arange(s)
+        d_lo = jnp.floor_divide(off - d, bk) + shift
+        d_hi = jnp.floor_divide(off + bq - 1 - d, bk) + shift
+        chosen = jax.vmap(jax.vmap(lambda o: jnp.zeros((s,), bool).at[o].set(True)))(offsets)
+        d_mass = jnp.where(chosen, jnp.where(jnp.isinf(slash_score), 1.0, slash_score), 0.0)
+        mass = jnp.zeros(lead + (n_rel,), jnp.float32)
+        for w in range(r + 1):  # an offset touches r or r + 1 relative blocks
+            u = d_lo + w
+            mass = mass.at[..., jnp.clip(u, 0, n_rel - 1)].add(jnp.where(u <= d_hi, d_mass, 0.0))
+        cap = min(n_rel, self.max_blocks or default_max_blocks(self.slash_size, bk, r))
+        score = jnp.where(covered, mass + 1.0, -1.0)  # covered first, then by mass
+        top_score, top_u = jax.lax.top_k(score, cap)
+        keep = top_score >= 0
+        rel = jnp.sort(jnp.where(keep, top_u - shift, nk), -1)  # ascending; invalid = nk, last
+        qi = jnp.arange(nq)
+        qe = jnp.minimum((qi + 1) * bq, t) - 1 + off
+        blocks = qi[:, None] * r + rel[..., None, :]  # [B,N,nq,cap]
+        ok = (rel[..., None, :] < nk) & (blocks >= 0) & (blocks <= (qe // bk)[:, None])
+        # rel is ascending, so the valid entries of a row are one contiguous run: shift it left.
+        first = (blocks < 0).sum(-1, keepdims=True)
+        idx = jnp.minimum(jnp.arange(cap) + first, cap - 1)
+        count = ok.sum(-1).astype(jnp.int32)
+        blocks = jnp.where(jnp.arange(cap) < count[..., None],
+                           jnp.take_along_axis(blocks, idx, -1), 0).astype(jnp.int32)
+        # Verticals: causal, and not inside one of the row's listed blocks.
+        sel_rel = jnp.zeros(lead + (n_rel + 1,), bool)
+        sel_rel = jax.vmap(jax.vmap(lambda z, u, kp: z.at[jnp.where(kp, u, n_rel)].set(True)))(
+            sel_rel, jnp.clip(top_u, 0, n_rel - 1), keep)
+        u_col = (cols[..., None, :] // bk) - qi[:, None] * r + shift  # [B,N,nq,vs]
+        in_block = jnp.take_along_axis(
+            sel_rel[..., None, :], jnp.clip(u_col, 0, n_rel), axis=-1) & (u_col >= 0) & (u_col < n_rel)
+        col_ok = (cols[..., None, :] <= qe[:, None]) & ~in_block
+        # Compact the kept columns to the front (a prefix sum and one scatter, no sort).
+        vs = cols.shape[-1]
+        slot = jnp.where(col_ok, jnp.cumsum(col_ok, -1) - 1, vs)
+        kv_cols = jnp.zeros(col_ok.shape[:-1] + (vs + 1,), jnp.int32)
+        kv_cols = jnp.put_along_axis(kv_cols, slot, jnp.broadcast_to(cols[..., None, :], slot.shape),
+                                     axis=-1, inplace=False)[..., :vs]
+        ccount = col_ok.sum(-1).astype(jnp.int32)
+        return BlockLayout(kv_blocks=blocks, kv_block_count=count, kv_columns=kv_cols,
+                           kv_column_count=ccount, block_q=bq, block_k=bk, q_len=t, kv_len=s)
+
+    def build_layout(self, q, k, *, modality=None) -> BlockLayout:
+        cols, offsets, slash = self.estimate(q, k)
+        return self.layout_from_index(cols, offsets, slash, q.shape[1], k.shape[1])
+
+    def build_placed(self, q, k, placement) -> BlockLayout:
+        """Vertical-Slash inside a boundary wrapper (see `placed_from_index`)."""
+        cols, offsets, slash = self.estimate(q, k, rows=placement.est_rows(self.last_q),
+                                             k_valid=placement.k_valid)
+        return self.placed_from_index(cols, offsets, slash, placement, q.shape[1], k.shape[1])
+
+    def placed_from_index(self, cols, offsets, slash_score, placement, t: int, s: int) -> BlockLayout:
+        """Slashes and verticals on original positions, keys in the placement's packed order.
+
+        An offset o takes a row in position block c (``block_k`` positions) to key position
+        block ``c - o // block_k`` or one less; these relative blocks (capped at
+        ``max_blocks`` by slash mass) are applied to anchor position blocks of each of the
+        block's two row runs (`placement.row_runs`): the run's first block, every second
+        block after it (``block_q / block_k`` blocks), and its last block. That covers every
+        row of a block made of one or two contiguous stretches; rows of a third stretch keep
+        their verticals only. Each covered position block becomes the
+        packed key blocks holding its keys; verticals are single columns outside them.
+        """
+        bq, bk = self.block_q, self.block_k
+        r = bq // bk
+        nkp = cdiv(s, bk)
+        order = plc.pack_keys(placement)
+        q_perm, q_pos = plc.q_positions(placement, s)
+        runs = plc.row_runs(q_pos, bq)  # two runs of positions per block, [B, 1, nq] each
+        q_max = runs[1][1]
+        # Relative position blocks rho (key block = anchor - rho) and their slash mass.
+        valid = offsets < s
+        score = jnp.where(jnp.isinf(slash_score), 1.0, slash_score)
+        o_mass = jnp.where(valid, jnp.take_along_axis(score, jnp.clip(offsets, 0, s - 1), -1), 0.0)
+        rho = offsets // bk
+        lead = offsets.shape[:2]
+        mass = jnp.zeros(lead + (nkp + 1,), jnp.float32)
+        hit = jnp.zeros(lead + (nkp + 1,), bool)
+        for w in (0, 1):
+            idx = jnp.where(valid, jnp.clip(rho + w, 0, nkp), nkp)
+            mass = jax.vmap(jax.vmap(lambda m, i, x: m.at[i].add(x)))(mass, idx, o_mass + 1.0)
+            hit = jax.vmap(jax.vmap(lambda h, i: h.at[i].set(True)))(hit, idx)
+        cap = min(nkp, self.max_blocks or default_max_blocks(self.slash_size, bk, r))
+        top, rel = jax.lax.top_k(jnp.where(hit, mass, -1.0)[..., :nkp], cap)  # [B, N, cap]
+        rel_ok = top >= 0
+        anchors = []
+        for lo_run, hi_run in runs:
+            anchors += [jnp.minimum(lo_run // bk + 2 * j, hi_run // bk) for j in range(cdiv(r, 2) + 1)]
+            anchors.append(hi_run // bk)
+        anchor = jnp.stack(anchors, -1)  # [B, 1, nq, A]
+        kblock = anchor[..., None] - rel[..., None, None, :]  # [B, N, nq, A, cap]
+        ok = rel_ok[..., None, None, :] & (kblock >= 0)
+        kblock = kblock.reshape(kblock.shape[:3] + (-1,))
+        ok = ok.reshape(kblock.shape)
+        lo_pos = jnp.where(ok, kblock * bk, 1)
+        hi_pos = jnp.where(ok, kblock * bk + bk - 1, 0)
+        hi_pos = jnp.minimum(hi_pos, q_max[..., None])  # causal
+        groups = [(lo // bk, jnp.where(hi >= lo, hi // bk, lo // bk - 1), 2)
+                  for lo, hi in plc.segment_ranges(order, 0, lo_pos, hi_pos)]
+        blocks, count = ranges_to_lists(groups, cdiv(s, bk))
+        # Verticals: causal, valid, not inside one of the row's listed blocks (packed order).
+        inv = plc.key_inverse(order)  # [B, N|1, S]
+        col_idx = jnp.take_along_axis(jnp.broadcast_to(inv, cols.shape[:2] + (s,)), cols, -1)  # [B, N, vs]
+        col_ok = cols[..., None, :] <= q_max[..., None]  # [B, N, nq, vs]
+        if placement.k_valid is not None:
+            col_ok = col_ok & jnp.take_along_axis(
+                jnp.broadcast_to(placement.k_valid[:, None], cols.shape[:2] + (s,)), cols, -1)[..., None, :]
+        big = jnp.int32(2 ** 30)
+        listed = jnp.where(jnp.arange(blocks.shape[-1]) < count[..., None], blocks, big)
+        cb = jnp.broadcast_to(col_idx[..., None, :] // bk, col_ok.shape)
+        pos = jax.vmap(jax.vmap(jax.vmap(lambda a, v: jnp.searchsorted(a, v))))(
+            jnp.broadcast_to(listed, col_ok.shape[:3] + listed.shape[-1:]), cb)
+        found = jnp.take_along_axis(jnp.broadcast_to(listed, col_ok.shape[:3] + listed.shape[-1:]),
+                                    jnp.minimum(pos, listed.shape[-1] - 1), -1) == cb
+        col_ok = col_ok & ~found
+        vs = cols.shape[-1]
+        slot = jnp.where(col_ok, jnp.cumsum(col_ok, -1) - 1, vs)
+        kv_cols = jnp.zeros(col_ok.shape[:-1] + (vs + 1,), jnp.int32)
+        kv_cols = jnp.put_along_axis(kv_cols, slot, jnp.broadcast_to(col_idx[..., None, :], slot.shape),
+                                     axis=-1, inplace=False)[..., :vs]
+        return BlockLayout(kv_blocks=blocks, kv_block_count=count, kv_columns=kv_cols,
+                           kv_column_count=col_ok.sum(-1).astype(jnp.int32), q_perm=q_perm,
+                           kv_perm=order.perm, block_q=bq, block_k=bk, q_len=t, kv_len=s)

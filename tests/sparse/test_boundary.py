@@ -1,0 +1,251 @@
+"""Boundary wrappers: each one's output equals masked dense attention for the mask it builds
+(causal on original positions); rows follow their own modality; bad arguments name themselves."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mmjax
+from mmjax import Modality
+from mmjax.sparse.layouts import LayoutSet
+from mmjax.sparse.patterns import (
+    AShape,
+    Dense,
+    Grid,
+    KBoundary,
+    KernelOptions,
+    NoBoundary,
+    QBoundary,
+    RowSplit,
+    SFFixed,
+    TriShape,
+    TwoDBoundary,
+    VerticalSlash,
+)
+from pallas_kernels.block_sparse.validation import check_layout_values
+from pallas_kernels.tiling import cdiv
+from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
+
+SMALL = dict(block_q=32, block_k=16)
+A = AShape(sink=16, local=40, **SMALL)
+VS = VerticalSlash(vertical_size=16, slash_size=16, last_q=8, keep_first=8, keep_local=16, **SMALL)
+G = Grid(stride_space=(24, 32), last_q=8, local=24, **SMALL)
+TRI = TriShape(sink=8, local=24, last=8, **SMALL)
+D = Dense(**SMALL)
+NAMES = ("text", "image", "video")
+
+
+def _modality(b, s, seed):
+    """Runs of text / image / video of random lengths (every kind present in each row)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(b):
+        row = []
+        while len(row) < s:
+            row += [int(rng.integers(0, 3))] * int(rng.integers(10, 60))
+        row = np.array(row[:s])
+        row[:3], row[-20:-10], row[-10:] = 0, 1, 2
+        rows.append(row)
+    return Modality.from_token_types(np.stack(rows), names=NAMES)
+
+
+WRAPPERS = [
+    NoBoundary(TRI),
+    KBoundary(A),
+    KBoundary(G),
+    QBoundary({"text": A, "image": G, "video": VS}),
+    QBoundary({"video": TRI}, default=A),
+    TwoDBoundary({("text", "text"): D, ("video", "video"): VS, ("video", "text"): A,
+                  ("text", "video"): TRI, ("image", "image"): D, ("image", "text"): A}),
+    TwoDBoundary({("video", "video"): G, ("video", "text"): A, ("text", "text"): G, ("image", "video"): VS}),
+]
+
+
+def _parts(layout):
+    if isinstance(layout, RowSplit):
+        return [p for part in layout.parts for p in _parts(part)]
+    return list(layout.parts) if isinstance(layout, LayoutSet) else [layout]
+
+
+# Every wrapper through the Pallas kernel (interpret) on one shape; batch 2 / GQA / T < S on
+# the reference path for the wrappers with their own permutation code.
+CASES = ([(w, (1, 160, 160, 2, 1), True) for w in WRAPPERS]
+         + [(w, (2, 112, 176, 2, 2), False) for w in (WRAPPERS[1], WRAPPERS[2], WRAPPERS[3], WRAPPERS[5],
+                                                       WRAPPERS[6])])
+
+
+@pytest.mark.parametrize("wrapper,shape,interpret", CASES,
+                         ids=[f"{type(w).__name__}{i}" for i, (w, _, _) in enumerate(CASES)])
+def test_output_equals_masked_dense_for_built_mask(wrapper, shape, interpret):
+    b, t, s, n, kh = shape
+    q, k, v = random_qkv(t + s + b, b, t, s, n, kh, 16)
+    m = _modality(b, s, seed=t + b)
+    layout = jax.jit(lambda q, k, m: mmjax.build_layout(q, k, wrapper, m))(q, k, m)
+    for part in _parts(layout):
+        check_layout_values(part)
+    mask = layout.to_dense_mask()
+    ref, ref_lse = masked_dense_attention(q, k, v, mask)
+    if interpret:
+        out = mmjax.sparse_attention(q, k, v, wrapper, m, options=KernelOptions(interpret=True))
+        assert rel_err(out, ref) < 1e-5
+    out_r = mmjax.sparse_attention(q, k, v, wrapper, m, options=KernelOptions(implementation="reference"))
+    assert rel_err(out_r, ref) < 1e-5
+    mask = np.asarray(mask)
+    i = np.arange(t)[:, None] + s - t
+    assert not (mask & (np.arange(s)[None, :] > i)).any()  # causal on original positions
+    assert mask.any(-1).mean() > 0.5
+
+
+def test_qboundary_dense_everywhere_is_dense_causal():
+    q, k, v = random_qkv(1, 1, 180, 180, 2, 1, 16)
+    m = _modality(1, 180, seed=3)
+    layout = mmjax.build_layout(q, k, QBoundary({"text": D, "image": D, "video": D}), m)
+    causal = np.arange(180)[None, :] <= np.arange(180)[:, None]
+    np.testing.assert_array_equal(np.asarray(layout.to_dense_mask())[0, 0], causal)
+
+
+def test_rows_follow_their_modality():
+    q, k, v = random_qkv(2, 1, 200, 200, 2, 1, 16)
+    m = _modality(1, 200, seed=5)
+    kinds = np.asarray(m.ids)[0]
+    # Text rows take the AShape part, the others Dense: their rows are the full causal rows.
+    layout = mmjax.build_layout(q, k, QBoundary({"text": AShape(sink=16, local=16, **SMALL)}, default=D), m)
+    mask = np.asarray(layout.to_dense_mask())[0, 0]
+    causal = np.arange(200)[None, :] <= np.arange(200)[:, None]
+    np.testing.assert_array_equal(mask[kinds != 0], causal[kinds != 0])
+    assert mask[kinds == 0].sum() < 0.8 * causal[kinds == 0].sum()
+    # TwoD: unlisted query kinds get no keys; a listed pair sees exactly the causal keys of
+    # its key kind (per key: blocks straddling two kinds become single columns).
+    two = mmjax.build_layout(q, k, TwoDBoundary({("video", "text"): D}), m)
+    mask2 = np.asarray(two.to_dense_mask())[0, 0]
+    assert not mask2[kinds != 2].any()
+    np.testing.assert_array_equal(mask2[kinds == 2], (causal & (kinds == 0)[None, :])[kinds == 2])
+    # All pairs dense: every row's keys are its causal keys, each reached through one pair.
+    pairs = {(a, b_): D for a in NAMES for b_ in NAMES}
+    full = mmjax.build_layout(q, k, TwoDBoundary(pairs), m)
+    np.testing.assert_array_equal(np.asarray(full.to_dense_mask())[0, 0], causal)
+    for part in full.parts:
+        cover = sum(np.asarray(p.to_dense_mask())[0, 0].astype(int) for p in part.parts)
+        assert cover.max() == 1  # pairs disjoint per key
+    out = mmjax.sparse_attention(q, k, v, TwoDBoundary({("video", "text"): D}), m,
+                                 options=KernelOptions(implementation="reference"))
+    assert not np.asarray(out)[0, kinds != 2].any()
+
+
+def test_kboundary_permutes_keys_by_modality():
+    q, k, _ = random_qkv(4, 2, 100, 120, 2, 1, 16)
+    m = _modality(2, 120, seed=9)
+    layout = mmjax.build_layout(q, k, KBoundary(A), m)
+    perm = np.asarray(layout.kv_perm)[:, 0]
+    kinds = np.take_along_axis(np.asarray(m.ids), perm, -1)
+    assert (np.diff(kinds, axis=-1) >= 0).all()
+    np.testing.assert_array_equal(perm, np.argsort(np.asarray(m.ids), axis=-1, kind="stable"))
+
+
+def test_recall_and_per_head_with_boundaries():
+    q, k, v = random_qkv(6, 1, 128, 128, 2, 1, 16)
+    m = _modality(1, 128, seed=1)
+    opts = KernelOptions(implementation="reference")
+    qb = QBoundary({"text": D, "image": D, "video": D})
+    np.testing.assert_allclose(np.asarray(mmjax.attention_recall(q, k, v, qb, m, options=opts)), 1.0, rtol=1e-5)
+    out = mmjax.sparse_attention(q, k, v, [qb, KBoundary(A)], m, options=opts)
+    mask = jnp.concatenate([mmjax.build_layout(q, k, qb, m).to_dense_mask()[:, :1],
+                            mmjax.build_layout(q, k, KBoundary(A), m).to_dense_mask()[:, :1]], 1)
+    ref, _ = masked_dense_attention(q, k, v, mask)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_bad_arguments_name_themselves():
+    q, k, _ = random_qkv(0, 1, 64, 64, 1, 1, 16)
+    m = _modality(1, 64, seed=0)
+    with pytest.raises(ValueError, match="modality: QBoundary needs a Modality"):
+        mmjax.build_layout(q, k, QBoundary({"text": A}, default=A))
+    with pytest.raises(ValueError, match="modality: KBoundary needs a Modality"):
+        mmjax.build_layout(q, k, KBoundary(A))
+    with pytest.raises(ValueError, match=r"patterns: expected a pattern for every modality"):
+        mmjax.build_layout(q, k, QBoundary({"text": A}), m)
+    with pytest.raises(ValueError, match=r"patterns: expected modality names from .*'audio'"):
+        mmjax.build_layout(q, k, QBoundary({"audio": A}, default=A), m)
+    with pytest.raises(ValueError, match=r"pattern: SFFixed has no position-aware layout"):
+        mmjax.build_layout(q, k, TwoDBoundary({("video", "video"): SFFixed(local=16, stride=16, summary=4, **SMALL)}), m)
+    with pytest.raises(ValueError, match=r"patterns\['text'\]: expected an mmjax.sparse.patterns pattern"):
+        QBoundary({"text": "grid"})
+    with pytest.raises(ValueError, match="patterns: bad key"):
+        TwoDBoundary({"text": A})
+    with pytest.raises(ValueError, match="pattern: expected an mmjax.sparse.patterns pattern"):
+        KBoundary("a")
+
+
+def _interleaved(frames=4, frame=48, text=16):
+    """Text segments between video frames (25% text, as in MM-NIAH): ids [1, S]."""
+    row = []
+    for _ in range(frames):
+        row += [0] * text + [2] * frame
+    return Modality.from_token_types(np.array([row]), names=NAMES)
+
+
+def test_inner_windows_are_on_original_positions_when_modalities_interleave():
+    m = _interleaved()
+    s = m.ids.shape[1]
+    kinds = np.asarray(m.ids)[0]
+    q, k, v = random_qkv(11, 1, s, s, 2, 1, 16)
+    pos = np.arange(s)
+    causal = pos[None, :] <= pos[:, None]
+    sink, local = 16, 40
+    window = causal & (pos[None, :] > pos[:, None] - local)
+    text_rows = kinds == 0
+    slack = local + 2 * 32 + 2 * 48 + 16  # block granularity + a block spanning a frame
+    far = pos[None, :] < pos[:, None] - slack
+    # QBoundary: text rows get the A-shape in original positions (sink = first positions).
+    qb = mmjax.build_layout(q, k, QBoundary({"text": AShape(sink=sink, local=local, **SMALL)}, default=D), m)
+    mask = np.asarray(qb.to_dense_mask())[0, 0]
+    intended = window | (causal & (pos[None, :] < sink))
+    assert (mask[text_rows] >= intended[text_rows]).all()
+    assert not (mask & far & (pos[None, :] >= sink))[text_rows].any()
+    np.testing.assert_array_equal(mask[~text_rows], causal[~text_rows])
+    # KBoundary: window on positions; sink = the first keys of the first modality (text).
+    kb = mmjax.build_layout(q, k, KBoundary(AShape(sink=sink, local=local, **SMALL)), m)
+    mask = np.asarray(kb.to_dense_mask())[0, 0]
+    first_text = np.zeros(s, bool)
+    first_text[np.flatnonzero(kinds == 0)[:sink]] = True
+    intended = window | (causal & first_text[None, :])
+    assert (mask >= intended).all()
+    sink_blocks = np.zeros(s, bool)
+    sink_blocks[np.argsort(kinds, kind="stable")[:cdiv(sink, 16) * 16]] = True
+    assert not (mask & far & ~sink_blocks[None, :]).any()
+    # Dense inside KBoundary is dense causal (cut-offs on positions, not packed indices).
+    kd = mmjax.build_layout(q, k, KBoundary(D), m)
+    np.testing.assert_array_equal(np.asarray(kd.to_dense_mask())[0, 0], causal)
+    # Outputs still equal masked dense for the built mask.
+    out = mmjax.sparse_attention(q, k, v, KBoundary(AShape(sink=sink, local=local, **SMALL)), m,
+                                 options=KernelOptions(implementation="reference"))
+    ref, _ = masked_dense_attention(q, k, v, kb.to_dense_mask())
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_grid_and_slashes_inside_wrappers_use_original_positions():
+    """A video head with salient keys every 64 positions (Grid lines) and a slash at offset
+    64: inside QBoundary, the video rows' layout holds the lines and the slash although
+    text rows are permuted away."""
+    m = _interleaved(frames=4, frame=48, text=16)
+    s = m.ids.shape[1]
+    kinds = np.asarray(m.ids)[0]
+    pos = np.arange(s)
+    d = 16
+    q = np.zeros((1, s, 1, d), np.float32)
+    k = np.zeros((1, s, 1, d), np.float32)
+    q[..., 0] = 1.0
+    k[0, pos % 64 == 5, 0, 0] = 8.0  # lines at phase 5 of stride 64
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    g = Grid(stride_space=(32, 64), last_q=16, local=16, use_hline=False, **SMALL)
+    mask = np.asarray(mmjax.build_layout(q, k, QBoundary({"video": g}, default=D), m).to_dense_mask())[0, 0]
+    causal = pos[None, :] <= pos[:, None]
+    lines = causal & (pos[None, :] % 64 == 5)
+    vid = kinds == 2
+    assert (mask[vid] >= lines[vid]).all()
+    # The same inside TwoD (video, video): lines of video keys only, text keys never.
+    two = mmjax.build_layout(q, k, TwoDBoundary({("video", "video"): g}), m)
+    mask2 = np.asarray(two.to_dense_mask())[0, 0]
+    assert (mask2[vid] >= (lines & vid[None, :])[vid]).all()
+    assert not mask2[:, ~vid].any() and not mask2[~vid].any()

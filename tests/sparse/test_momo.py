@@ -1,0 +1,161 @@
+"""MOMO on CPU: union and trim == a NumPy Algorithm 2; layout invariants; end to end ==
+masked dense attention on the final layout plus the delta correction; sampled rows ==
+dense attention; hyper-parameter validation."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mmjax.sparse.layouts import KernelOptions
+from mmjax.sparse.patterns.momo import Momo, assemble_layout, delta_correct, forced_blocks, union_trim
+from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
+
+
+def numpy_algorithm2(ids, scores, *, q_len, kv_len, gamma, chi, beta, k_trim, sink_blocks, local):
+    """Per (b, n, query block): mean score of every repeated id over the gamma-rows of the
+    block that selected it; drop forced ids; keep the k_trim best (ties: lower id)."""
+    b, n, tg, _ = ids.shape
+    nq = -(-q_len // chi)
+    per = chi // gamma
+    out = np.full((b, n, nq, k_trim), -1, np.int64)
+    for bi in range(b):
+        for ni in range(n):
+            for c in range(nq):
+                first = c * chi + kv_len - q_len
+                lo = max(first - local, 0) // beta
+                acc: dict[int, list[float]] = {}
+                for g in range(c * per, min((c + 1) * per, tg)):
+                    for j, sc in zip(ids[bi, ni, g], scores[bi, ni, g]):
+                        if j >= 0 and sink_blocks <= j < lo:
+                            acc.setdefault(int(j), []).append(float(sc))
+                ranked = sorted(acc, key=lambda j: (-np.mean(np.float32(acc[j])), j))[:k_trim]
+                out[bi, ni, c, : len(ranked)] = ranked
+    return out
+
+
+@pytest.mark.parametrize("seed,q_len,kv_len,gamma,chi,beta,k,k_trim,sink_blocks,local", [
+    (0, 256, 256, 4, 32, 16, 5, 6, 1, 16),
+    (1, 200, 777, 8, 64, 16, 9, 4, 2, 0),
+    (2, 129, 129, 1, 16, 16, 3, 3, 0, 40),
+])
+def test_union_trim_matches_numpy_algorithm2(seed, q_len, kv_len, gamma, chi, beta, k, k_trim,
+                                            sink_blocks, local):
+    rng = np.random.default_rng(seed)
+    b, n = 2, 3
+    tg = -(-q_len // gamma)
+    nk = -(-kv_len // beta)
+    pos = np.arange(tg) * gamma + kv_len - q_len
+    lo_row = np.maximum(pos - local, 0) // beta
+    ids = np.full((b, n, tg, k), -1, np.int32)
+    scores = np.full((b, n, tg, k), -np.inf, np.float32)
+    for idx in np.ndindex(b, n, tg):
+        cand = np.arange(sink_blocks, lo_row[idx[2]])
+        # small id ranges make repeats across the rows of a query block likely
+        cand = cand[cand < sink_blocks + 12] if rng.random() < 0.5 else cand
+        m = min(k, cand.size, int(rng.integers(0, k + 1)))
+        ids[idx][:m] = rng.choice(cand, size=m, replace=False)
+        scores[idx][:m] = rng.normal(size=m).astype(np.float32) * 3
+    got, vals = union_trim(jnp.asarray(ids), jnp.asarray(scores), q_len=q_len, kv_len=kv_len,
+                           gamma=gamma, query_block=chi, block=beta, k_trim=k_trim,
+                           sink_blocks=sink_blocks, local=local)
+    want = numpy_algorithm2(ids, scores, q_len=q_len, kv_len=kv_len, gamma=gamma, chi=chi, beta=beta,
+                            k_trim=k_trim, sink_blocks=sink_blocks, local=local)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    vals = np.asarray(vals)
+    np.testing.assert_array_equal(np.isneginf(vals), np.asarray(got) < 0)
+    assert (np.diff(np.where(np.isneginf(vals), -1e30, vals), axis=-1) <= 0).all()
+    lay = assemble_layout(got, q_len=q_len, kv_len=kv_len, query_block=chi, block=beta,
+                          sink_blocks=sink_blocks, local=local)
+    f_ids, f_count = forced_blocks(q_len, kv_len, query_block=chi, block=beta,
+                                   sink_blocks=sink_blocks, local=local)
+    blocks, count = np.asarray(lay.kv_blocks), np.asarray(lay.kv_block_count)
+    for idx in np.ndindex(b, n, lay.num_q_blocks):
+        listed = blocks[idx][: count[idx]]
+        expect = set(f_ids[idx[2]][: f_count[idx[2]]]) | {j for j in want[idx] if j >= 0}
+        assert list(listed) == sorted(expect)
+        assert listed.max() < nk
+
+
+def test_forced_blocks_cover_sink_window_and_diagonal():
+    ids, count = forced_blocks(100, 300, query_block=32, block=16, sink_blocks=2, local=20)
+    # query block 0 covers positions 200..231: window from 180 -> blocks 11..14, sink 0, 1
+    assert list(ids[0][: count[0]]) == [0, 1, 11, 12, 13, 14]
+    # last query block covers positions 296..299: blocks (276 // 16 = 17) .. 18
+    assert list(ids[-1][: count[-1]]) == [0, 1, 17, 18]
+
+
+def test_delta_correction_is_eq3():
+    rng = np.random.default_rng(0)
+    out_star = jnp.asarray(rng.normal(size=(1, 10, 2, 4)), jnp.float32)
+    lse_star = jnp.asarray(rng.normal(size=(1, 2, 10)), jnp.float32)
+    out_g = jnp.asarray(rng.normal(size=(1, 4, 2, 4)), jnp.float32)
+    lse_g = jnp.asarray(rng.normal(size=(1, 2, 4)), jnp.float32)
+    out, lse = delta_correct(out_star, lse_star, out_g, lse_g, 3)
+    for t in range(10):
+        g = t // 3
+        np.testing.assert_allclose(out[:, t], out_star[:, t] + out_g[:, g] - out_star[:, 3 * g], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(lse[:, :, ::3]), np.asarray(lse_g))
+    np.testing.assert_array_equal(np.asarray(lse[:, :, 1::3]), np.asarray(lse_star[:, :, 1::3]))
+
+
+E2E = [
+    # b, t, s, n, kh, d, pattern kwargs, dtype
+    (1, 300, 400, 2, 1, 32, dict(gamma=4, block=16, k=4, k_exact=1, k_trim=3, query_block=32,
+                                 topk="estimated", sink=16, local=16), jnp.float32),
+    (2, 330, 330, 2, 1, 16, dict(gamma=8, block=16, k=3, k_trim=4, query_block=16, topk="exact",
+                                 sink=0, local=0), jnp.float32),
+    (1, 384, 384, 4, 2, 32, dict(gamma=16, block=16, k=4, k_exact=2, k_trim=3, query_block=64,
+                                 topk="tournament", sink=32, local=32), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", E2E)
+@pytest.mark.parametrize("options", [KernelOptions(implementation="reference"), KernelOptions(interpret=True)])
+def test_end_to_end_equals_masked_dense_plus_correction(case, options):
+    b, t, s, n, kh, d, kw, dtype = case
+    q, k, v = random_qkv(t + s + d, b, t, s, n, kh, d, dtype)
+    pattern = Momo(**kw)
+    out, lse = pattern.attend(q, k, v, options=options)
+    plan = pattern.plan(q, k, v, options=options)
+    sparse, sparse_lse = masked_dense_attention(q, k, v, plan.layout.to_dense_mask())
+    causal = (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + s - t)[None, None]
+    dense, dense_lse = masked_dense_attention(q, k, v, causal)
+    g = pattern.gamma
+    expected = sparse + jnp.repeat(dense[:, ::g] - sparse[:, ::g], g, axis=1)[:, :t]
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, n, t)
+    assert rel_err(out, expected) < tol
+    assert rel_err(out[:, ::g], dense[:, ::g]) < tol  # rows i = 0 mod gamma are dense
+    np.testing.assert_allclose(np.asarray(lse[:, :, ::g]), np.asarray(dense_lse[:, :, ::g]),
+                               atol=1e-4 if dtype == jnp.float32 else 3e-2)
+    np.testing.assert_allclose(np.asarray(lse[:, :, 1::g]), np.asarray(sparse_lse[:, :, 1::g]),
+                               atol=1e-4 if dtype == jnp.float32 else 3e-2)
+    # the layout is really sparse here, so the test would notice a dense fallback
+    assert float(np.asarray(plan.layout.density()).max()) < 0.9
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(gamma=0), "gamma"), (dict(gamma=3), "gamma"), (dict(block=48), "block"),
+    (dict(query_block=100), "query_block"), (dict(k=0), "k"), (dict(k_exact=200), "k_exact"), (dict(k_exact=-1, topk="exact"), "k_exact"),
+    (dict(k_trim=0), "k_trim"), (dict(topk="heap"), "topk"), (dict(sink=-1), "sink"),
+    (dict(local=1.5), "local"),
+])
+def test_bad_hyper_parameters_raise_value_error_naming_them(kw, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        Momo(**kw)
+
+
+def test_build_layout_is_the_plan_layout():
+    q, k, v = random_qkv(1, 1, 200, 200, 2, 1, 16)
+    pattern = Momo(gamma=4, block=16, k=3, k_exact=1, query_block=16, sink=16, local=16, topk="exact")
+    lay = pattern.build_layout(q, k)
+    plan = pattern.plan(q, k, v)
+    np.testing.assert_array_equal(np.asarray(lay.kv_blocks), np.asarray(plan.layout.kv_blocks))
+    np.testing.assert_array_equal(np.asarray(lay.kv_block_count), np.asarray(plan.layout.kv_block_count))
+    assert (pattern.block_q, pattern.block_k) == (16, 16)
+
+
+def test_k_larger_than_number_of_blocks_raises():
+    q, k, v = random_qkv(0, 1, 64, 64, 2, 1, 16)
+    with pytest.raises(ValueError, match="^k:"):
+        Momo(k=5, k_exact=2, block=16, query_block=16).attend(q, k, v, options=KernelOptions(implementation="reference"))
