@@ -25,12 +25,12 @@ class Pattern(abc.ABC):
     block_k: int = 128
 
     def __post_init__(self) -> None:
+        self.validate()
         check_pow2("block_q", self.block_q)
         check_pow2("block_k", self.block_k)
-        self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad hyper-parameter (block sizes are checked before)."""
+        """Raise ValueError naming the bad hyper-parameter (block sizes are checked after)."""
 
     @property
     def name(self) -> str:
