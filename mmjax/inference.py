@@ -6,9 +6,15 @@ Attention is chosen per decoder layer (see ``models.attention`` for the full pro
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16, prefill only);
 * a callable ``attn_fn(q, k, v, *, layer, q_positions, kv_valid, modality) -> out`` used for every
   layer (``layer`` is the Python int of the layer), or a sequence with one callable per layer;
-* a sparse configuration: any object with a ``layer_attention(layer_idx) -> attn_fn`` method. This is
-  the hook an ``mmjax.SparseConfig`` implements: it returns, for each layer, a function that runs that
-  layer's per-head patterns on (q, k, v) using ``modality`` (0 text, 1 image, 2 video per token).
+* a sparse configuration (`mmjax.SparseConfig`, or any object with ``uniform_attention()`` /
+  ``layer_attention(layer_idx)``): per layer, per head patterns using ``modality`` (0 text, 1 image,
+  2 video per token); the layers still run under one ``lax.scan`` (`mmjax.sparse.model_attention`).
+
+Memory: the decoder layers run under ``lax.scan`` with the KV cache and the residual stream as loop
+state updated in place, norms / projections / MLP in sequence chunks of ``mlp_chunk`` tokens and
+logits only at each row's last token, so the peak is about weights + KV cache + one layer's working
+set whatever the depth. ``chunk_tokens`` bounds it further (chunked prefill: each chunk attends to
+the cache so far), ``kv_dtype=jnp.float8_e4m3fn`` halves the cache.
 
 q: [B, T, N, D], k/v: [B, S, K, D] with rotary applied, q_positions int32 [B, T], kv_valid bool [B, S].
 """
@@ -16,11 +22,16 @@ q: [B, T, N, D], k/v: [B, S, K, D] with rotary applied, q_positions int32 [B, T]
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from mmjax.progress import progress_bar
+from mmjax.sparse.config import SparseConfig
+from mmjax.sparse.patterns import Dense
 from models.attention import resolve_attention
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_text import KVCache
@@ -54,15 +65,22 @@ def check_model(model) -> None:
 
 
 def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidden_layers: Sequence[int] = (),
-            max_length: int | None = None, mlp_chunk: int | None = 8192,
-            frames_per_chunk: int | None = None) -> PrefillOutput:
+            max_length: int | None = None, mlp_chunk: int | None = 8192, frames_per_chunk: int | None = None,
+            chunk_tokens: int | None = None, kv_dtype=None, progress: bool = False) -> PrefillOutput:
     """Encode images/videos, merge them into the token stream and run the decoder, filling a KV cache.
 
     inputs: HF processor outputs (``input_ids`` [B, T] and optionally ``attention_mask``,
     ``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` + ``video_grid_thw``,
     ``second_per_grid_ts``); other keys (e.g. ``mm_token_type_ids``) are ignored.
-    max_length: cache slots (default T + 256). mlp_chunk: tokens per MLP chunk (bounds activation
-    memory on long inputs). frames_per_chunk: temporal patches encoded together by the vision tower.
+    max_length: cache slots (default T + 256). mlp_chunk: tokens per chunk of the position-wise work
+    (norms, projections, MLP). frames_per_chunk: temporal patches encoded together by the vision
+    tower. chunk_tokens: prefill the prompt in chunks of this many tokens, each attending to the
+    cache so far (bounds the working set for GPUs smaller than the prompt needs; one compilation
+    per chunk length and offset; "cudnn" then runs as the block-sparse kernel's dense causal layout,
+    which takes queries that end their keys; patterns that estimate their index online estimate it
+    from each chunk's own last queries). kv_dtype: the cache's storage dtype (default the
+    model's; ``jnp.float8_e4m3fn`` stores k / v in 8 bits with a per-vector scale). progress: a bar
+    on stderr over the chunks.
     """
     check_model(model)
     if "input_ids" not in inputs:
@@ -70,7 +88,11 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
     p = qwen_vl.prepare_inputs(model.config, **{k: inputs[k] for k in PROCESSOR_KEYS if k in inputs})
     b, t = p.input_ids.shape
     max_length = t + 256 if max_length is None else int(max_length)
-    layer_attention = resolve_attention(attention)
+    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool)
+                                     or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens: expected None or an int >= 1; received {chunk_tokens!r}")
+    if max_length < t:
+        raise ValueError(f"max_length: expected at least the prompt length {t}; received {max_length}")
     if isinstance(attention, str) and attention == "cudnn":
         mask = np.asarray(p.attention_mask)
         if not np.array_equal(mask, np.arange(t)[None] < mask.sum(-1, keepdims=True)):
@@ -78,11 +100,67 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
                              "tokens); use 'dense' for left-padded batches")
     hidden_layers = tuple(int(i) for i in hidden_layers)
     image_feats, video_feats = qwen_vl.visual_inputs(model, p, frames_per_chunk)
-    logits, cache, hidden = qwen_vl.prefill_language_model(
-        model, p.input_ids, image_feats, video_feats, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas, attention=layer_attention,
-        max_length=max_length, hidden_layers=hidden_layers, mlp_chunk=mlp_chunk)
+    p = dataclasses.replace(p, pixel_values=None, pixel_values_videos=None)  # free the pixels on the device
+    if chunk_tokens is None or chunk_tokens >= t:
+        logits, cache, hidden = qwen_vl.prefill_language_model(
+            model, p.input_ids, image_feats, video_feats, p.position_ids, p.attention_mask, p.token_types,
+            p.rope_deltas, attention=resolve_attention(attention), max_length=max_length,
+            hidden_layers=hidden_layers, mlp_chunk=mlp_chunk, kv_dtype=kv_dtype)
+    else:
+        embeds = qwen_vl.prompt_embeddings(model, p.input_ids, p.token_types, image_feats, video_feats)
+        del image_feats, video_feats
+        logits, cache, hidden = _chunked_prefill(model, p, embeds, _chunk_attention(model, attention), max_length,
+                                                 hidden_layers, mlp_chunk, chunk_tokens, kv_dtype, progress)
     return PrefillOutput(logits, cache, {i: hidden[j] for j, i in enumerate(hidden_layers)}, p.token_types,
                          p.rope_deltas, p.input_ids, p.position_ids, p.attention_mask)
+
+
+def _chunk_attention(model, attention):
+    """The attention of a chunked prefill: cuDNN's causal mask assumes queries that start their
+    keys, so "cudnn" runs as the block-sparse kernel's dense causal layout (queries end their keys)."""
+    if isinstance(attention, str) and attention == "cudnn":
+        c = model.config.text
+        attention = SparseConfig.uniform(Dense(), num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads)
+    return resolve_attention(attention)
+
+
+def _chunked_prefill(model, p, embeds, attention, max_length, hidden_layers, mlp_chunk, chunk, kv_dtype, progress):
+    """Prefill in chunks of ``chunk`` tokens: (logits [B, V], KVCache, hidden [n, B, T, H])."""
+    b, t = p.input_ids.shape
+    cache = qwen_vl.init_cache(model.config, b, max_length, embeds.dtype, kv_dtype)
+    mask = p.attention_mask
+    last = t - 1 - jnp.argmax(mask[:, ::-1], axis=-1)  # each row's last valid token
+    h_last = jnp.zeros((b, embeds.shape[-1]), embeds.dtype)
+    hidden = []
+    starts = range(0, t, chunk)
+    bar = progress_bar(len(starts), "prefill chunks", progress)
+    for start in starts:
+        end = min(start + chunk, t)
+        h, cache, hid = qwen_vl.prefill_chunk(
+            model, cache, embeds[:, start:end], p.position_ids[:, :, start:end], mask[:, :end],
+            p.token_types[:, :end], attention=attention, start=start, hidden_layers=hidden_layers,
+            mlp_chunk=mlp_chunk)
+        here = (last >= start) & (last < end)
+        pick = jnp.take_along_axis(h, jnp.clip(last - start, 0, end - start - 1)[:, None, None], axis=1)[:, 0]
+        h_last = jnp.where(here[:, None], pick, h_last)
+        hidden.append(hid)
+        bar.update(1)
+    bar.close()
+    n_valid = jnp.sum(mask, axis=-1).astype(jnp.int32)
+    cache = dataclasses.replace(cache, valid=jnp.zeros((b, max_length), bool).at[:, :t].set(mask),
+                                length=jnp.asarray(t, jnp.int32), next_position=n_valid + p.rope_deltas)
+    return qwen_vl.final_logits(model, h_last), cache, jnp.concatenate(hidden, axis=2)
+
+
+def enable_compilation_cache(directory: str | os.PathLike, *, min_compile_time_s: float = 1.0) -> None:
+    """Keep compiled programs in ``directory`` across processes (JAX's persistent compilation cache):
+    a second run of the same prefill shape skips its compile. Programs that compiled faster than
+    ``min_compile_time_s`` are not stored."""
+    path = os.fspath(directory)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def decode_step(model, cache: KVCache, tokens: jax.Array, attention: Any = "dense"):

@@ -13,12 +13,14 @@ An *attention function* has the signature::
     kv_valid:    bool [B, S]    False for padding / unwritten cache slots; dense attention also takes
                  a per-query mask bool [B, T, S] (tree attention in speculative decoding)
     modality:    int32 [B, S] or None   token type of each key position: 0 text, 1 image, 2 video
-                 (in prefill S == T, so it is also the queries' modality); None in decode
+                 (queries are the last T of the S positions in prefill); None in decode
     out:         [B, T, N, D] in q.dtype
 
 ``LayerAttention`` says which function each layer uses. ``resolve_attention`` builds one from
 ``"dense"``, ``"cudnn"``, a callable, a sequence of callables (one per layer), or any object with a
-``layer_attention(layer_idx) -> attn_fn`` method (how an mmjax ``SparseConfig`` plugs in).
+``uniform_attention() -> attn_fn`` (one function for every layer, ``layer`` traced under
+``lax.scan``; how an mmjax ``SparseConfig`` plugs in) or ``layer_attention(layer_idx) -> attn_fn``
+method (per layer, unrolled).
 """
 
 from __future__ import annotations
@@ -200,7 +202,9 @@ def resolve_attention(spec: Any = "dense") -> LayerAttention:
     """Turn an attention spec into a ``LayerAttention``.
 
     "dense" / None -> ``dense_attention``; "cudnn" -> ``cudnn_attention`` (both layer-uniform, scanned);
-    an object with ``layer_attention(layer_idx)`` -> per layer; a list/tuple of callables -> per layer;
+    an object with ``uniform_attention()`` -> that function for every layer (scanned, ``layer`` traced;
+    how an mmjax ``SparseConfig`` plugs in); an object with ``layer_attention(layer_idx)`` -> per layer;
+    a list/tuple of callables -> per layer;
     any other callable -> called for every layer with a Python int ``layer`` (unrolled).
     """
     if isinstance(spec, LayerAttention):
@@ -211,6 +215,9 @@ def resolve_attention(spec: Any = "dense") -> LayerAttention:
         return LayerAttention(uniform=cudnn_attention)
     if isinstance(spec, str):
         raise ValueError(f"attention: expected 'dense', 'cudnn', a callable or a per-layer hook, got {spec!r}")
+    uniform = getattr(spec, "uniform_attention", None)
+    if callable(uniform):
+        return LayerAttention(uniform=uniform())
     hook = getattr(spec, "layer_attention", None)
     if callable(hook):
         return LayerAttention(per_layer=hook)

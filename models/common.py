@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,22 +18,35 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def chunked_over_axis(fn: Callable[[jax.Array], jax.Array], x: jax.Array, axis: int, chunk: int | None) -> jax.Array:
-    """Apply a position-wise ``fn`` to ``x`` in chunks of ``chunk`` along ``axis`` (bounds peak memory).
+def map_chunks(fn: Callable[..., Any], args: Sequence[jax.Array], axis: int, chunk: int | None, *,
+               out: Any = None) -> Any:
+    """Apply a position-wise ``fn(*slices) -> pytree`` to ``args`` in chunks of ``chunk`` along ``axis``.
 
-    ``fn`` must act independently on every index of ``axis`` (e.g. an MLP over tokens). The axis is
-    padded to a multiple of ``chunk``, mapped with ``lax.map`` and sliced back. ``chunk=None`` or a
-    chunk at least as long as the axis calls ``fn`` once.
+    Bounds the working set to one chunk: full chunks run under ``lax.fori_loop`` (each slice is read
+    with ``dynamic_slice`` and its result written into the output with ``dynamic_update_slice``),
+    the remainder (``n % chunk`` positions) is one more static call; nothing is padded or copied
+    whole. ``fn`` must act independently on every index of ``axis``. ``out`` (optional, a pytree
+    shaped like the full result) is the buffer written into: pass the donated input that the
+    result replaces (e.g. the residual stream) to update it in place. ``chunk=None`` or a chunk
+    at least as long as the axis calls ``fn`` once.
     """
-    n = x.shape[axis]
+    n = args[0].shape[axis]
     if chunk is None or n <= chunk:
-        return fn(x)
-    pieces = -(-n // chunk)
-    pad = pieces * chunk - n
-    xm = jnp.moveaxis(x, axis, 0)
-    if pad:
-        xm = jnp.pad(xm, [(0, pad)] + [(0, 0)] * (xm.ndim - 1))
-    xm = xm.reshape((pieces, chunk) + xm.shape[1:])
-    ym = jax.lax.map(lambda c: jnp.moveaxis(fn(jnp.moveaxis(c, 0, axis)), axis, 0), xm)
-    ym = ym.reshape((pieces * chunk,) + ym.shape[2:])[:n]
-    return jnp.moveaxis(ym, 0, axis)
+        return fn(*args)
+    full, rest = divmod(n, chunk)
+
+    def piece(start, size):
+        return fn(*(jax.lax.dynamic_slice_in_dim(a, start, size, axis) for a in args))
+
+    if out is None:
+        shapes = jax.eval_shape(lambda *a: piece(0, chunk), *args)
+        out = jax.tree.map(lambda s: jnp.zeros(s.shape[:axis] + (n,) + s.shape[axis + 1:], s.dtype), shapes)
+
+    def write(buf, res, start):
+        return jax.tree.map(lambda o, r: jax.lax.dynamic_update_slice_in_dim(o, r.astype(o.dtype), start, axis),
+                            buf, res)
+
+    out = jax.lax.fori_loop(0, full, lambda i, buf: write(buf, piece(i * chunk, chunk), i * chunk), out)
+    if rest:
+        out = write(out, piece(full * chunk, rest), full * chunk)
+    return out

@@ -14,9 +14,10 @@ Loading checks the version, the layer/head counts, the pattern names, the parame
 and types, and each pattern's own hyper-parameter checks; every error is a ValueError that
 names the place (``layers[3][5] (Grid).local: ...``).
 
-A config plugs into the models' per-layer attention hook (``models.attention``):
-``config.layer_attention(i)`` returns ``attn_fn(q, k, v, *, layer, q_positions, kv_valid,
-modality)`` running layer i's per-head patterns with `sparse_attention`.
+A config plugs into the models' attention hooks (``models.attention``):
+``config.uniform_attention()`` is one ``attn_fn(q, k, v, *, layer, q_positions, kv_valid,
+modality)`` for every layer (layers under ``lax.scan``, the layer index traced), and
+``config.layer_attention(i)`` that of layer i alone; both run in `mmjax.sparse.model_attention`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,8 @@ import json
 import os
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
-
-from mmjax.sparse.attention import sparse_attention
 from mmjax.sparse.layouts import KernelOptions
+from mmjax.sparse.model_attention import SparseModelAttention
 from mmjax.sparse.patterns import (
     AShape,
     Dense,
@@ -46,7 +44,6 @@ from mmjax.sparse.patterns import (
     TwoDBoundary,
     VerticalSlash,
 )
-from models.attention import dense_attention
 
 SCHEMA_VERSION = 1
 
@@ -178,39 +175,6 @@ def _wrapper_from_params(cls: type, params: dict, where: str) -> Pattern:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerSparseAttention:
-    """The attention function of one layer (see ``models.attention``).
-
-    Prefill from an empty cache (T == S: queries and keys are the same positions) runs the
-    per-head patterns with `sparse_attention` when the batch has no padding and
-    ``q_positions == arange(T)`` (checked on device; otherwise, and for decode over a cache
-    with T != S, exact `dense_attention` with ``q_positions`` and ``kv_valid`` runs).
-    """
-
-    patterns: tuple[Pattern, ...]
-    options: KernelOptions = KernelOptions()
-
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, layer=None, q_positions: jax.Array,
-                 kv_valid: jax.Array, modality: jax.Array | None = None) -> jax.Array:
-        if q.ndim != 4 or q.shape[2] != len(self.patterns):
-            raise ValueError(f"q: expected [B, T, N={len(self.patterns)}, D] (the config's heads); "
-                             f"received shape {tuple(q.shape)}")
-        def dense():
-            return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid).astype(q.dtype)
-
-        if q.shape[1] != k.shape[1]:
-            return dense()
-        # The sparse path knows no padding and assumes positions 0..T-1; a padded batch or
-        # shifted positions take the exact dense path instead of a silently wrong result.
-        plain = jnp.all(kv_valid) & jnp.all(q_positions == jnp.arange(q.shape[1])[None, :])
-        return jax.lax.cond(
-            plain,
-            lambda: sparse_attention(q, k, v, self.patterns, modality, options=self.options).astype(q.dtype),
-            dense,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
 class SparseConfig:
     """Per layer, per query head sparse patterns.
 
@@ -319,9 +283,14 @@ class SparseConfig:
         except ValueError as e:
             raise ValueError(f"{os.fspath(path)}: {e}") from e
 
-    # ---------------------------------------------------------- model hook
-    def layer_attention(self, layer_idx: int) -> LayerSparseAttention:
-        """attn_fn for decoder layer ``layer_idx`` (the ``models.attention`` hook)."""
+    # ---------------------------------------------------------- model hooks
+    def uniform_attention(self) -> SparseModelAttention:
+        """The attention of every decoder layer, for layers under ``lax.scan`` (the traced layer
+        index picks the layer's plan; see `mmjax.sparse.model_attention`)."""
+        return SparseModelAttention(self.layers, self.options)
+
+    def layer_attention(self, layer_idx: int) -> SparseModelAttention:
+        """attn_fn of decoder layer ``layer_idx`` alone (the per-layer ``models.attention`` hook)."""
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx: expected an int in [0, {self.num_layers}); received {layer_idx!r}")
-        return LayerSparseAttention(self.layers[layer_idx], self.options)
+        return SparseModelAttention(self.layers, self.options, only_layer=layer_idx)

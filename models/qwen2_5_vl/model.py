@@ -154,8 +154,8 @@ def _lm_forward(model, input_ids, image_feats, video_feats, position_ids, mask, 
     embeds = merged_embeddings(model, input_ids, types, image_feats, video_feats)
     li = _layer_inputs(model.config, position_ids, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), mask,
                        types, 0)
-    h, _, _, hidden = run_decoder(model.language_model, embeds, li, attention, hidden_layers=hidden_layers,
-                                  mlp_chunk=mlp_chunk)
+    h, _, hidden = run_decoder(model.language_model, embeds, li, attention, hidden_layers=hidden_layers,
+                               mlp_chunk=mlp_chunk)
     return lm_logits(model.language_model, h), hidden
 
 
@@ -180,20 +180,27 @@ def forward(model: Qwen2_5_VL, *, input_ids, attention_mask=None, pixel_values=N
     return logits
 
 
-def init_cache(config: Qwen2_5_VLConfig, batch: int, max_length: int, dtype) -> KVCache:
-    c = config.text
-    shape = (c.num_hidden_layers, batch, max_length, c.num_key_value_heads, c.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, max_length), bool),
-                   jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
+def init_cache(config: Qwen2_5_VLConfig, batch: int, max_length: int, dtype, kv_dtype=None) -> KVCache:
+    """An empty KV cache (see ``models.qwen2_text.KVCache.empty``)."""
+    return KVCache.empty(config.text, batch, max_length, dtype, kv_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("attention", "max_length", "hidden_layers", "mlp_chunk"))
+def _last_logits(model: Qwen2_5_VL, h: jax.Array, mask: jax.Array) -> jax.Array:
+    """Logits float32 [B, V] at each row's last valid token (h [B, T, H], mask bool [B, T])."""
+    t = mask.shape[1]
+    last = t - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
+    return lm_logits(model.language_model, h_last)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "max_length", "hidden_layers", "mlp_chunk", "kv_dtype"))
 def prefill_language_model(model: Qwen2_5_VL, input_ids, image_feats, video_feats, position_ids, mask, types,
                            rope_deltas, *, attention: LayerAttention, max_length: int, hidden_layers: tuple = (),
-                           mlp_chunk: int | None = None):
+                           mlp_chunk: int | None = None, kv_dtype=None):
     """Merge visual features into the token embeddings, run the decoder and fill a fresh cache of
     ``max_length`` slots. input_ids/mask/types: [B, T]; image_feats/video_feats: [n, H] or None;
-    position_ids: [3, B, T]; rope_deltas: [B].
+    position_ids: [3, B, T]; rope_deltas: [B]. ``kv_dtype``: the
+    cache's storage dtype (default: the model's; ``jnp.float8_e4m3fn`` halves it).
 
     Returns (logits of each row's last valid token float32 [B, V], KVCache, hidden [n, B, T, H]).
     """
@@ -201,18 +208,53 @@ def prefill_language_model(model: Qwen2_5_VL, input_ids, image_feats, video_feat
     if max_length < t:
         raise ValueError(f"max_length: expected at least the prompt length {t}, got {max_length}")
     embeds = merged_embeddings(model, input_ids, types, image_feats, video_feats)
-    cache = init_cache(model.config, b, max_length, embeds.dtype)
+    cache = init_cache(model.config, b, max_length, embeds.dtype, kv_dtype)
     li = _layer_inputs(model.config, position_ids, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), mask,
                        types, 0)
-    h, ck, cv, hidden = run_decoder(model.language_model, embeds, li, attention, cache_k=cache.k, cache_v=cache.v,
-                                    hidden_layers=hidden_layers, mlp_chunk=mlp_chunk)
-    last = t - 1 - jnp.argmax(mask[:, ::-1], axis=-1)  # last valid token of each row
-    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
-    logits = lm_logits(model.language_model, h_last)[:, 0]
+    h, cache, hidden = run_decoder(model.language_model, embeds, li, attention, cache=cache,
+                                   hidden_layers=hidden_layers, mlp_chunk=mlp_chunk)
     n_valid = jnp.sum(mask, axis=-1).astype(jnp.int32)
     valid = jnp.zeros((b, max_length), bool).at[:, :t].set(mask)
-    cache = KVCache(ck, cv, valid, jnp.asarray(t, jnp.int32), n_valid + rope_deltas)
-    return logits, cache, hidden
+    cache = dataclasses.replace(cache, valid=valid, length=jnp.asarray(t, jnp.int32),
+                                next_position=n_valid + rope_deltas)
+    return _last_logits(model, h, mask), cache, hidden
+
+
+@jax.jit
+def prompt_embeddings(model: Qwen2_5_VL, input_ids, types, image_feats=None, video_feats=None) -> jax.Array:
+    """`merged_embeddings` as one jitted call: [B, T, H]."""
+    return merged_embeddings(model, input_ids, types, image_feats, video_feats)
+
+
+@jax.jit
+def final_logits(model: Qwen2_5_VL, h: jax.Array) -> jax.Array:
+    """h: final-normed states [B, H] -> logits float32 [B, V]."""
+    return lm_logits(model.language_model, h[:, None])[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "start", "hidden_layers", "mlp_chunk"),
+                   donate_argnames=("cache",))
+def prefill_chunk(model: Qwen2_5_VL, cache: KVCache, embeds, position_ids, mask, types, *, attention: LayerAttention,
+                  start: int, hidden_layers: tuple = (), mlp_chunk: int | None = None):
+    """Chunked prefill: run the decoder over the prompt tokens ``start .. start + C - 1`` (embeds
+    [B, C, H], position_ids [3, B, C]) against the cache, which holds the tokens before ``start``;
+    the chunk's keys / values are written at slots ``start ..`` and it attends causally to the first
+    ``start + C`` slots. mask / types: [B, start + C] (validity and token types of every slot
+    attended). The cache is donated; its ``valid`` / ``length`` are not changed (the caller commits
+    them after the last chunk).
+
+    Returns (final normed hidden [B, C, H], KVCache, hidden [n, B, C, H]).
+    """
+    b, c = embeds.shape[:2]
+    end = start + c
+    if mask.shape != (b, end) or types.shape != (b, end):
+        raise ValueError(f"mask / types: expected [{b}, {end}] (the slots up to the chunk's end), got "
+                         f"{mask.shape} / {types.shape}")
+    q_slots = jnp.broadcast_to(start + jnp.arange(c, dtype=jnp.int32), (b, c))
+    li = _layer_inputs(model.config, position_ids, q_slots, mask, types, start)
+    h, cache, hidden = run_decoder(model.language_model, embeds, li, attention, cache=cache, kv_len=end,
+                                   hidden_layers=hidden_layers, mlp_chunk=mlp_chunk)
+    return h, cache, hidden
 
 
 @functools.partial(jax.jit, static_argnames=("attention",), donate_argnames=("cache",))
@@ -233,11 +275,11 @@ def decode_step(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, attention:
     pos = jnp.broadcast_to(cache.next_position[None, :, None], (3, b, 1))
     valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, jnp.ones((b, 1), bool), slot, axis=1)
     li = _layer_inputs(model.config, pos, jnp.full((b, 1), slot, jnp.int32), valid, None, slot)
-    h, ck, cv, _ = run_decoder(model.language_model, x, li, attention, cache_k=cache.k, cache_v=cache.v,
-                               attend_cache=True, unroll=True)
+    h, cache, _ = run_decoder(model.language_model, x, li, attention, cache=cache, kv_len=s, unroll=True)
     logits = lm_logits(model.language_model, h)[:, 0]
     logits = jnp.where(full, jnp.nan, logits)
-    new = KVCache(ck, cv, valid, cache.length + (~full), cache.next_position + (~full))
+    new = dataclasses.replace(cache, valid=valid, length=cache.length + (~full),
+                              next_position=cache.next_position + (~full))
     return logits, new
 
 
@@ -276,6 +318,6 @@ def cached_forward(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, positio
     def attn(q, k, v, **_):
         return tree_attn(q, k, v, prefix_valid, block_start, block_mask)
 
-    h, ck, cv, hidden = run_decoder(model.language_model, x, li, LayerAttention(uniform=attn), cache_k=cache.k,
-                                    cache_v=cache.v, attend_cache=True, hidden_layers=hidden_layers, unroll=True)
-    return lm_logits(model.language_model, h), hidden, dataclasses.replace(cache, k=ck, v=cv)
+    h, cache, hidden = run_decoder(model.language_model, x, li, LayerAttention(uniform=attn), cache=cache, kv_len=s,
+                                   hidden_layers=hidden_layers, unroll=True)
+    return lm_logits(model.language_model, h), hidden, cache

@@ -3,6 +3,7 @@ and the per-layer hook the models call runs the layer's per-head patterns."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -104,11 +105,18 @@ def test_layer_attention_plugs_into_the_model_hook():
     q, k, v = random_qkv(2, 1, 96, 96, 4, 2, 16)
     types = jnp.asarray(np.repeat([[0, 2, 2, 0]], 24, axis=1).reshape(1, 96), jnp.int32)
     attn = resolve_attention(cfg)
-    assert not attn.scannable
+    assert attn.scannable  # one body for every layer: the traced layer index picks the plan
     pos, valid = jnp.arange(96)[None], jnp.ones((1, 96), bool)
     out = attn.for_layer(0)(q, k, v, layer=0, q_positions=pos, kv_valid=valid, modality=types)
     want = mmjax.sparse_attention(q, k, v, cfg.layers[0], types, options=REF)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6)
+    traced = jax.jit(lambda layer: attn.uniform(q, k, v, layer=layer, q_positions=pos, kv_valid=valid,
+                                                modality=types))
+    np.testing.assert_allclose(np.asarray(traced(0)), np.asarray(want), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(traced(1)), np.asarray(dense_attention(q, k, v, q_positions=pos,
+                                                                                 kv_valid=valid)), atol=2e-5)
+    per_layer = cfg.layer_attention(0)(q, k, v, layer=0, q_positions=pos, kv_valid=valid, modality=types)
+    np.testing.assert_allclose(np.asarray(per_layer), np.asarray(want), atol=1e-6)
     dense = dense_attention(q, k, v, q_positions=pos, kv_valid=valid)
     assert np.abs(np.asarray(out) - np.asarray(dense)).max() > 1e-3  # layer 0 is sparse
     out1 = attn.for_layer(1)(q, k, v, layer=1, q_positions=pos, kv_valid=valid, modality=types)
