@@ -29,6 +29,7 @@ Nothing is downloaded. The script builds:
   here to round-trip to float32 precision; delta-coded along rows, see ``delta8``; an image's second temporal copy
   dropped) plus one raw float32 row.
 * ``chat_cases.json``: chat template renderings and decodes by transformers.
+* ``image_cases.npz`` + ``image_cases.json``: qwen-vl-utils ``fetch_image`` on the images.
 * ``video_cases.npz`` + ``video_cases.json``: qwen-vl-utils ``fetch_video`` (decord backend) on the clips: sampled
   indices, sample fps, resized size and frames; plus ``video_rules.json``: qwen-vl-utils' frame-count, frame-range,
   ``torch.linspace`` index and pixel-budget rules on many (frames, fps, size, options) combinations.
@@ -263,7 +264,7 @@ def write_clip(path: str, frames: int, fps: Fraction, h: int, w: int, seed: int)
     with av.open(tmp, "w") as out:
         stream = out.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.options = {"crf": "23", "preset": "veryfast"}
+        stream.options = {"crf": "23", "preset": "veryfast", "threads": "1"}  # one thread: reproducible
         for t in range(frames):
             for packet in stream.encode(av.VideoFrame.from_ndarray(pattern(h, w, seed, t), format="rgb24")):
                 out.mux(packet)
@@ -284,6 +285,17 @@ VIDEO_OPTIONS = [  # (clip, options passed to fetch_video besides "video")
     ("ntsc_2997fps_60x80.mp4", {"nframes": 7, "min_pixels": 784, "max_pixels": 4704}),
     ("slow_7.5fps_38x50.mp4", {"fps": 2.0, "min_frames": 6, "min_pixels": 784, "max_pixels": 3136}),
     ("slow_7.5fps_38x50.mp4", {"fps": 2.0, "min_pixels": 784, "resized_height": 60, "resized_width": 90}),
+]
+
+
+IMAGE_OPTIONS = [  # (image, options passed to fetch_image besides "image")
+    ("portrait_61x37.png", {}),
+    ("tiny_13x9.png", {"min_pixels": 3136}),
+    ("landscape_45x123.png", {"min_pixels": 784, "max_pixels": 2352}),
+    ("gray_70x70.png", {"min_pixels": 784, "max_pixels": 6272}),
+    ("rgba_40x50.png", {}),
+    ("large_200x300.png", {"max_pixels": 6272}),
+    ("large_200x300.png", {"resized_height": 100, "resized_width": 150}),
 ]
 
 
@@ -398,6 +410,15 @@ def main(out_dir: str) -> None:
     save_npz(os.path.join(out_dir, "video_cases.npz"), video_npz)
     write_json_gz(os.path.join(out_dir, "video_rules.json.gz"), rules_table())
 
+    # ---- qwen-vl-utils fetch_image
+    image_json, image_npz = [], {}
+    for i, (name, options) in enumerate(IMAGE_OPTIONS):
+        out = np.asarray(qvu.fetch_image({"image": os.path.join(media, name), **options}))
+        image_npz[f"image_{i}"] = out
+        image_json.append(dict(image=name, options=options, shape=list(out.shape)))
+    write_json(os.path.join(out_dir, "image_cases.json"), image_json)
+    save_npz(os.path.join(out_dir, "image_cases.npz"), image_npz)
+
     # ---- transformers processor
     proc = transformers.AutoProcessor.from_pretrained(snap)
     proc_slow = transformers.AutoProcessor.from_pretrained(snap, use_fast=False)
@@ -438,7 +459,6 @@ def main(out_dir: str) -> None:
     txt = lambda s: {"type": "text", "text": s}  # noqa: E731
 
     short_v, short_md, short_fps = video_input("short_25fps_48x64.mp4")
-    long_v, long_md, long_fps = video_input("long_30fps_54x96.mp4")
     ntsc_v, ntsc_md, _ = video_input("ntsc_2997fps_60x80.mp4")
     slow_v, slow_md, _ = video_input("slow_7.5fps_38x50.mp4")
     cases = [
@@ -461,9 +481,9 @@ def main(out_dir: str) -> None:
         ("image_uint8_array", proc, dict(text=["<|vision_start|><|image_pad|><|vision_end|>describe"],
                                          images=[np.asarray(load_image("portrait_61x37.png"))]),
          {"image_arrays": ["portrait_61x37.png"]}),
-        ("video_metadata", proc, dict(text=[chat_text([vid(), txt("What happens?")])], videos=[long_v],
-                                      video_metadata=[long_md]), {"videos": ["long_30fps_54x96.mp4"],
-                                                                  "video_metadata": [long_md]}),
+        ("video_metadata", proc, dict(text=[chat_text([vid(), txt("What happens?")])], videos=[ntsc_v],
+                                      video_metadata=[ntsc_md]), {"videos": ["ntsc_2997fps_60x80.mp4"],
+                                                                  "video_metadata": [ntsc_md]}),
         ("video_fps_kwarg", proc, dict(text=[chat_text([vid(), txt("What happens?")])], videos=[short_v],
                                        fps=short_fps), {"videos": ["short_25fps_48x64.mp4"], "fps": short_fps}),
         ("video_no_metadata", proc, dict(text=[chat_text([vid(), txt("What happens?")])], videos=[ntsc_v]),
@@ -514,7 +534,7 @@ def main(out_dir: str) -> None:
                 entry["spec"][key] = spec[key]
         case_json.append(entry)
     # videos given to the processor, exactly as passed
-    for clip in clip_frames:
+    for clip in ("short_25fps_48x64.mp4", "ntsc_2997fps_60x80.mp4", "slow_7.5fps_38x50.mp4"):
         npz[f"video/{clip}_d8"] = delta8(clip_frames[clip][0], 2)
     save_npz(os.path.join(out_dir, "processor_cases.npz"), npz)
 

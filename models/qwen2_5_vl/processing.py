@@ -51,9 +51,12 @@ def _processor_configs(snapshot_dir: str) -> tuple[dict, dict]:
         path = os.path.join(snapshot_dir, name)
         return read_json(path) if os.path.isfile(path) else None
 
-    nested = load("processor_config.json") or {}
-    image = load("preprocessor_config.json") or nested.get("image_processor")
-    video = load("video_preprocessor_config.json") or nested.get("video_processor") or image
+    def first(*candidates):
+        return next((c for c in candidates if c is not None), None)
+
+    nested = first(load("processor_config.json"), {})
+    image = first(load("preprocessor_config.json"), nested.get("image_processor"))
+    video = first(load("video_preprocessor_config.json"), nested.get("video_processor"), image)
     if image is None:
         raise ValueError(f"snapshot_dir: no preprocessor_config.json (or processor_config.json with an "
                          f"'image_processor') in {snapshot_dir!r}")
