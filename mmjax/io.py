@@ -228,6 +228,8 @@ def _open(path: str):
         raise ValueError(f"video: cannot open {path!r}: no such file")
     if os.path.isdir(path):
         raise ValueError(f"video: cannot open {path!r}: it is a directory")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"video: cannot open {path!r}: permission denied")
     try:
         container = av.open(path)
     except (av.error.FFmpegError, UnicodeDecodeError) as e:

@@ -134,7 +134,8 @@ def render(template: str, messages, *, add_generation_prompt: bool = False, tool
     """Render one conversation (a list of ``{"role", "content"}`` dicts) with ``template``."""
     chat = plain_data(normalize_conversation(messages))
     try:
-        return compile_template(template).render(messages=chat, tools=plain_data(tools), documents=plain_data(documents),
+        return compile_template(template).render(messages=chat, tools=plain_data(tools),
+                                                 documents=plain_data(documents),
                                                  add_generation_prompt=add_generation_prompt, **plain_data(variables))
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat_template: {e}") from None

@@ -57,7 +57,8 @@ class Tokenizer:
                 raise ValueError(f"tokenizer_config.json: {key} {tok!r} is not in tokenizer.json's vocabulary")
         self.padding_side = config.get("padding_side", "right")
         if self.padding_side not in ("left", "right"):
-            raise ValueError(f"tokenizer_config.json: padding_side must be 'left' or 'right', got {self.padding_side!r}")
+            raise ValueError(f"tokenizer_config.json: padding_side must be 'left' or 'right', "
+                             f"got {self.padding_side!r}")
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self._check_added_tokens(config.get("added_tokens_decoder") or {})
 

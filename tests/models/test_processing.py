@@ -174,7 +174,8 @@ def test_video_metadata_objects_and_read_video_frames():
 def test_configs_resolved_as_transformers(tmp_path, which):
     ref = cases()[which]
     p = Processor.from_pretrained(SNAPSHOT if which == "default" else variant_snapshot(tmp_path))
-    for cfg, prefix, size in ((p.image_config, "image", ref["image_size"]), (p.video_config, "video", ref["video_size"])):
+    for cfg, prefix, size in ((p.image_config, "image", ref["image_size"]),
+                              (p.video_config, "video", ref["video_size"])):
         assert (cfg.min_pixels, cfg.max_pixels) == (size["shortest_edge"], size["longest_edge"])
         np.testing.assert_allclose(cfg.image_mean, ref[f"{prefix}_mean"])
         np.testing.assert_allclose(cfg.image_std, ref[f"{prefix}_std"])
@@ -186,11 +187,13 @@ def test_configs_resolved_as_transformers(tmp_path, which):
 
 
 def test_smart_resize_is_transformers_variant():
-    # transformers rounds 13 -> 0 and then scales up; qwen-vl-utils would start from 28
-    assert smart_resize(13, 9, 28, 3136, 6272) == (84, 56)
-    assert smart_resize(45, 123, 28, 3136, 6272) == (56, 112)
-    with pytest.raises(ValueError, match="aspect ratio"):
-        smart_resize(10, 2010, 28, 3136, 6272)
+    """transformers' rounding (sides may round to 0 first; qwen-vl-utils starts from ``factor``) on its table."""
+    for h, w, lo, hi, want in cases()["smart_resize"]:
+        if isinstance(want, str):
+            with pytest.raises(ValueError, match="aspect ratio"):
+                smart_resize(h, w, 28, lo, hi)
+        else:
+            assert list(smart_resize(h, w, 28, lo, hi)) == want, (h, w, lo, hi)
 
 
 # --------------------------------------------------------------------------------------------- chat and decode
