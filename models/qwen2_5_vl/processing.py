@@ -144,9 +144,12 @@ class Processor:
     # ---------------------------------------------------------------------------------------------- processing
     def __call__(self, text: str | Sequence[str] | None = None, images=None, videos=None, *, video_metadata=None,
                  fps: float | Sequence[float] | None = None, padding: bool | str = False,
-                 padding_side: str | None = None) -> dict[str, np.ndarray]:
+                 padding_side: str | None = None, return_tensors: str | None = None) -> dict[str, np.ndarray]:
         """Model inputs for ``text`` (one string or a batch), ``images`` (PIL images or uint8 [H, W, 3] arrays,
-        flat or one list per text) and ``videos`` (uint8 [T, H, W, 3] arrays); see the module doc for the keys."""
+        flat or one list per text) and ``videos`` (uint8 [T, H, W, 3] arrays); see the module doc for the keys.
+        ``return_tensors`` may be None or "np" (the output is always NumPy)."""
+        if return_tensors not in (None, "np"):
+            raise ValueError(f"return_tensors: only NumPy outputs (None or 'np'), got {return_tensors!r}")
         if text is None and images is None and videos is None:
             raise ValueError("text/images/videos: expected at least one input")
         texts = [text] if isinstance(text, str) else (None if text is None else list(text))

@@ -298,6 +298,8 @@ def test_bad_arguments():
         p(text=["a", "a much longer text"])
     with pytest.raises(ValueError, match="at least one input"):
         p()
+    with pytest.raises(ValueError, match="return_tensors"):
+        p(text=["x"], return_tensors="pt")
 
 
 def test_snapshot_errors(tmp_path):
