@@ -343,6 +343,8 @@ def read_video(path: str | os.PathLike, fps: float = FPS, *, nframes: int | None
         total = decoded
         plan = plan_frames(total, video_fps, **kw)
         frames, source, decoded = _decode(path, plan, size_of, progress)
+        if frames is None or decoded <= max(plan.indices):
+            raise ValueError(f"video: {path!r} decodes differently on a second pass ({decoded} frames)")
     meta = VideoMeta(path=path, fps=video_fps, total_frames=total, start_frame=plan.start, end_frame=plan.end,
                      indices=plan.indices, timestamps=tuple(i / video_fps for i in plan.indices),
                      sample_fps=plan.sample_fps, height=frames.shape[1], width=frames.shape[2],
