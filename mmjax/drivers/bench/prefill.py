@@ -1,25 +1,33 @@
-"""Prefill benchmark (GPU): time to first token of Qwen2.5-VL (7B shape, random bf16 weights) on video.
+"""Full-model prefill benchmark: time to first token and peak memory of a long video through the
+public `mmjax.prefill`, dense (cuDNN) against sparse configs.
 
-    mmjax bench prefill [--tokens 16384,65536,131072] [--attention dense,cudnn] [--layers 28]
-                        [--vision-layers 32] [--out bench/results/prefill_<device>_<date>.json]
+    mmjax bench prefill [--preset 7b | --model DIR] [--tokens 131072 262144 524288 1048576]
+                        [--configs cudnn grid ashape ...] [--out bench/results] [--plot]
 
-For each video length and attention implementation it reports, separately, the vision tower
-(patch embed + 32 blocks + merger over all frames) and the language model (embedding merge + 28
-decoder layers + last-token logits, KV cache filled), each as the median of ``--repeats`` timed
-runs after one compile/warm-up run. Video frames are 448 x 448 (32 x 32 patches, 256 tokens per
-temporal patch). ``--layers`` / ``--vision-layers`` shrink the model when device time is short; the
-JSON records the shape actually run. Results are written after every measurement.
+Each (video length, attention) row runs in its own process, so its peak GPU memory
+(``memory_stats()["peak_bytes_in_use"]``) is its own: the model (random bf16 weights of the
+preset, or a checkpoint directory), one 448 x 448 video of the given number of visual tokens
+between two short text segments, then ``mmjax.prefill`` twice: the first call (compile + run) and
+a warm call (the time to first token of a compiled program: host preparation, vision tower,
+decoder, last-token logits). When the first call takes longer than ``--warm-budget-s`` the warm
+call is not repeated: the two programs are compiled once more ahead of time and the warm time is
+the first call minus that compile time (``warm_estimated`` in the JSON). Columns: first call,
+warm TTFT, speedup over the dense row of the same length, peak memory, tokens per second. Rows
+are written to the JSON as they finish; ``--plot`` draws TTFT and memory against tokens.
+
+Attention names: ``cudnn`` (dense cuDNN flash attention), ``dense`` (exact XLA attention, slow),
+``grid`` (``Grid(local=1024)`` on every head), ``ashape`` (``AShape(sink=1024, local=4096)``, the
+MMInference budget), ``vs`` (``VerticalSlash(1000, 4096)``), or the path of a SparseConfig JSON.
+On a CPU the same table runs on a tiny model (timings only show that everything runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
-import statistics
+import subprocess
 import sys
 import time
 
@@ -27,120 +35,239 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import mmjax
+from mmjax.drivers.bench.report import print_table, write_result
+from mmjax.patterns import AShape, Grid, VerticalSlash
+from mmjax.timing import device_name
+from models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, VisionConfig, from_hf, preset
 from models.attention import resolve_attention
 from models.qwen2_5_vl import model as qwen_vl
-from models.qwen2_5_vl.config import preset
+from models.qwen2_text import TextConfig
 
-FRAME_PATCHES = 32  # 448 px / 14
+FRAME_PX = 448  # video frames of 448 x 448 pixels: 32 x 32 patches, 256 tokens per temporal patch
+PATTERNS = {
+    "grid": Grid(local=1024),
+    "ashape": AShape(sink=1024, local=4096),
+    "vs": VerticalSlash(vertical_size=1000, slash_size=4096),
+}
 
 
-def video_inputs(config, n_tokens: int, rng: np.random.Generator):
-    """A prompt of 8 text tokens, one video of ``n_tokens`` pad tokens (rounded to whole temporal
-    patches), 8 text tokens. Returns processor-style arrays."""
-    per_t = (FRAME_PATCHES // config.vision.spatial_merge_size) ** 2
+def tiny_config() -> Qwen2_5_VLConfig:
+    """A small Qwen2.5-VL for CPU runs of this benchmark."""
+    text = TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, mrope_section=(4, 6, 6))
+    vision = VisionConfig(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, out_hidden_size=128,
+                          fullatt_block_indexes=(1,), window_size=112)
+    return Qwen2_5_VLConfig(text=text, vision=vision, image_token_id=500, video_token_id=501, vision_start_token_id=502,
+                            vision_end_token_id=503)
+
+
+def video_inputs(config: Qwen2_5_VLConfig, n_tokens: int, seed: int = 0) -> dict:
+    """Processor-style NumPy inputs: 8 text tokens, one video of about ``n_tokens`` visual tokens
+    (whole temporal patches of FRAME_PX x FRAME_PX frames), 8 text tokens. The pixels repeat a
+    random block of 64 temporal patches (generating 1M tokens' worth of noise is slow)."""
+    vc = config.vision
+    side = FRAME_PX // vc.patch_size
+    per_t = (side // vc.spatial_merge_size) ** 2
     t = max(1, n_tokens // per_t)
-    grid = (t, FRAME_PATCHES, FRAME_PATCHES)
-    text = list(range(100, 108))
+    text = [100 + i % 8 for i in range(8)]
     ids = text + [config.vision_start_token_id] + [config.video_token_id] * (t * per_t) + \
         [config.vision_end_token_id] + text
-    pixels = rng.standard_normal((t * FRAME_PATCHES * FRAME_PATCHES, config.vision.patch_dim), np.float32)
-    return dict(input_ids=np.asarray([ids], np.int32), pixel_values_videos=pixels.astype(jnp.bfloat16),
-                video_grid_thw=np.asarray([grid]), second_per_grid_ts=np.asarray([1.0], np.float32))
+    block = np.random.default_rng(seed).standard_normal((min(t, 64) * side * side, vc.patch_dim), np.float32)
+    reps = -(-t * side * side // block.shape[0])
+    pixels = np.tile(block, (reps, 1))[:t * side * side]
+    return dict(input_ids=np.asarray([ids], np.int32), pixel_values_videos=pixels,
+                video_grid_thw=np.asarray([(t, side, side)]), second_per_grid_ts=np.asarray([1.0], np.float32))
 
 
-def timed(fn, repeats: int):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    first = time.perf_counter() - t0
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        runs.append(time.perf_counter() - t0)
-    return first, statistics.median(runs), runs
+def attention_spec(name: str, config: Qwen2_5_VLConfig):
+    """"cudnn" / "dense", a SparseConfig of one pattern on every head, or a SparseConfig JSON path."""
+    if name in ("cudnn", "dense"):
+        return name
+    c = config.text
+    if name in PATTERNS:
+        return mmjax.SparseConfig.uniform(PATTERNS[name], num_layers=c.num_hidden_layers,
+                                          num_heads=c.num_attention_heads)
+    return mmjax.SparseConfig.load(name)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="mmjax bench prefill", description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="16384,65536,131072")
-    ap.add_argument("--attention", default="dense,cudnn")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's 28)")
-    ap.add_argument("--vision-layers", type=int, default=None, help="vision blocks (default: the preset's 32)")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--mlp-chunk", type=int, default=8192)
-    ap.add_argument("--vision-only", action="store_true", help="time the vision tower only (no decoder)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-
-    cfg = preset("7b")
-    if args.layers is not None:
+def load_model(args) -> Qwen2_5_VL:
+    if args.model:
+        return from_hf(args.model, dtype=jnp.bfloat16)
+    cfg = preset(args.preset) if jax.default_backend() == "gpu" else tiny_config()
+    if args.layers:
         cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, num_hidden_layers=args.layers))
-    if args.vision_layers is not None:
-        full = tuple(i for i in cfg.vision.fullatt_block_indexes if i < args.vision_layers)
-        cfg = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, depth=args.vision_layers,
-                                                                  fullatt_block_indexes=full))
-    device = jax.devices()[0]
-    date = datetime.date.today().isoformat()
-    out = args.out or os.path.join("bench", "results",
-                                   f"prefill_{device.device_kind.replace(' ', '_')}_{date}.json")
-    report = {"benchmark": "prefill", "date": date, "device": device.device_kind, "platform": device.platform,
-              "jax": jax.__version__, "python": platform.python_version(), "model": "Qwen2.5-VL-7B shape, random bf16",
-              "decoder_layers": cfg.text.num_hidden_layers, "vision_blocks": cfg.vision.depth,
-              "frame": f"{FRAME_PATCHES * 14}x{FRAME_PATCHES * 14}", "mlp_chunk": args.mlp_chunk,
-              "repeats": args.repeats, "results": []}
+    return Qwen2_5_VL(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
 
-    def dump():
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
 
+def _compile_seconds(model, inputs, attention, kwargs) -> float:
+    """Compile time of the two programs a prefill runs (vision tower, decoder), ahead of time."""
+    p = qwen_vl.prepare_inputs(model.config, **inputs)
     t0 = time.perf_counter()
-    model = qwen_vl.Qwen2_5_VL(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
-    jax.block_until_ready(jax.tree.leaves(model))
-    report["init_s"] = time.perf_counter() - t0
-    print(f"{device.device_kind}: model initialised in {report['init_s']:.1f}s "
-          f"({cfg.text.num_hidden_layers} decoder layers, {cfg.vision.depth} vision blocks)", flush=True)
-    rng = np.random.default_rng(0)
-    print(f"{'tokens':>8} {'attention':>9} {'vision_s':>9} {'lm_s':>8} {'ttft_s':>8} {'compile_lm_s':>12}", flush=True)
-    for n in [int(x) for x in args.tokens.split(",")]:
-        inputs = video_inputs(cfg, n, rng)
-        p = qwen_vl.prepare_inputs(cfg, **inputs)
-        pixels = jax.device_put(p.pixel_values_videos)
-        v_first, v_med, _ = timed(lambda: qwen_vl.vision_features(model, pixels, p.video_grids), args.repeats)
-        feats = qwen_vl.vision_features(model, pixels, p.video_grids)
-        t = p.input_ids.shape[1]
-        if args.vision_only:
-            stats = device.memory_stats() or {}
-            report["results"].append({"tokens": t, "video_grid_thw": list(p.video_grids[0]), "vision_s": v_med,
-                                      "vision_first_s": v_first,
-                                      "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2**30})
-            print(f"{t:>8} {'-':>9} {v_med:>9.3f}", flush=True)
-            dump()
-            continue
-        for name in args.attention.split(","):
-            attention = resolve_attention(name)
+    qwen_vl.vision_features.lower(model, p.pixel_values_videos, p.video_grids,
+                                  kwargs.get("frames_per_chunk")).compile()
+    feats = jax.ShapeDtypeStruct((int(np.prod(p.video_grids[0])) // model.config.vision.merge_unit,
+                                  model.config.text.hidden_size), jnp.bfloat16)
+    qwen_vl.prefill_language_model.lower(
+        model, p.input_ids, None, feats, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas,
+        attention=resolve_attention(attention), max_length=p.input_ids.shape[1] + 256,
+        mlp_chunk=kwargs.get("mlp_chunk"), kv_dtype=kwargs.get("kv_dtype")).compile()
+    return time.perf_counter() - t0
 
-            def lm():
-                return qwen_vl.prefill_language_model(
-                    model, p.input_ids, None, feats, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas,
-                    attention=attention, max_length=t + 256, mlp_chunk=args.mlp_chunk)[0]
-            row = {"tokens": t, "video_grid_thw": list(p.video_grids[0]), "attention": name,
-                   "vision_s": v_med, "vision_first_s": v_first}
-            try:
-                l_first, l_med, l_runs = timed(lm, args.repeats)
-                row.update(lm_s=l_med, lm_first_s=l_first, lm_runs_s=l_runs, ttft_s=v_med + l_med)
-                print(f"{t:>8} {name:>9} {v_med:>9.3f} {l_med:>8.3f} {v_med + l_med:>8.3f} {l_first - l_med:>12.1f}",
-                      flush=True)
-            except Exception as e:  # report (e.g. out of memory) and go on with the next configuration
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(f"{t:>8} {name:>9} failed: {row['error']}", flush=True)
-            stats = device.memory_stats() or {}
-            if "peak_bytes_in_use" in stats:  # cumulative over the process: includes earlier rows
-                row["peak_gib_so_far"] = stats["peak_bytes_in_use"] / 2**30
-            report["results"].append(row)
-            dump()
-    print(f"wrote {out}")
-    return 0
+
+def run_row(args, tokens: int, name: str) -> dict:
+    """One (length, attention) row in this process."""
+    t0 = time.perf_counter()
+    model = load_model(args)
+    jax.block_until_ready(jax.tree.leaves(model))
+    init_s = time.perf_counter() - t0
+    inputs = video_inputs(model.config, tokens)
+    attention = attention_spec(name, model.config)
+    kwargs = dict(mlp_chunk=args.mlp_chunk, frames_per_chunk=args.frames_per_chunk, chunk_tokens=args.chunk_tokens,
+                  kv_dtype=jnp.float8_e4m3fn if args.kv_dtype == "fp8" else None)
+    row = {"tokens": int(inputs["input_ids"].shape[1]), "visual_tokens": int(inputs["input_ids"].shape[1]) - 18,
+           "attention": name, "init_s": init_s, **{k: (str(v) if k == "kv_dtype" else v) for k, v in kwargs.items()}}
+
+    def call():
+        t = time.perf_counter()
+        out = mmjax.prefill(model, inputs, attention=attention, **kwargs)
+        jax.block_until_ready(out.logits)
+        jax.block_until_ready(out.cache.k)
+        assert np.isfinite(np.asarray(out.logits, np.float32)).all(), "non-finite logits"
+        return time.perf_counter() - t
+
+    row["first_s"] = call()
+    print(f"[prefill] {row['tokens']} {name}: first call {row['first_s']:.1f} s", file=sys.stderr, flush=True)
+    if row["first_s"] <= args.warm_budget_s:
+        row["warm_s"] = min(call() for _ in range(args.repeats))
+        row["warm_estimated"] = False
+    else:
+        row["compile_s"] = _compile_seconds(model, inputs, attention, kwargs)
+        row["warm_s"] = row["first_s"] - row["compile_s"]
+        row["warm_estimated"] = True
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        row["peak_gib"] = stats["peak_bytes_in_use"] / 2 ** 30
+    row["tokens_per_s"] = row["tokens"] / row["warm_s"]
+    row["first_minus_warm_s"] = row["first_s"] - row["warm_s"]
+    return row
+
+
+def _child(args, tokens: int, name: str, timeout_s: float) -> dict:
+    """Run one row in a fresh process; its last stdout line is the row's JSON."""
+    cmd = [sys.executable, "-m", "mmjax.drivers.bench.prefill", "--row", str(tokens), name] + args.passthrough
+    try:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"tokens": tokens, "attention": name, "error": f"timed out after {timeout_s:.0f} s"}
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        return {"tokens": tokens, "attention": name, "error": f"exit status {r.returncode}"}
+    return json.loads(lines[-1])
+
+
+def _speedups(rows: list[dict]) -> None:
+    dense = {r["tokens"]: r["warm_s"] for r in rows if r.get("attention") in ("cudnn", "dense") and "warm_s" in r}
+    for r in rows:
+        if "warm_s" in r and r["tokens"] in dense:
+            r["speedup"] = dense[r["tokens"]] / r["warm_s"]
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """TTFT and peak memory against tokens, one line per attention."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in dict.fromkeys(r["attention"] for r in rows):
+        pts = sorted((r["tokens"], r["warm_s"], r.get("peak_gib")) for r in rows
+                     if r["attention"] == name and "warm_s" in r)
+        if not pts:
+            continue
+        x = [p[0] for p in pts]
+        a.plot(x, [p[1] for p in pts], marker="o", label=name)
+        if all(p[2] is not None for p in pts):
+            b.plot(x, [p[2] for p in pts], marker="o", label=name)
+    for ax, label in ((a, "warm time to first token (s)"), (b, "peak GPU memory (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        if ax.get_lines():
+            ax.legend()
+    a.set_yscale("log")
+    fig.suptitle(f"mmjax.prefill, {device_name()}")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mmjax bench prefill", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("--out", default="bench/results", help="directory for the JSON result (and plot)")
+    p.add_argument("--name", default="prefill", help="result file prefix")
+    p.add_argument("--preset", default="7b", choices=("3b", "7b"), help="random weights of this shape (GPU)")
+    p.add_argument("--model", help="a checkpoint directory instead of random weights")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
+    p.add_argument("--tokens", type=int, nargs="+", help="visual tokens per row (default 128k-1M on a GPU)")
+    p.add_argument("--configs", nargs="+", default=["cudnn", "grid", "ashape"], help="attention per row")
+    p.add_argument("--mlp-chunk", type=int, default=16384, help="tokens per chunk of norms / projections / MLP")
+    p.add_argument("--frames-per-chunk", type=int, default=None, help="temporal patches per vision-tower chunk")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="chunked prefill (tokens per chunk)")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV cache storage")
+    p.add_argument("--repeats", type=int, default=1, help="warm calls (the fastest is reported)")
+    p.add_argument("--warm-budget-s", type=float, default=240.0,
+                   help="no second call when the first took longer (warm = first - compile)")
+    p.add_argument("--row-timeout-s", type=float, default=1200.0, help="wall time of one row's process")
+    p.add_argument("--compile-cache", help="directory of JAX's persistent compilation cache")
+    p.add_argument("--plot", action="store_true", help="write a PNG of TTFT and memory vs tokens")
+    p.add_argument("--row", nargs=2, metavar=("TOKENS", "ATTENTION"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for flag in ("layers", "mlp_chunk", "frames_per_chunk", "chunk_tokens", "repeats"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')}: expected a positive int; received {value}")
+    if args.compile_cache:
+        mmjax.inference.enable_compilation_cache(args.compile_cache)
+    if args.row:
+        print(json.dumps(run_row(args, int(args.row[0]), args.row[1])), flush=True)
+        return 0
+    on_gpu = jax.default_backend() == "gpu"
+    tokens = args.tokens or ([131072, 262144, 524288, 1048576] if on_gpu else [1024, 2048])
+    if not on_gpu:
+        print("no GPU: a tiny model on the CPU (timings only show that everything runs)", file=sys.stderr)
+        args.configs = [c if c != "cudnn" else "dense" for c in args.configs]
+    keep = ("model", "layers", "mlp_chunk", "frames_per_chunk", "chunk_tokens", "repeats", "warm_budget_s",
+            "compile_cache")
+    args.passthrough = [x for k in keep if getattr(args, k) is not None
+                        for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    args.passthrough += ["--preset", args.preset, "--kv-dtype", args.kv_dtype]
+    rows: list[dict] = []
+    result = {"benchmark": "prefill", "model": args.model or f"Qwen2.5-VL-{args.preset} shape, random bf16",
+              "frame": f"{FRAME_PX}x{FRAME_PX}", "args": {k: v for k, v in vars(args).items() if k != "row"},
+              "rows": rows}
+    path = None
+    for n in tokens:
+        for name in args.configs:
+            rows.append(_child(args, n, name, args.row_timeout_s))
+            _speedups(rows)
+            path = write_result(args.out, args.name, result)
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    table = print_table(rows, [("tokens", "tokens", "d"), ("attention", "attention", "s"),
+                               ("first_s", "first call s", ".1f"), ("warm_s", "warm TTFT s", ".2f"),
+                               ("speedup", "speedup", ".2f"), ("peak_gib", "peak GiB", ".1f"),
+                               ("tokens_per_s", "tokens/s", ".0f"), ("error", "error", "s")])
+    result["table"] = table
+    path = write_result(args.out, args.name, result)
+    if args.plot:
+        png = path[:-len(".json")] + ".png"
+        plot(rows, png)
+        print(f"wrote {png}")
+    print(f"wrote {path}")
+    return 0 if all("error" not in r for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ def write_result(out_dir: str, name: str, payload: dict) -> str:
     }
     slug = meta["device"].replace(" ", "-").replace("/", "-")
     path = os.path.join(out_dir, f"{name}_{slug}_{meta['date']}.json")
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump({"meta": meta, **payload}, f, indent=1)
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
     return path
 
 
