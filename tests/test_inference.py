@@ -294,3 +294,24 @@ def test_prefill_working_memory_does_not_grow_with_depth(sparse):
                      if sparse else "dense")
         temps[layers] = _temp_bytes(model, _long_prompt(cfg), attention)
     assert temps[6] <= temps[2] * 1.05 + 4096, temps
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_scanned_sparse_config_through_the_triton_kernel():
+    cfg = small_config(head_dim=32, layers=3)
+    model = Qwen2_5_VL(cfg, dtype=jnp.bfloat16, key=jax.random.key(3))
+    inputs = _long_prompt(cfg)
+    c = cfg.text
+    kw = dict(block_q=32, block_k=32)
+    config = mmjax.SparseConfig(tuple(tuple((AShape(sink=8, local=64, **kw), Dense(**kw))[(i + h) % 2]
+                                            for h in range(c.num_attention_heads)) for i in range(c.num_hidden_layers)))
+    scanned = prefill(model, inputs, attention=config)
+    unrolled = prefill(model, inputs, attention=PerLayerOnly(config))
+    np.testing.assert_allclose(np.asarray(scanned.logits), np.asarray(unrolled.logits), atol=2e-2)
+    dense_cfg = mmjax.SparseConfig.uniform(Dense(**kw), num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads)
+    got = prefill(model, inputs, attention=dense_cfg)
+    want = prefill(model, inputs, attention="cudnn")
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=5e-2)
+    chunked = prefill(model, inputs, attention="cudnn", chunk_tokens=100)
+    np.testing.assert_allclose(np.asarray(chunked.logits), np.asarray(want.logits), atol=5e-2)
