@@ -1,5 +1,6 @@
 """Speculative decoding on a GPU: the split-K Pallas verification kernel inside the decoding loop."""
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +40,7 @@ def test_verification_kernel_matches_xla(setup):
     block = jnp.asarray(np.tril(rng.random((1, 9, 9)) < 0.5) | np.eye(9, dtype=bool)[None])
     pos = pre.cache.next_position[:, None] + jnp.arange(9)
     outs = []
-    for attn in (None, tree_decode_attention):
+    for attn in (functools.partial(tree_decode_attention, implementation="reference"), tree_decode_attention):
         cache = jax.tree.map(jnp.copy, pre.cache)
         logits, _, _ = cached_forward(model, cache, toks, pos, jnp.asarray(t, jnp.int32), pre.cache.valid,
                                       jnp.asarray(t, jnp.int32), block, tree_attn=attn)
