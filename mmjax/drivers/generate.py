@@ -39,13 +39,15 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmjax generate", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="DIR",
                    help="snapshot directory (config.json, safetensors, tokenizer) or hub-cache models--org--name/")
     p.add_argument("--video", action="append", default=[], metavar="FILE", help="a video file (repeatable)")
     p.add_argument("--image", action="append", default=[], metavar="FILE", help="an image file (repeatable)")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the question")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                   help="most tokens to generate (default %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                    help="parameter and compute dtype (default %(default)s)")
     p.add_argument("--attention", metavar="dense|cudnn|CONFIG.json",

@@ -18,6 +18,8 @@ import pytest
 
 import mmjax
 from mmjax.drivers.cli import main
+from mmjax.sparse import SparseConfig
+from mmjax.sparse.patterns import Dense
 from mmjax.speculative import SparrowDraft
 from models.qwen2_text import TextConfig
 
@@ -95,6 +97,14 @@ def test_draft_gives_the_same_ids(loaded, capsys, tmp_path):
     assert result["tokens"] == EXPECTED["generated_ids"]
     assert result["mean_tau"] >= 1.0
     assert "mean accepted length" in err
+
+
+def test_sparse_config_attention(capsys, tmp_path):
+    """--attention CONFIG.json prefills through a SparseConfig; with Dense patterns the ids are unchanged."""
+    SparseConfig.uniform(Dense(), num_layers=2, num_heads=4).save(tmp_path / "dense.json")
+    rc, out, err = _run(FLAGS + ["--json", "--attention", str(tmp_path / "dense.json")], capsys)
+    assert rc == 0, err
+    assert _one_json_object(out)["tokens"] == EXPECTED["generated_ids"]
 
 
 def test_streamed_answer(capsys):
@@ -192,7 +202,8 @@ BAD = {
                                                                          "processor", "media", "tiny_13x9.png")),
                        "has 1 frame, expected at least 2"),
     "missing image": (lambda t: FLAGS + ["--image", str(t / "nope.png")], "--image: image: cannot open"),
-    "model without config.json": (lambda t: _replace(FLAGS, "--model", str(t)), "--model: snapshot_dir: no config.json"),
+    "model without config.json": (lambda t: _replace(FLAGS, "--model", str(t)),
+                                  "--model: snapshot_dir: no config.json"),
     "unknown architecture": (lambda t: _replace(FLAGS, "--model", _snapshot_copy(
         t, architectures=["LlamaForCausalLM"], model_type="llama")),
         "unsupported architecture (architectures ['LlamaForCausalLM'], model_type 'llama'); supported: "
@@ -205,6 +216,9 @@ BAD = {
     "missing draft": (lambda t: FLAGS + ["--draft", str(t / "none")], "--draft"),
     "bad attention": (lambda t: FLAGS + ["--attention", "sparse"], "--attention: expected dense, cudnn or a "
                                                                    "SparseConfig JSON file, got 'sparse'"),
+    "sparse config of another shape": (lambda t: FLAGS + ["--attention", _file(
+        t / "c.json", SparseConfig.uniform(Dense(), num_layers=3, num_heads=4).to_json().encode())],
+        "c.json: the config has 3 layers x 4 heads, the model 2 x 4"),
     "bad tree": (lambda t: FLAGS + ["--tree", "30-4"], "tree: expected 'total_tokens-depth-top_k'"),
     "max pixels below min pixels": (lambda t: _replace(FLAGS, "--max-pixels", "100"),
                                     "--max-pixels: expected >= --min-pixels (3136), got 100"),

@@ -8,7 +8,8 @@ from models.text_stream import REPLACEMENT, TextStream
 from models.tokenizer import Tokenizer
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "fixtures", "processor", "snapshot")
-TEXTS = ["视频里有一只猫在桌子上睡觉。 Les élèves <|im_end|> ok 😀!", "plain ascii, then 你好", "🎬🎬🎬"]
+TEXTS = ["视频里有一只猫在桌子上睡觉。 Les élèves <|im_end|> ok 😀!", "plain ascii, then 你好",
+         "🎬🎬🎬"]
 
 
 @pytest.fixture(scope="module")
