@@ -7,8 +7,9 @@ Layers, each importing only the ones before it: ``pallas_kernels`` (attention ke
 ``mmjax.drivers`` (CLI, benchmarks).
 """
 
-from mmjax import patterns, speculative
+from mmjax import io, patterns, speculative
 from mmjax.inference import PrefillOutput, decode_step, prefill
+from mmjax.load import load
 from mmjax.sparse import (
                           Calibration,
                           CalibrationRecorder,
@@ -28,4 +29,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Calibration", "CalibrationRecorder", "GenerateOutput", "LayoutSet", "Modality", "PrefillOutput",
            "RowSplit", "SearchSpace", "SparseConfig", "attention_recall", "build_layout", "decode_step", "generate",
-           "patterns", "prefill", "search", "sparse_attention", "speculative"]
+           "io", "load", "patterns", "prefill", "search", "sparse_attention", "speculative"]

@@ -325,6 +325,9 @@ def read_video(path: str | os.PathLike, fps: float = FPS, *, nframes: int | None
         total = _count_frames(path)
     if total <= 0:
         raise ValueError(f"video: {path!r} has no frames")
+    if total < FRAME_FACTOR:
+        raise ValueError(f"video: {path!r} has {total} frame, expected at least {FRAME_FACTOR} (a still image? read "
+                         "it as an image)")
 
     def size_of(h: int, w: int) -> tuple[int, int]:
         if resized_height is not None:

@@ -214,7 +214,7 @@ def test_bad_files(tmp_path, clips):
     with pytest.raises(ValueError, match="directory"):
         mio.read_video(tmp_path)
     png = os.path.join(MEDIA, "tiny_13x9.png")
-    with pytest.raises(ValueError, match="nframes"):  # an image opens as a one-frame video: too few frames
+    with pytest.raises(ValueError, match="has 1 frame, expected at least 2"):  # an image opens as a one-frame video
         mio.read_video(png)
 
 

@@ -13,6 +13,7 @@ import sys
 # name -> (module exposing main(argv) -> int, one-line purpose)
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("mmjax.drivers.bench", "run a benchmark by name (`mmjax bench --help` lists them)"),
+    "generate": ("mmjax.drivers.generate", "answer a prompt about videos / images with a Hugging Face snapshot"),
     "search": ("mmjax.drivers.search", "search per-head sparse patterns from a calibration .npz -> SparseConfig"),
 }
 

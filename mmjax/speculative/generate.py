@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -43,6 +43,16 @@ def _sample(key, logits, sampling: Sampling):
     return key, sample(sub, logits, sampling)
 
 
+def _eos_ids(eos_token_id) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    ids = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else eos_token_id
+    if isinstance(ids, (str, bytes)) or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                                                  for i in ids):
+        raise ValueError(f"eos_token_id: expected None, an int or a sequence of ints, got {eos_token_id!r}")
+    return frozenset(int(i) for i in ids)
+
+
 def _check(max_new_tokens, sampling, draft, tree):
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
@@ -55,8 +65,9 @@ def _check(max_new_tokens, sampling, draft, tree):
 
 
 def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sampling = Sampling(), draft=None,
-             tree: TreeConfig = TreeConfig(), *, attention: Any = "dense", eos_token_id: int | None = None,
-             **prefill_kwargs) -> GenerateOutput:
+             tree: TreeConfig = TreeConfig(), *, attention: Any = "dense",
+             eos_token_id: int | Sequence[int] | None = None,
+             on_tokens: Callable[[list[np.ndarray]], Any] | None = None, **prefill_kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens per row after the prompt in ``inputs`` (HF processor
     outputs, as for ``mmjax.prefill``).
 
@@ -64,10 +75,15 @@ def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sa
     decoding; a ``SparrowDraft`` or ``TargetDraft`` = speculative decoding with a dynamic draft ``tree``
     (lossless: greedy output equals plain greedy decoding; sampled tokens follow the target's
     distribution). attention: prefill attention ("dense", "cudnn", callable, SparseConfig, ...);
-    decoding attends densely. eos_token_id: a row stops after emitting it.
+    decoding attends densely. eos_token_id: a row stops after emitting it (or any of a sequence of ids).
+    on_tokens: called on the host after the first token and after each decoding step with a list of B int32
+    arrays, row r's newly emitted tokens (empty once the row has finished), e.g. to stream text.
     """
     check_model(model)
     _check(max_new_tokens, sampling, draft, tree)
+    if on_tokens is not None and not callable(on_tokens):
+        raise ValueError(f"on_tokens: expected None or a callable, got {type(on_tokens).__name__}")
+    eos = _eos_ids(eos_token_id)
     ids = np.asarray(inputs["input_ids"]) if "input_ids" in inputs else None
     if ids is None or ids.ndim != 2:
         raise ValueError("inputs: expected 'input_ids' of shape [B, T]")
@@ -87,6 +103,7 @@ def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sa
     def emit(tokens, counts):
         tokens, counts = np.asarray(tokens).reshape(b, -1), np.asarray(counts).reshape(b)
         step_tau = np.zeros((b,), np.int32)
+        start = n_out.copy()
         for r in range(b):
             if done[r]:
                 continue
@@ -94,9 +111,11 @@ def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sa
                 out[r, n_out[r]] = x
                 n_out[r] += 1
                 step_tau[r] += 1
-                if n_out[r] >= max_new_tokens or (eos_token_id is not None and x == eos_token_id):
+                if n_out[r] >= max_new_tokens or int(x) in eos:
                     done[r] = True
                     break
+        if on_tokens is not None:
+            on_tokens([out[r, start[r]:n_out[r]].copy() for r in range(b)])
         return step_tau
 
     emit(first, np.ones((b,), np.int32))

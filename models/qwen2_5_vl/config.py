@@ -71,6 +71,8 @@ class Qwen2_5_VLConfig:
     vision_end_token_id: int = 151653
     # M-RoPE text offset after a vision span: False = transformers >= 5, True = transformers 4.x / original Qwen
     rope_index_legacy: bool = False
+    # the context the model was trained for (prompt + generated tokens), text config's max_position_embeddings
+    max_position_embeddings: int = 128000
 
     def __post_init__(self):
         if self.vision.out_hidden_size != self.text.hidden_size:
@@ -151,6 +153,11 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen2_5_VLConfig:
     vision = VisionConfig(**vkw)
 
     top = {}
+    context = text_src.get("max_position_embeddings", hf.get("max_position_embeddings"))
+    if context is not None:
+        if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+            raise ValueError(f"config max_position_embeddings: expected a positive int, got {context!r}")
+        top["max_position_embeddings"] = context
     for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
         if hf.get(key) is not None:
             top[key] = int(hf[key])

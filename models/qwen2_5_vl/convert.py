@@ -17,6 +17,7 @@ from flax import nnx
 from models import safetensors_io
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, load_hf_config
 from models.qwen2_5_vl.model import Qwen2_5_VL
+from models.snapshot import resolve_snapshot
 
 
 def canonical_name(key: str) -> str:
@@ -138,13 +139,13 @@ def check_keys(cfg: Qwen2_5_VLConfig, tensors: dict[str, safetensors_io.TensorIn
 
 
 def from_hf(path: str, dtype=jnp.bfloat16) -> Qwen2_5_VL:
-    """Load a local HF snapshot directory (config.json + safetensors) into a ``Qwen2_5_VL``.
+    """Load a local HF snapshot (config.json + safetensors, one file or shards with an index) into a
+    ``Qwen2_5_VL``; ``path`` is a snapshot directory or a hub-cache model tree (``models.snapshot``).
 
     ``dtype``: parameter dtype (bf16 keeps the checkpoint's precision); None keeps each tensor's
     stored dtype. Peak host memory is about one stacked parameter beyond the memory-mapped files.
     """
-    if not os.path.isdir(path):
-        raise ValueError(f"path: expected a snapshot directory, got {path!r}")
+    path = resolve_snapshot(path)
     cfg = load_hf_config(os.path.join(path, "config.json"))
     tensors = safetensors_io.index_checkpoint(path)
     canon = check_keys(cfg, tensors)

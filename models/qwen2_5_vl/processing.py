@@ -35,6 +35,7 @@ from PIL import Image
 
 from models import chat_template as templates
 from models.qwen2_5_vl.pixels import IMAGE_SIZE, VIDEO_SIZE, PixelConfig, image_patches, video_patches
+from models.snapshot import resolve_snapshot
 from models.tokenizer import Tokenizer, read_json
 
 IMAGE_TOKEN = "<|image_pad|>"
@@ -125,13 +126,11 @@ class Processor:
 
     @classmethod
     def from_pretrained(cls, snapshot_dir: str | os.PathLike) -> "Processor":
-        """Load from a snapshot directory: ``tokenizer.json``, ``tokenizer_config.json``,
+        """Load from a snapshot directory (or a hub-cache model tree, see ``models.snapshot``): ``tokenizer.json``, ``tokenizer_config.json``,
         ``preprocessor_config.json`` (+ ``video_preprocessor_config.json`` when present), the chat template
         (``chat_template.json`` / ``chat_template.jinja`` / tokenizer config) and ``config.json``'s token ids
         (checked against the tokenizer)."""
-        d = os.fspath(snapshot_dir)
-        if not os.path.isdir(d):
-            raise ValueError(f"snapshot_dir: {d!r} is not a directory")
+        d = resolve_snapshot(snapshot_dir, marker="tokenizer.json")
         image, video = _processor_configs(d)
         if video.get("do_sample_frames"):
             raise ValueError("video_preprocessor_config.json: do_sample_frames=true is not supported; sample frames "

@@ -84,7 +84,7 @@ def test_config_nested_and_flat_agree_and_defaults():
     assert cfg.vision.in_channels == 3 and cfg.vision.fullatt_block_indexes == (1,)
     nested = {"text_config": {k: flat[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
                                                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                                                   "rms_norm_eps")},
+                                                   "rms_norm_eps", "max_position_embeddings")},
               "vision_config": flat["vision_config"], "tie_word_embeddings": True,
               "image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252, "vision_end_token_id": 253}
     nested["text_config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
@@ -94,7 +94,8 @@ def test_config_nested_and_flat_agree_and_defaults():
     assert (d.text.hidden_size, d.text.num_hidden_layers, d.text.num_key_value_heads, d.text.rms_norm_eps) == \
         (8192, 80, 8, 1e-5)
     assert d.text.mrope_section == (16, 24, 24) and d.vision.depth == 32 and d.vision.window_size == 112
-    assert d.image_token_id == 151655 and d.vision.rope_theta == 10000.0
+    assert d.image_token_id == 151655 and d.vision.rope_theta == 10000.0 and d.max_position_embeddings == 128000
+    assert cfg.max_position_embeddings == 4096
 
 
 @pytest.mark.parametrize("name,params", [("7b", 8_292_166_656), ("3b", 3_754_622_976)])
