@@ -98,9 +98,9 @@ def test_examples_hold_target_states(setup):
 def test_data_cache_round_trip(setup, tmp_path, dtype):
     model, prompts, _, examples = setup
     exs = examples[:3] if dtype == "float32" else [build_example(model, prompts[0], DataConfig(dtype=dtype))]
-    paths = save_examples(exs, str(tmp_path), shard_size=2)
+    paths = save_examples(exs, str(tmp_path / "examples"), shard_size=2)
     assert len(paths) == (2 if len(exs) == 3 else 1)
-    back = load_examples(str(tmp_path))
+    back = load_examples(str(tmp_path / "examples"))
     assert len(back) == len(exs)
     for a, b in zip(exs, back):
         for f in dataclasses.fields(a):
