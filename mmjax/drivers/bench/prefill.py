@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax.drivers.args import ArgumentParser, int_list, out_file, positive_int
+from mmjax.files import atomic_write, check_output_dir
 from models.attention import resolve_attention
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.config import preset
@@ -60,16 +62,31 @@ def timed(fn, repeats: int):
     return first, statistics.median(runs), runs
 
 
+ATTENTIONS = ("dense", "cudnn")
+
+
+def attention_list(text: str) -> tuple[str, ...]:
+    """Comma-separated names from `ATTENTIONS`."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in names if x not in ATTENTIONS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names from {ATTENTIONS}; received {text!r}")
+    return names
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="mmjax bench prefill", description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="16384,65536,131072")
-    ap.add_argument("--attention", default="dense,cudnn")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's 28)")
-    ap.add_argument("--vision-layers", type=int, default=None, help="vision blocks (default: the preset's 32)")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--mlp-chunk", type=int, default=8192)
+    ap = ArgumentParser(prog="mmjax bench prefill", description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int_list, default="16384,65536,131072", help="comma-separated token counts")
+    ap.add_argument("--attention", type=attention_list, default="dense,cudnn",
+                    help=f"comma-separated attention kinds from {ATTENTIONS}")
+    ap.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default: the preset's 28)")
+    ap.add_argument("--vision-layers", type=positive_int, default=None,
+                    help="vision blocks (default: the preset's 32)")
+    ap.add_argument("--repeats", type=positive_int, default=2)
+    ap.add_argument("--mlp-chunk", type=positive_int, default=8192)
     ap.add_argument("--vision-only", action="store_true", help="time the vision tower only (no decoder)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", type=out_file, default=None,
+                    help="result JSON file (default bench/results/prefill_<device>_<date>.json; replaced)")
     args = ap.parse_args(argv)
 
     cfg = preset("7b")
@@ -89,10 +106,11 @@ def main(argv=None):
               "frame": f"{FRAME_PATCHES * 14}x{FRAME_PATCHES * 14}", "mlp_chunk": args.mlp_chunk,
               "repeats": args.repeats, "results": []}
 
-    def dump():
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
+    if args.out is None:
+        check_output_dir(os.path.dirname(out), "--out")
+
+    def dump():  # rewritten after every measurement, atomically
+        atomic_write(out, json.dumps(report, indent=1), overwrite=True)
 
     t0 = time.perf_counter()
     model = qwen_vl.Qwen2_5_VL(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
@@ -102,7 +120,7 @@ def main(argv=None):
           f"({cfg.text.num_hidden_layers} decoder layers, {cfg.vision.depth} vision blocks)", flush=True)
     rng = np.random.default_rng(0)
     print(f"{'tokens':>8} {'attention':>9} {'vision_s':>9} {'lm_s':>8} {'ttft_s':>8} {'compile_lm_s':>12}", flush=True)
-    for n in [int(x) for x in args.tokens.split(",")]:
+    for n in args.tokens:
         inputs = video_inputs(cfg, n, rng)
         p = qwen_vl.prepare_inputs(cfg, **inputs)
         pixels = jax.device_put(p.pixel_values_videos)
@@ -117,7 +135,7 @@ def main(argv=None):
             print(f"{t:>8} {'-':>9} {v_med:>9.3f}", flush=True)
             dump()
             continue
-        for name in args.attention.split(","):
+        for name in args.attention:
             attention = resolve_attention(name)
 
             def lm():
