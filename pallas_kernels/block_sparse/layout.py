@@ -28,8 +28,8 @@ Contract on the values (what a layout must hold; the kernel adds up what it is g
 3. ``q_perm`` / ``kv_perm`` are permutations of ``0 .. q_len - 1`` / ``0 .. kv_len - 1``.
 
 Every builder in this project guarantees 1-3 by construction (`dense_causal`,
-`from_block_mask`, `random_causal`, and every pattern of ``mmjax.sparse``; the tests check
-them with `BlockLayout.check`). `block_sparse_attention` checks concrete layouts before
+`from_block_mask`, `random_causal`, and every pattern and boundary wrapper of ``mmjax.sparse``;
+the tests check them with the same checks). `block_sparse_attention` checks concrete layouts before
 tracing; a traced layout cannot be checked there, so both implementations neutralise what is
 cheap to neutralise: counts are clamped to 1, ids and columns out of range contribute
 nothing, permutation entries are clamped into range. Repeated ids and non-permutations are

@@ -129,3 +129,4 @@ def test_calibration_save_interrupted_at_every_step(tmp_path, monkeypatch):
     assert found[0] == "old" and "new" in found
     with pytest.raises(ValueError, match=r"calibration k_0: expected finite values .* index \[0, 4, 0, 2\]"):
         Calibration(((old.layers[0][0], old.layers[0][1].at[0, 4, 0, 2].set(jnp.nan), old.layers[0][2]),))
+
