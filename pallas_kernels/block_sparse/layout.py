@@ -31,7 +31,7 @@ Every builder in this project guarantees 1-3 by construction (`dense_causal`,
 `from_block_mask`, `random_causal`, and every pattern and boundary wrapper of ``mmjax.sparse``;
 the tests check them with the same checks). `block_sparse_attention` checks concrete layouts before
 tracing; a traced layout cannot be checked there, so both implementations neutralise what is
-cheap to neutralise: counts are clamped to 1, ids and columns out of range contribute
+cheap to neutralise: counts are clamped into range, ids and columns out of range contribute
 nothing, permutation entries are clamped into range. Repeated ids and non-permutations are
 not neutralised (it would cost a sort per call): a layout built by other code inside
 ``jax.jit`` should be checked with `BlockLayout.check` under ``checkify``.
