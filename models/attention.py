@@ -31,6 +31,10 @@ from typing import Any, Callable, Protocol
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import nonfinite
+from pallas_kernels.checks import check_sm_scale
+from pallas_kernels.nonfinite import finish, poison_keys, score_poison
+
 
 class AttentionFn(Protocol):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, layer: Any, q_positions: jax.Array,
@@ -54,16 +58,18 @@ def _direct(q, k, v, q_positions, kv_valid, scale, causal):
     b, t, n, d = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, d)
+    k, v = poison_keys(k, v)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     mask = kv_valid[:, None, None, None, :] if kv_valid.ndim == 2 else kv_valid[:, None, None, :, :]
     if causal:
         mask = mask & (q_positions[:, None, None, :, None] >= jnp.arange(s_len)[None, None, None, None, :])
+    poison = jnp.sum(score_poison(s, mask), axis=-1, keepdims=True)
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(s - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    p = (p / jnp.where(l > 0, l, 1.0)).astype(v.dtype)
+    l = jnp.sum(p, axis=-1, keepdims=True) + poison  # NaN for a row that sees a non-finite input
+    p = (p / jnp.where(l == 0, 1.0, l)).astype(v.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
     return o.reshape(b, t, n, d).astype(q.dtype)
 
@@ -78,6 +84,7 @@ def _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k):
     tp, sp = nq * block_q, nk * block_k
     qg = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0))).reshape(b, nq, block_q, kh, g, d)
     qpos = jnp.pad(q_positions, ((0, 0), (0, tp - t))).reshape(b, nq, block_q)
+    k, v = poison_keys(k, v)
     kp = jnp.pad(k, ((0, 0), (0, sp - s_len), (0, 0), (0, 0)))
     vp = jnp.pad(v, ((0, 0), (0, sp - s_len), (0, 0), (0, 0)))
     per_query = kv_valid.ndim == 3
@@ -103,19 +110,19 @@ def _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k):
             if causal:
                 ok = ok & (qp[:, None, None, :, None] >= (start + jnp.arange(block_k))[None, None, None, None, :])
             s = jnp.einsum("bqkgd,bskd->bkgqs", qc, kc, preferred_element_type=jnp.float32) * scale
+            poison = score_poison(s, ok)
             s = jnp.where(ok, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
-            l = l * alpha + jnp.sum(p, axis=-1)
+            l = l * alpha + jnp.sum(p + poison, axis=-1)
             pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vc, preferred_element_type=jnp.float32)
             return m_new, l, acc * alpha[..., None] + pv
 
         init = (jnp.full((b, kh, g, block_q), -jnp.inf, jnp.float32), jnp.zeros((b, kh, g, block_q), jnp.float32),
                 jnp.zeros((b, kh, g, block_q, d), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, hi, body, init)
-        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        out, _ = finish(*jax.lax.fori_loop(0, hi, body, init))
         return jnp.einsum("bkgqd->bqkgd", out).astype(q.dtype)
 
     out = jax.lax.map(one_q_block, (jnp.moveaxis(qg, 1, 0), jnp.moveaxis(qpos, 1, 0),
@@ -126,16 +133,21 @@ def _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k):
 
 def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None, sm_scale: float | None = None,
                     causal: bool = True, block_q: int = 512, block_k: int = 1024,
-                    direct_max_scores: int = 1 << 24) -> jax.Array:
+                    direct_max_scores: int = 1 << 24, check_finite: bool = False) -> jax.Array:
     """Exact softmax attention in pure JAX (the reference every other implementation is checked against).
 
-    Shapes as in the module docstring. Softmax statistics in float32; a fully masked row gives 0.
-    Small problems (T * S <= ``direct_max_scores``) build the score matrix at once; larger ones run an
-    online softmax over ``block_k``-wide key blocks for each ``block_q`` queries.
+    Shapes as in the module docstring. Softmax statistics in float32; a fully masked row gives 0. Non-finite
+    inputs follow ``pallas_kernels.nonfinite``: a row that sees a NaN / inf score or value gives NaN; masked keys
+    (padding, unwritten cache slots, the future) contribute nothing whatever they hold. ``check_finite``
+    raises ``NonFiniteError`` instead (a ``checkify`` error under ``jax.jit``). Small problems
+    (T * S <= ``direct_max_scores``) build the score matrix at once; larger ones run an online softmax over
+    ``block_k``-wide key blocks for each ``block_q`` queries.
     """
     del layer, modality
     _check_qkv(q, k, v, q_positions, kv_valid)
-    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    scale = check_sm_scale(sm_scale, q.shape[-1])
+    if check_finite:
+        nonfinite.check_finite(q=q, k=k, v=v)
     if q.shape[1] * k.shape[1] <= direct_max_scores:
         return _direct(q, k, v, q_positions, kv_valid, scale, causal)
     return _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k)

@@ -9,13 +9,16 @@ One op per folder, each with ``api.py`` (validation, dispatch by ``implementatio
 * ``tree_decode/``: split-K attention of a few new tokens (a draft tree) over a long cache.
 
 Shared by the ops: ``checks.py`` (argument checks), ``platform.py`` (default implementation,
-core count), ``tiling.py`` (ceil division, padding, softmax constants).
+core count), ``tiling.py`` (ceil division, padding, softmax constants), ``nonfinite.py`` (the
+NaN / inf contract every implementation follows, ``check_finite``), ``online_softmax.py`` (the
+Triton kernels' softmax step).
 """
 
 from pallas_kernels.block_sparse import BlockLayout, block_sparse_attention, merge_attention
+from pallas_kernels.nonfinite import NonFiniteError
 from pallas_kernels.platform import default_implementation
 from pallas_kernels.qsa_topk import QSATopKResult, qsa_topk
 from pallas_kernels.tree_decode import tree_decode_attention
 
-__all__ = ["BlockLayout", "QSATopKResult", "block_sparse_attention", "default_implementation", "merge_attention",
+__all__ = ["BlockLayout", "NonFiniteError", "QSATopKResult", "block_sparse_attention", "default_implementation", "merge_attention",
            "qsa_topk", "tree_decode_attention"]

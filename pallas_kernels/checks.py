@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+# Upper bound of every integer size / count argument: positions and block ids are int32, and
+# sums of two sizes must stay representable (so no hyper-parameter overflows inside JAX).
+MAX_INT_ARG = 2**30
 
 
 def fmt_shape(shape) -> str:
@@ -13,16 +20,39 @@ def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def check_int(name: str, value, lo: int) -> None:
-    """``value`` must be a Python int (not a bool) >= ``lo``."""
+def check_int(name: str, value, lo: int, hi: int = MAX_INT_ARG) -> None:
+    """``value`` must be a Python int (not a bool) in ``[lo, hi]``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise ValueError(f"{name}: expected an int >= {lo}; received {value!r}")
+    if value > hi:
+        raise ValueError(f"{name}: expected an int <= {hi}"
+                         f"{' (int32 positions)' if hi == MAX_INT_ARG else ''}; received {value!r}")
 
 
-def check_pow2(name: str, value, lo: int = 16) -> None:
-    """``value`` must be a Python int power of two >= ``lo``."""
+def check_pow2(name: str, value, lo: int = 16, hi: int = MAX_INT_ARG) -> None:
+    """``value`` must be a Python int power of two in ``[lo, hi]``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < lo or value & (value - 1):
         raise ValueError(f"{name}: expected a power of two >= {lo}; received {value!r}")
+    if value > hi:
+        raise ValueError(f"{name}: expected a power of two <= {hi}; received {value!r}")
+
+
+def check_sm_scale(sm_scale, head_dim: int) -> float:
+    """``sm_scale`` as a Python float: ``head_dim ** -0.5`` when None, else a finite number > 0
+    given on the host (a static argument, never a traced value)."""
+    if sm_scale is None:
+        return float(head_dim) ** -0.5
+    if isinstance(sm_scale, jax.core.Tracer):
+        raise ValueError("sm_scale: expected a finite positive Python float (static); received a traced value")
+    if isinstance(sm_scale, (bool, np.bool_)) or not isinstance(sm_scale, (int, float, np.integer, np.floating)) \
+            and not (isinstance(sm_scale, (np.ndarray, jax.Array)) and np.shape(sm_scale) == ()
+                     and jnp.issubdtype(sm_scale.dtype, jnp.floating)):
+        raise ValueError(f"sm_scale: expected a finite positive float; received {sm_scale!r} "
+                         f"({type(sm_scale).__name__})")
+    value = float(sm_scale)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"sm_scale: expected a finite positive float; received {value!r}")
+    return value
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:

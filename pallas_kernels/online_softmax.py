@@ -1,4 +1,12 @@
-"""The online-softmax step shared by the Pallas Triton kernels (flash-attention style, base 2)."""
+"""The online-softmax step shared by the Pallas Triton kernels (flash-attention style, base 2),
+with the non-finite contract of `pallas_kernels.nonfinite`.
+
+A step takes raw scores and a visibility mask: masked scores become -inf, and a visible
+non-finite score adds NaN to the row's normaliser ``l`` (it stays NaN: the row ends NaN out,
+NaN lse). Kernels that mask only some tiles split the step in two: `masked_tile` /
+`unmasked_tile` (chosen by a ``lax.cond`` on the tile) and `softmax_update`, so that the
+matrix products stay outside the condition.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +14,41 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.nonfinite import score_poison
 
-def softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, v: jax.Array):
+
+def masked_tile(s: jax.Array, ok: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """s ``[R, bk]`` float32 scaled scores, ok bool broadcastable to ``[R, bk]`` -> (scores
+    with masked pairs -inf, poison ``[R, bk]``: NaN at visible non-finite scores, else 0)."""
+    return jnp.where(ok, s, -jnp.inf), score_poison(s, ok)
+
+
+def unmasked_tile(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every pair visible: (s, poison) as in `masked_tile`."""
+    return s, score_poison(s)
+
+
+def softmax_update(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, poison: jax.Array,
+                   v: jax.Array):
     """Fold one key tile into the running (max, sum, accumulator) of a row tile.
 
     carry: m ``[R]``, l ``[R]``, acc ``[R, D]`` float32; s ``[R, bk]`` float32 scores already
-    scaled by ``sm_scale * log2(e)`` (masked pairs ``-inf``); v ``[bk, D]``. Rows that have seen
-    no key keep m = -inf, l = 0, acc = 0. Returns the new carry.
+    scaled by ``sm_scale * log2(e)`` and masked (-inf); poison ``[R, bk]`` from `masked_tile`;
+    v ``[bk, D]`` (masked keys' values must be finite: zero them or `poison_keys` them first).
+    Rows that have seen no key keep m = -inf, l = 0, acc = 0. Returns the new carry.
     """
     m_prev, l_prev, acc = carry
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m_prev - m_safe)
     p = jnp.exp2(s - m_safe[:, None])
-    l_new = l_prev * alpha + jnp.sum(p, axis=1)
+    l_new = l_prev * alpha + jnp.sum(p + poison, axis=1)
     acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
     return m_new, l_new, acc
+
+
+def softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, v: jax.Array,
+                 ok: jax.Array | None = None):
+    """`softmax_update` after `masked_tile` (``ok`` given) or `unmasked_tile` (None)."""
+    s, poison = unmasked_tile(s) if ok is None else masked_tile(s, ok)
+    return softmax_update(carry, s, poison, v)

@@ -1,7 +1,9 @@
 """The `mmjax` command: ``mmjax COMMAND [args]``; ``mmjax COMMAND --help`` for a command's options.
 
-A command that fails on bad input prints one line ``mmjax COMMAND: error: ...`` and exits with
-status 2 (``--debug`` before the command shows the traceback instead).
+A command that fails prints one line ``mmjax COMMAND: error: ...`` and exits with status 2:
+bad arguments (checked while parsing, outputs included, before any work), bad files, and any
+other error (then named by its type). ``--debug`` before the command shows the traceback
+instead.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from mmjax.drivers.args import ArgumentParser
 
 # name -> (module exposing main(argv) -> int, one-line purpose)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -19,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmjax", description="mmjax: fast long-context vision-language inference in JAX",
+    p = ArgumentParser(prog="mmjax", description="mmjax: fast long-context vision-language inference in JAX",
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
@@ -41,11 +45,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument COMMAND: invalid choice: {name!r} (choose from {', '.join(COMMANDS)})")
     try:
         return importlib.import_module(COMMANDS[name][0]).main(rest)
-    except (ValueError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - every failure is one line (--debug: the traceback)
         if debug:
             raise
-        print(f"mmjax {name}: error: {e}", file=sys.stderr)
+        print(f"mmjax {name}: error: {one_line(e)}", file=sys.stderr)
         return 2
+
+
+def one_line(e: BaseException) -> str:
+    """The message of ``e`` on one line; errors other than bad input (ValueError, OSError) are
+    prefixed with their type, and point to ``--debug``."""
+    text = " ".join(str(e).split()) or "(no message)"
+    if isinstance(e, (ValueError, OSError)):
+        return text
+    return f"{type(e).__name__}: {text} (run `mmjax --debug ...` for the traceback)"
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 
+from mmjax.drivers.args import ArgumentParser, out_file, positive_float
+from mmjax.files import check_new, read_json
 from mmjax.sparse.layouts import KernelOptions
 from mmjax.sparse.pattern_search import SearchSpace, search
 
@@ -23,37 +24,43 @@ def _space(path: str | None) -> SearchSpace:
     if path is None:
         return SearchSpace()
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--space {path}: cannot read a JSON object ({e})") from e
+        data = read_json(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--space: cannot read a JSON object ({e})") from e
     fields = {f.name for f in dataclasses.fields(SearchSpace)}
-    if not isinstance(data, dict) or set(data) - fields:
+    if set(data) - fields:
         raise ValueError(f"--space {path}: expected an object with keys from {sorted(fields)}; received "
-                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+                         f"{sorted(data)}")
 
     def tup(x):
         return tuple(tup(y) for y in x) if isinstance(x, list) else x
 
-    return SearchSpace(**{k: tup(v) for k, v in data.items()})
+    try:
+        return SearchSpace(**{k: tup(v) for k, v in data.items()})
+    except ValueError as e:
+        raise ValueError(f"--space {path}: {e}") from e
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mmjax search", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="mmjax search", description=__doc__.split("\n\n")[0],
+                       epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calibration", required=True, help="calibration .npz (layout below)")
-    p.add_argument("--out", required=True, help="where to write the SparseConfig JSON")
+    p.add_argument("--out", required=True, type=out_file,
+                   help="where to write the SparseConfig JSON (checked before the search starts)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--space", help="JSON object of SearchSpace fields overriding the default space "
                                    "(e.g. {\"ashape\": [[128, 1024]], \"boundaries\": [\"NoBoundary\"]})")
-    p.add_argument("--budget", type=float, help="density budget (fraction of dense causal pairs); default: "
+    p.add_argument("--budget", type=positive_float, help="density budget (fraction of dense causal pairs); default: "
                                                 "the cost of AShape(sink=1024, local=4096)")
     p.add_argument("--implementation", choices=("triton", "reference"),
                    help="kernel implementation (default: triton on GPU, reference on CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    config = search(args.calibration, space=_space(args.space), budget=args.budget,
+    check_new(args.out, overwrite=args.overwrite)  # before the (long) search, not after it
+    space = _space(args.space)
+    config = search(args.calibration, space=space, budget=args.budget,
                     options=KernelOptions(implementation=args.implementation), progress=not args.quiet)
-    config.save(args.out)
+    config.save(args.out, overwrite=args.overwrite)
     kinds = {}
     for layer in config.layers:
         for pattern in layer:

@@ -28,13 +28,15 @@ def ranges_to_lists(groups: list[tuple[jax.Array, jax.Array, int]], num_kv_block
 
     groups: ``(lo, hi, max_width)`` with lo, hi int32 ``[..., R]`` (one group's ranges are
     at most ``max_width`` blocks wide, static; a range with hi < lo is empty; ranges may
-    overlap). Ids are clipped to ``[0, num_kv_blocks)``. Returns (blocks int32
-    ``[..., L]`` with L = sum of R * max_width, count ``[...]``).
+    overlap). Ids are clipped to ``[0, num_kv_blocks)``, so a group is never wider than
+    ``num_kv_blocks`` whatever its bound. Returns (blocks int32 ``[..., L]`` with L = sum of
+    R * min(max_width, num_kv_blocks), count ``[...]``).
     """
     big = jnp.int32(np.iinfo(np.int32).max)
     flats = []
     for lo, hi, max_width in groups:
-        cand = lo[..., None] + jnp.arange(max_width, dtype=jnp.int32)  # [..., R, W]
+        width = max(1, min(int(max_width), num_kv_blocks))
+        cand = jnp.maximum(lo, 0)[..., None] + jnp.arange(width, dtype=jnp.int32)  # [..., R, W]
         valid = (cand <= hi[..., None]) & (cand >= 0) & (cand < num_kv_blocks)
         flats.append(jnp.where(valid, cand, big).reshape(lo.shape[:-1] + (-1,)))
     flat = jnp.sort(jnp.concatenate(flats, -1), axis=-1)

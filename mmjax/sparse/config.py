@@ -9,7 +9,8 @@ Saved as versioned JSON::
 Every pattern field is written (defaults included), so a file states the whole config.
 Boundary wrappers nest their intra patterns: ``{"pattern": "KBoundary", "params":
 {"pattern": {...}}}``, QBoundary ``{"patterns": {name: {...}}, "default": {...} | null}``,
-TwoDBoundary ``{"patterns": [{"query": mq, "key": mk, "pattern": {...}}, ...]}``.
+TwoDBoundary ``{"patterns": [{"query": mq, "key": mk, "pattern": {...}}, ...], "default": {...} | null,
+"skip_missing": false}`` (the last two may be absent: null / false).
 Loading checks the version, the layer/head counts, the pattern names, the parameter names
 and types, and each pattern's own hyper-parameter checks; every error is a ValueError that
 names the place (``layers[3][5] (Grid).local: ...``).
@@ -27,6 +28,7 @@ import json
 import os
 from typing import Any, Sequence
 
+from mmjax.files import atomic_write, read_json
 from mmjax.sparse.layouts import KernelOptions
 from mmjax.sparse.model_attention import SparseModelAttention
 from mmjax.sparse.patterns import (
@@ -135,14 +137,16 @@ def _wrapper_to_params(p: Pattern) -> dict[str, Any]:
         return {"patterns": {name: pattern_to_dict(x) for name, x in p.patterns},
                 "default": None if p.default is None else pattern_to_dict(p.default)}
     if isinstance(p, TwoDBoundary):
-        return {"patterns": [{"query": mq, "key": mk, "pattern": pattern_to_dict(x)} for (mq, mk), x in p.patterns]}
+        return {"patterns": [{"query": mq, "key": mk, "pattern": pattern_to_dict(x)} for (mq, mk), x in p.patterns],
+                "default": None if p.default is None else pattern_to_dict(p.default),
+                "skip_missing": p.skip_missing}
     raise ValueError(f"pattern: expected a boundary wrapper; received {type(p).__name__}")
 
 
 def _wrapper_from_params(cls: type, params: dict, where: str) -> Pattern:
     name = cls.__name__
     allowed = {"NoBoundary": {"pattern"}, "KBoundary": {"pattern"}, "QBoundary": {"patterns", "default"},
-               "TwoDBoundary": {"patterns"}}[name]
+               "TwoDBoundary": {"patterns", "default", "skip_missing"}}[name]
     unknown = sorted(set(params) - allowed)
     if unknown:
         raise ValueError(f"{where} ({name}).params: unknown parameter(s) {unknown}; expected a subset of "
@@ -166,8 +170,13 @@ def _wrapper_from_params(cls: type, params: dict, where: str) -> Pattern:
                                                  for e in pats):
             raise ValueError(f"{where} ({name}).patterns: expected a list of {{\"query\", \"key\", \"pattern\"}} "
                              f"objects; received {pats!r}"[:400])
+        default = params.get("default")
+        skip = params.get("skip_missing", False)
+        if not isinstance(skip, bool):
+            raise ValueError(f"{where} ({name}).skip_missing: expected bool; received {skip!r}")
         return cls({(e["query"], e["key"]): pattern_from_dict(e["pattern"], f"{where} ({name}).patterns[{i}]")
-                    for i, e in enumerate(pats)})
+                    for i, e in enumerate(pats)},
+                   None if default is None else pattern_from_dict(default, f"{where} ({name}).default"), skip)
     except ValueError as e:
         if str(e).startswith(where):
             raise
@@ -267,19 +276,18 @@ class SparseConfig:
             raise ValueError(f"config: not valid JSON ({e})") from e
         return cls.from_dict(data, options=options)
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the config as JSON to ``path``."""
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json())
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+        """Write the config as JSON to ``path`` atomically (a temporary file beside it, renamed
+        into place). An existing file is replaced only with ``overwrite=True``."""
+        atomic_write(path, self.to_json(), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, options: KernelOptions = KernelOptions()) -> "SparseConfig":
-        """Read a config written by `save`; malformed files raise ValueError naming the
-        file and the place."""
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        """Read a config written by `save`; malformed files (not UTF-8, not JSON, a bad
+        entry) raise ValueError naming the file and the place."""
+        data = read_json(path, expect=None)
         try:
-            return cls.from_json(text, options=options)
+            return cls.from_dict(data, options=options)
         except ValueError as e:
             raise ValueError(f"{os.fspath(path)}: {e}") from e
 

@@ -6,6 +6,13 @@ A = softmax(Q[-last_q:] K^T * scale + causal mask) per head is reduced to
   d = query position - key position, ``[B, N, S]``.
 Both are normalised to sum to 1 per head. A is last_q x S and lives for one head at a time
 (`lax.map` over heads), so no S x S buffer is ever formed.
+
+Non-finite scores (the rule every estimating pattern shares, like MOMO's block top-k): an
+estimation row whose query holds a NaN or an inf adds nothing (its own attention will be NaN
+anyway); a non-finite logit of any other row makes its key's vertical score +inf, which ranks
+it first (level with a pattern's own forced keys, lower position first, within its budget such
+as Vertical-Slash's vertical_size), so the key is kept and the kernel propagates the NaN to
+exactly the rows that see it. Finite logits are normalised among themselves; no score is ever NaN.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.checks import check_sm_scale
 
 
 @functools.partial(jax.jit, static_argnames=("last_q", "sm_scale"))
@@ -25,7 +34,8 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     rows: int32 ``[B, last_q]`` original query indices of the estimation rows (default: the
     last ``last_q`` queries); k_valid: bool ``[B, S]`` keys taking part (default all).
     vertical is indexed by key position, slash by offset d = query position - key position;
-    causality is on original positions. Rows seeing no valid key add nothing.
+    causality is on original positions. Rows seeing no valid key add nothing. Non-finite
+    inputs: see the module docstring (vertical +inf at keys with a non-finite logit).
     """
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
@@ -36,8 +46,9 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     elif tuple(rows.shape) != (b, last_q):
         raise ValueError(f"rows: expected shape [{b}, {last_q}] ([B, last_q]); received {list(rows.shape)}")
     groups = n // kh
-    scale = d ** -0.5 if sm_scale is None else sm_scale
+    scale = check_sm_scale(sm_scale, d)
     q_last = jnp.take_along_axis(q, rows[:, :, None, None], axis=1)  # [B, L, N, D]
+    q_ok = jnp.all(jnp.isfinite(q_last), axis=-1)  # [B, L, N]: rows with a finite query
     q_pos = rows + (s - t)  # original positions of the estimation rows, [B, L]
     k_pos = jnp.arange(s)
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, L, S]
@@ -49,11 +60,14 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
         qh = jax.lax.dynamic_index_in_dim(q_last, h, axis=2, keepdims=False)  # [B, L, D]
         kk = jax.lax.dynamic_index_in_dim(k, h // groups, axis=2, keepdims=False)  # [B, S, D]
         logits = jnp.einsum("bld,bsd->bls", qh, kk, preferred_element_type=jnp.float32) * scale
-        logits = jnp.where(allowed, logits, -jnp.inf)
+        row_ok = jax.lax.dynamic_index_in_dim(q_ok, h, axis=2, keepdims=False)[:, :, None]  # [B, L, 1]
+        seen = allowed & row_ok
+        bad = seen & ~jnp.isfinite(logits)  # a finite query meets a non-finite key
+        logits = jnp.where(seen & ~bad, logits, -jnp.inf)
         m = logits.max(-1, keepdims=True)
         e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
         a = e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30)  # [B, L, S]; 0 for empty rows
-        vertical = a.sum(1)
+        vertical = jnp.where(bad.any(1), jnp.inf, a.sum(1))
         # slash[d] = sum_r a[r, pos_r - d]; indices < 0 are outside the sequence.
         gathered = jnp.take_along_axis(a, jnp.clip(diag_idx, 0, s - 1), axis=-1)
         slash = jnp.where(diag_idx >= 0, gathered, 0.0).sum(1)

@@ -21,15 +21,28 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import BlockLayout, block_sparse_attention, merge_attention
+from pallas_kernels.checks import check_sm_scale
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
-    """How the block-sparse kernel is run (static)."""
+    """How the block-sparse kernel is run (static). ``check_finite``: raise instead of
+    propagating a NaN / inf input (see `pallas_kernels.block_sparse_attention`)."""
 
     implementation: str | None = None  # None: triton on GPU, reference on CPU
     interpret: bool = False
     sm_scale: float | None = None
+    check_finite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.implementation not in (None, "reference", "triton"):
+            raise ValueError(f"implementation: expected None, 'reference' or 'triton'; received "
+                             f"{self.implementation!r}")
+        for name in ("interpret", "check_finite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool; received {getattr(self, name)!r}")
+        if self.sm_scale is not None:
+            check_sm_scale(self.sm_scale, 1)
 
 
 class _Parts:
@@ -133,6 +146,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
     out, lse = None, None
     for part in block_parts(layout):
         o, l = block_sparse_attention(q, k, v, part, sm_scale=options.sm_scale,
-                                      implementation=options.implementation, interpret=options.interpret)
+                                      implementation=options.implementation, interpret=options.interpret,
+                                      check_finite=options.check_finite)
         out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
     return out, lse

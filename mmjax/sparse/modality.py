@@ -42,6 +42,30 @@ def compute_spans(ids: np.ndarray) -> tuple[tuple[Span, ...], ...]:
     return tuple(rows)
 
 
+def check_spans(spans, ids: np.ndarray | None, batch: int, length: int, num_kinds: int) -> None:
+    """Raise ValueError naming the row unless ``spans`` are ``batch`` rows of contiguous runs
+    ``(kind, start, end)`` covering ``[0, length)`` with kinds in ``[0, num_kinds)``, and (when
+    ``ids`` ``[B, S]`` is given) each run holds exactly its kind."""
+    if len(spans) != batch:
+        raise ValueError(f"modality.spans: expected {batch} rows (B of the ids); received {len(spans)}")
+    for r, row in enumerate(spans):
+        pos = 0
+        for kind, start, end in row:
+            if start != pos or end <= start or not 0 <= kind < num_kinds:
+                raise ValueError(f"modality.spans[{r}]: expected contiguous runs (kind in [0, {num_kinds}), start, "
+                                 f"end) from 0 to {length}; received {(kind, start, end)} at position {pos}")
+            pos = end
+        if pos != length:
+            raise ValueError(f"modality.spans[{r}]: expected runs covering [0, {length}); they end at {pos}")
+        if ids is not None:
+            want = np.repeat([kind for kind, _, _ in row], [end - start for _, start, end in row])
+            if not np.array_equal(want, ids[r]):
+                at = int(np.flatnonzero(want != ids[r])[0])
+                raise ValueError(f"modality.spans[{r}]: expected the runs of the ids; position {at} has id "
+                                 f"{int(ids[r][at])} but its span says {int(want[at])} (present kinds would be "
+                                 f"wrong: {sorted(set(ids[r].tolist()))} in the ids)")
+
+
 def _check_names(names) -> tuple[str, ...]:
     if isinstance(names, str) or not isinstance(names, Sequence) or not names:
         raise ValueError(f"names: expected a non-empty sequence of modality names; received {names!r}")
@@ -151,13 +175,19 @@ class Modality:
         return self.ids[:, self.ids.shape[1] - q_len:]
 
     def check(self, q: jax.Array, k: jax.Array) -> None:
-        """Raise ValueError unless the ids cover k's ``[B, S]`` (q ``[B,T,N,D]``, k ``[B,S,K,D]``)."""
+        """Raise ValueError unless the ids cover k's ``[B, S]`` (q ``[B,T,N,D]``, k ``[B,S,K,D]``)
+        and the static spans (when known) are the runs of the ids: each row's spans cover
+        ``[0, S)`` in order with known kinds, and, when the ids are concrete, hold their kinds
+        (spans decide which kinds are present, so a span that omits a kind would leave its
+        rows uncovered)."""
         b, s = int(k.shape[0]), int(k.shape[1])
         if self.ids.ndim != 2 or tuple(self.ids.shape) != (b, s):
             raise ValueError(f"modality: expected ids of shape [{b}, {s}] ([B, S] of k); received "
                              f"{list(self.ids.shape)}")
         if int(q.shape[1]) > s:
             raise ValueError(f"modality: expected T <= S; received q length {q.shape[1]} > S={s}")
+        if self.spans is not None:
+            check_spans(self.spans, _concrete(self.ids), b, s, len(self.names))
 
     def spans_of(self, row: int, kind: int | str) -> tuple[tuple[int, int], ...]:
         """Static ``(start, end)`` runs of one kind in one batch row (needs concrete spans)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -30,11 +31,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from mmjax.files import atomic_directory, atomic_write, atomic_write_with, read_json
 from mmjax.inference import check_model, prefill
 from mmjax.speculative.draft import DraftConfig
 from mmjax.speculative.generate import generate
 
 STORE_DTYPES = ("float32", "bfloat16")
+INDEX = "index.json"  # the shard list, written last by save_examples
 ARRAY_FIELDS = ("input_ids", "token_types", "positions", "valid", "states", "final")
 
 
@@ -175,45 +178,66 @@ def build_examples(model, inputs: Iterable[Mapping[str, Any]], config: DataConfi
 
 
 # -------------------------------------------------------------------- shards
-def save_examples(examples: Sequence[Example], directory: str, shard_size: int = 64) -> list[str]:
-    """Write ``directory/shard-00000.npz``, ... (``shard_size`` examples each). Returns the paths."""
-    if not isinstance(shard_size, int) or shard_size < 1:
+def save_examples(examples: Sequence[Example], directory: str, shard_size: int = 64, *,
+                  overwrite: bool = False) -> list[str]:
+    """Write ``directory/shard-00000.npz``, ... (``shard_size`` examples each) and
+    ``directory/index.json`` (the shard names and the example count, written last). The
+    directory is built beside its target and swapped in whole, so no stale shard of an earlier
+    save survives; an existing ``directory`` is replaced only with ``overwrite=True``. Returns
+    the shard paths."""
+    if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1:
         raise ValueError(f"shard_size: expected an int >= 1, got {shard_size!r}")
     if any(not isinstance(e, Example) for e in examples):
         raise ValueError("examples: expected a sequence of mmjax.speculative.data.Example")
-    os.makedirs(directory, exist_ok=True)
-    paths = []
-    for s in range(0, len(examples), shard_size):
-        arrays = {}
-        for i, e in enumerate(examples[s:s + shard_size]):
-            for name in ARRAY_FIELDS:
-                a = getattr(e, name)
-                arrays[f"{i}.{name}"] = a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
-                if a.dtype == ml_dtypes.bfloat16:
-                    arrays[f"{i}.{name}.bf16"] = np.asarray(True)
-            arrays[f"{i}.meta"] = np.asarray([e.prompt_length, e.feature_layer, e.visual_layer], np.int64)
-        path = os.path.join(directory, f"shard-{s // shard_size:05d}.npz")
-        np.savez(path, **arrays)
-        paths.append(path)
-    return paths
+    names = []
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        for s in range(0, len(examples), shard_size):
+            arrays = {}
+            for i, e in enumerate(examples[s:s + shard_size]):
+                for name in ARRAY_FIELDS:
+                    a = getattr(e, name)
+                    arrays[f"{i}.{name}"] = a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
+                    if a.dtype == ml_dtypes.bfloat16:
+                        arrays[f"{i}.{name}.bf16"] = np.asarray(True)
+                arrays[f"{i}.meta"] = np.asarray([e.prompt_length, e.feature_layer, e.visual_layer], np.int64)
+            names.append(f"shard-{s // shard_size:05d}.npz")
+            atomic_write_with(os.path.join(tmp, names[-1]), lambda f, a=arrays: np.savez(f, **a), binary=True)
+        atomic_write(os.path.join(tmp, INDEX), json.dumps({"shards": names, "examples": len(examples)}, indent=1))
+    return [os.path.join(os.path.abspath(directory), n) for n in names]
 
 
 def load_examples(directory: str) -> list[Example]:
-    """Inverse of ``save_examples`` (shards in name order, examples in saved order)."""
-    paths = sorted(glob.glob(os.path.join(directory, "shard-*.npz")))
-    if not paths:
-        raise ValueError(f"directory: expected shard-*.npz files (written by save_examples) in {directory!r}")
+    """Inverse of ``save_examples``: the shards ``index.json`` lists, in order (directories
+    from before the index: every ``shard-*.npz`` in name order). Errors name the file."""
+    index = os.path.join(directory, INDEX)
+    if os.path.exists(index):
+        meta = read_json(index)
+        names, count = meta.get("shards"), meta.get("examples")
+        if not isinstance(names, list) or not all(isinstance(n, str) and os.path.basename(n) == n for n in names) \
+                or not isinstance(count, int):
+            raise ValueError(f"{index}: expected {{\"shards\": [file names], \"examples\": int}}")
+        paths = [os.path.join(directory, n) for n in names]
+    else:
+        paths, count = sorted(glob.glob(os.path.join(glob.escape(directory), "shard-*.npz"))), None
+        if not paths:
+            raise ValueError(f"directory: expected {INDEX} and shard-*.npz files (written by save_examples) in "
+                             f"{directory!r}")
     out = []
     for path in paths:
-        with np.load(path) as z:
-            count = len([k for k in z.files if k.endswith(".meta")])
-            for i in range(count):
-                fields = {}
-                for name in ARRAY_FIELDS:
-                    a = z[f"{i}.{name}"]
-                    fields[name] = a.view(ml_dtypes.bfloat16) if f"{i}.{name}.bf16" in z.files else a
-                p, fl, vl = (int(v) for v in z[f"{i}.meta"])
-                out.append(Example(**fields, prompt_length=p, feature_layer=fl, visual_layer=vl))
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                n = len([k for k in z.files if k.endswith(".meta")])
+                for i in range(n):
+                    fields = {}
+                    for name in ARRAY_FIELDS:
+                        a = z[f"{i}.{name}"]
+                        fields[name] = a.view(ml_dtypes.bfloat16) if f"{i}.{name}.bf16" in z.files else a
+                    p, fl, vl = (int(v) for v in z[f"{i}.meta"])
+                    out.append(Example(**fields, prompt_length=p, feature_layer=fl, visual_layer=vl))
+        except (OSError, ValueError, KeyError, EOFError) as e:
+            raise ValueError(f"{path}: cannot read an example shard ({type(e).__name__}: {e})") from e
+    if count is not None and len(out) != count:
+        raise ValueError(f"{index}: lists {count} examples; its shards hold {len(out)}")
     return out
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from mmjax.files import atomic_directory, atomic_write, read_json, require_artifact
 from models.attention import dense_attention
 from models.common import rms_norm
 from models.qwen2_text import TextConfig, embed_tokens, lm_logits
@@ -94,32 +95,37 @@ class SparrowDraft(nnx.Module):
         return {name: getattr(self, name)[...] for name in _shapes(self.text)}
 
     # ---------------------------------------------------------------- checkpoint
-    def save(self, ckpt_dir: str) -> None:
-        """Write ``ckpt_dir/draft.json`` (shapes + DraftConfig) and ``ckpt_dir/params`` (orbax)."""
-        ckpt_dir = os.path.abspath(ckpt_dir)
-        os.makedirs(ckpt_dir, exist_ok=True)
+    def save(self, ckpt_dir: str, *, overwrite: bool = False) -> None:
+        """Write ``ckpt_dir/params`` (orbax) and ``ckpt_dir/draft.json`` (shapes + DraftConfig,
+        last), atomically: the directory is built beside ``ckpt_dir`` and swapped in whole. An
+        existing ``ckpt_dir`` is replaced only with ``overwrite=True``."""
         meta = {"text": dataclasses.asdict(self.text), "config": dataclasses.asdict(self.config)}
-        with open(os.path.join(ckpt_dir, "draft.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(os.path.join(ckpt_dir, "params"), {k: np.asarray(v) for k, v in self.params().items()})
+        with atomic_directory(ckpt_dir, overwrite=overwrite) as tmp:
+            with ocp.StandardCheckpointer() as ckptr:
+                ckptr.save(os.path.join(tmp, "params"), {k: np.asarray(v) for k, v in self.params().items()})
+                ckptr.wait_until_finished()
+            atomic_write(os.path.join(tmp, "draft.json"), json.dumps(meta, indent=1))
 
     @classmethod
     def load(cls, ckpt_dir: str, model=None) -> "SparrowDraft":
         """Inverse of ``save``. With ``model`` given, its text config must match the saved one."""
-        ckpt_dir = os.path.abspath(ckpt_dir)
+        ckpt_dir = require_artifact(ckpt_dir, "draft.json", "SparrowDraft.save")
         path = os.path.join(ckpt_dir, "draft.json")
-        if not os.path.exists(path):
-            raise ValueError(f"ckpt_dir: expected {path} (written by SparrowDraft.save)")
-        with open(path) as f:
-            meta = json.load(f)
-        text = TextConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in meta["text"].items()})
+        meta = read_json(path)
+        try:
+            text = TextConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in meta["text"].items()})
+            config = DraftConfig(**meta["config"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: not written by SparrowDraft.save ({type(e).__name__}: {e})") from e
         if model is not None and model.config.text != text:
             raise ValueError(f"ckpt_dir: draft was saved for text config {text}, the target has {model.config.text}")
-        with ocp.StandardCheckpointer() as ckptr:
-            restored = ckptr.restore(os.path.join(ckpt_dir, "params"))
+        try:
+            with ocp.StandardCheckpointer() as ckptr:
+                restored = ckptr.restore(os.path.join(ckpt_dir, "params"))
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{os.path.join(ckpt_dir, 'params')}: cannot restore the orbax parameters ({e})") from e
         dtype = jnp.asarray(restored["wq"]).dtype
-        draft = cls(text, DraftConfig(**meta["config"]), dtype=dtype)
+        draft = cls(text, config, dtype=dtype)
         for name, val in restored.items():
             getattr(draft, name)[...] = jnp.asarray(val)
         return draft

@@ -7,9 +7,9 @@ and both the nested (``text_config`` / ``vision_config``) and the older flat lay
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
+from models.files import read_json
 from models.qwen2_text import TextConfig
 
 
@@ -165,8 +165,13 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen2_5_VLConfig:
 
 
 def load_hf_config(path: str) -> Qwen2_5_VLConfig:
-    with open(path) as f:
-        return config_from_hf(json.load(f))
+    """`config_from_hf` of a ``config.json``; a missing, non-UTF-8, non-JSON or inconsistent
+    file raises an error naming it."""
+    hf = read_json(path)
+    try:
+        return config_from_hf(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
 
 
 def _vision_7b() -> VisionConfig:

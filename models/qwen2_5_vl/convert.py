@@ -148,7 +148,10 @@ def from_hf(path: str, dtype=jnp.bfloat16) -> Qwen2_5_VL:
     path = resolve_snapshot(path)
     cfg = load_hf_config(os.path.join(path, "config.json"))
     tensors = safetensors_io.index_checkpoint(path)
-    canon = check_keys(cfg, tensors)
+    try:
+        canon = check_keys(cfg, tensors)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
     model = nnx.eval_shape(lambda: Qwen2_5_VL(cfg, dtype=dtype or jnp.float32, key=jax.random.key(0)))
     for owner, name, keys, _, fn, stacked in _plan(cfg):
         parts = [fn(safetensors_io.load(tensors[canon[k]])) for k in keys]

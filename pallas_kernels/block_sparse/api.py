@@ -8,7 +8,8 @@ from pallas_kernels.block_sparse import validation
 from pallas_kernels.block_sparse.layout import BlockLayout
 from pallas_kernels.block_sparse.reference import block_sparse_attention_reference
 from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
-from pallas_kernels.checks import check_qkv
+from pallas_kernels import nonfinite
+from pallas_kernels.checks import check_qkv, check_sm_scale
 from pallas_kernels.platform import default_implementation
 
 IMPLEMENTATIONS = ("reference", "triton")
@@ -26,6 +27,7 @@ def block_sparse_attention(
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    check_finite: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention over the (query block, key block) pairs a `BlockLayout` lists.
 
@@ -34,16 +36,22 @@ def block_sparse_attention(
       k, v: ``[B, S, K, D]`` keys and values, N % K == 0 (GQA: head n reads key head
         n // (N / K)). Any D; non powers of two are zero-padded.
       layout: a `BlockLayout` built for ``q_len=T, kv_len=S``.
-      sm_scale: softmax scale, default ``D ** -0.5``.
+      sm_scale: softmax scale, a finite float > 0; default ``D ** -0.5``.
       causal: mask keys after the query's original position.
       implementation: ``"reference"`` (pure JAX) or ``"triton"`` (Pallas Triton); None picks
         triton on a GPU, reference on CPU unless ``interpret``.
       interpret: run the Pallas kernel in interpret mode (CPU).
       num_warps, num_stages: Triton launch parameters (defaults by head dim).
+      check_finite: raise `NonFiniteError` (or, under ``jax.jit``, a ``checkify`` error) when
+        q, k or v holds a NaN or an inf, instead of propagating it.
 
     Returns:
       out ``[B, T, N, D]`` in q's dtype and lse ``[B, N, T]`` float32 (natural log). Rows
-      with no visible key give out 0 and lse -inf.
+      with no visible key give out 0 and lse -inf; a row that sees a non-finite q . k score or
+      value gives NaN out and NaN lse; masked keys contribute nothing whatever they hold
+      (`pallas_kernels.nonfinite`). Listed block ids outside ``[0, ceil(S / block_k))`` and
+      columns outside ``[0, S)`` contribute nothing (checked when the layout is concrete);
+      repeated ids must not occur (see `BlockLayout.check`).
     """
     check_qkv(q, k, v)
     b, t, n, d = q.shape
@@ -55,9 +63,9 @@ def block_sparse_attention(
         raise ValueError(
             f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}"
         )
-    if sm_scale is None:
-        sm_scale = float(d) ** -0.5
-    sm_scale = float(sm_scale)
+    sm_scale = check_sm_scale(sm_scale, d)
+    if check_finite:
+        nonfinite.check_finite(q=q, k=k, v=v)
     if implementation == "reference":
         return block_sparse_attention_reference(q, k, v, layout, sm_scale=sm_scale, causal=causal)
     return block_sparse_attention_triton(

@@ -19,9 +19,22 @@ dense-causal list serves all heads. Block and column lists (and their counts) ma
 size-1 query-block dim: one list shared by every query block, each row using its own count
 (the dense-causal layout is one ``arange`` list plus per-row counts).
 
-A layout lists distinct key blocks per query block, and single columns that do not fall
-inside a listed block: the kernel adds up what it is given, so a repeated block would be
-counted twice. `validate_layout_values` checks this on concrete layouts.
+Contract on the values (what a layout must hold; the kernel adds up what it is given)
+------------------------------------------------------------------------------------
+1. ``0 <= kv_block_count <= max_blocks`` and ``0 <= kv_column_count <= max_cols``;
+2. the first ``kv_block_count`` ids of a list lie in ``[0, num_kv_blocks)`` and are
+   distinct; the first ``kv_column_count`` columns lie in ``[0, kv_len)``, are distinct and
+   fall in no listed block (a repeated key would be counted twice: + ln 2 on the lse);
+3. ``q_perm`` / ``kv_perm`` are permutations of ``0 .. q_len - 1`` / ``0 .. kv_len - 1``.
+
+Every builder in this project guarantees 1-3 by construction (`dense_causal`,
+`from_block_mask`, `random_causal`, and every pattern and boundary wrapper of ``mmjax.sparse``;
+the tests check them with the same checks). `block_sparse_attention` checks concrete layouts before
+tracing; a traced layout cannot be checked there, so both implementations neutralise what is
+cheap to neutralise: counts are clamped into range, ids and columns out of range contribute
+nothing, permutation entries are clamped into range. Repeated ids and non-permutations are
+not neutralised (it would cost a sort per call): a layout built by other code inside
+``jax.jit`` should be checked with `BlockLayout.check` under ``checkify``.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from pallas_kernels.tiling import cdiv, inverse_permutation
 
@@ -303,6 +317,62 @@ class BlockLayout:
 
     def replace(self, **changes: Any) -> "BlockLayout":
         return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ contract
+    def check(self) -> None:
+        """Check the value contract (module docstring, 1-3) with ``jax.experimental.checkify``.
+
+        Eagerly a violation raises ``checkify.JaxRuntimeError`` naming the field; inside
+        ``jax.jit`` wrap the caller: ``err, out = checkify.checkify(f)(...); err.throw()``.
+        Memory O(B * N * nq * (max_blocks + max_cols) + B * N * (T + S))."""
+        nk, mb = self.num_kv_blocks, self.max_blocks
+        count = self.kv_block_count
+        checkify.check(jnp.all((count >= 0) & (count <= mb)),
+                       f"layout.kv_block_count: expected 0 <= count <= max_blocks={mb}; received values in "
+                       "[{lo}, {hi}]", lo=jnp.min(count), hi=jnp.max(count))
+        lead = jnp.broadcast_shapes(self.kv_blocks.shape[:3], count.shape)
+        blocks = jnp.broadcast_to(self.kv_blocks, lead + (mb,))
+        used = jnp.arange(mb) < jnp.broadcast_to(count, lead)[..., None]
+        ids = jnp.where(used, blocks, 0)
+        checkify.check(jnp.all((ids >= 0) & (ids < nk)),
+                       f"layout.kv_blocks: expected listed ids in [0, {nk}) (kv_len={self.kv_len}, "
+                       f"block_k={self.block_k}); received ids in [{{lo}}, {{hi}}]",
+                       lo=jnp.min(ids), hi=jnp.max(ids))
+        listed = jnp.sort(jnp.where(used, blocks, nk + jnp.arange(mb)), axis=-1)  # unused: distinct, last
+        checkify.check(~jnp.any(listed[..., 1:] == listed[..., :-1]),
+                       "layout.kv_blocks: expected distinct ids per query block; received a repeated id "
+                       "(it would be counted twice)")
+        if (self.kv_columns is None) != (self.kv_column_count is None):
+            raise ValueError("layout.kv_columns / kv_column_count: expected both or neither")
+        if self.kv_columns is not None:
+            mc = self.max_columns
+            ccount = self.kv_column_count
+            checkify.check(jnp.all((ccount >= 0) & (ccount <= mc)),
+                           f"layout.kv_column_count: expected 0 <= count <= max_cols={mc}; received values in "
+                           "[{lo}, {hi}]", lo=jnp.min(ccount), hi=jnp.max(ccount))
+            clead = jnp.broadcast_shapes(lead, self.kv_columns.shape[:3], ccount.shape)
+            cols = jnp.broadcast_to(self.kv_columns, clead + (mc,))
+            cused = jnp.arange(mc) < jnp.broadcast_to(ccount, clead)[..., None]
+            cids = jnp.where(cused, cols, 0)
+            checkify.check(jnp.all((cids >= 0) & (cids < self.kv_len)),
+                           f"layout.kv_columns: expected key indices in [0, {self.kv_len}); received indices in "
+                           "[{lo}, {hi}]", lo=jnp.min(cids), hi=jnp.max(cids))
+            csorted = jnp.sort(jnp.where(cused, cols, self.kv_len + jnp.arange(mc)), axis=-1)
+            checkify.check(~jnp.any(csorted[..., 1:] == csorted[..., :-1]),
+                           "layout.kv_columns: expected distinct columns per query block; received a repeated "
+                           "column (it would be counted twice)")
+            rows = jnp.broadcast_to(listed, clead + (mb,)).reshape(-1, mb)
+            cblk = jnp.where(cused, cids // self.block_k, -1).reshape(-1, mc)
+            pos = jax.vmap(jnp.searchsorted)(rows, cblk)
+            hit = jnp.take_along_axis(rows, jnp.minimum(pos, mb - 1), axis=-1) == cblk
+            checkify.check(~jnp.any(hit & (cblk >= 0)),
+                           "layout.kv_columns: expected columns outside the listed key blocks; received a "
+                           "column inside one (it would be counted twice)")
+        for name, length in (("q_perm", self.q_len), ("kv_perm", self.kv_len)):
+            perm = getattr(self, name)
+            if perm is not None:
+                checkify.check(jnp.all(jnp.sort(perm, axis=-1) == jnp.arange(length)),
+                               f"layout.{name}: expected a permutation of 0..{length - 1} per (batch, head)")
 
 
 def causal_pairs(q_len: int, kv_len: int) -> float:

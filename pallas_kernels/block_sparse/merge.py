@@ -13,7 +13,9 @@ def merge_attention(
 
     out_a/out_b ``[B,T,N,D]``, lse_a/lse_b float32 ``[B,N,T]`` (``-inf`` for rows with no
     keys) -> (out ``[B,T,N,D]`` in out_a's dtype, lse ``[B,N,T]`` float32). A row empty in
-    both inputs stays out = 0, lse = -inf.
+    both inputs stays out = 0, lse = -inf; an empty part (lse -inf) contributes nothing
+    whatever its out holds; a NaN lse in either part gives NaN out and NaN lse
+    (`pallas_kernels.nonfinite`).
     """
     for name, x, rank in (("out_a", out_a, 4), ("lse_a", lse_a, 3), ("out_b", out_b, 4), ("lse_b", lse_b, 3)):
         if getattr(x, "ndim", None) != rank:
@@ -31,9 +33,11 @@ def merge_attention(
     w_a = jnp.exp(lse_a - m_safe)
     w_b = jnp.exp(lse_b - m_safe)
     total = w_a + w_b
-    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    empty = total == 0.0  # NaN weights are not empty: they propagate
+    lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
+    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
     wa = jnp.einsum("bnt->btn", w_a * inv)[..., None]
     wb = jnp.einsum("bnt->btn", w_b * inv)[..., None]
-    out = wa * out_a.astype(jnp.float32) + wb * out_b.astype(jnp.float32)
+    out = (jnp.where(wa == 0.0, 0.0, wa * out_a.astype(jnp.float32))
+           + jnp.where(wb == 0.0, 0.0, wb * out_b.astype(jnp.float32)))
     return out.astype(out_a.dtype), lse

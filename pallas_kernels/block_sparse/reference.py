@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.block_sparse.layout import BlockLayout
+from pallas_kernels.nonfinite import finish, poison_keys, score_poison
 from pallas_kernels.tiling import inverse_permutation
 
 _NEG_INF = float("-inf")
@@ -27,14 +28,17 @@ def _gather_heads(x: jax.Array, idx: jax.Array, groups: int) -> jax.Array:
     return out.reshape(b, n, length, d)
 
 
-def _online_update(carry, scores, values):
-    """One online-softmax step. scores ``[B,N,Q,L]`` (masked = -inf), values ``[B,N,L,D]``."""
+def _online_update(carry, scores, ok, values):
+    """One online-softmax step. scores ``[B,N,Q,L]`` raw, ok bool ``[B,N,Q,L]`` visible pairs,
+    values ``[B,N,L,D]`` (finite: non-finite values were moved onto their keys)."""
     m_prev, l_prev, acc = carry
+    poison = score_poison(scores, ok)
+    scores = jnp.where(ok, scores, _NEG_INF)
     m_new = jnp.maximum(m_prev, scores.max(-1))
     m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
     corr = jnp.exp(m_prev - m_safe)
     p = jnp.exp(scores - m_safe[..., None])
-    l_new = corr * l_prev + p.sum(-1)
+    l_new = corr * l_prev + (p + poison).sum(-1)
     acc = corr[..., None] * acc + jnp.einsum("bnql,bnld->bnqd", p, values)
     return m_new, l_new, acc
 
@@ -45,13 +49,16 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
                                      ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` -> out ``[B,T,N,D]`` (q.dtype), lse ``[B,N,T]`` f32.
 
-    Inputs are assumed validated (see `api.block_sparse_attention`).
+    Inputs are assumed validated (see `api.block_sparse_attention`). Non-finite inputs follow
+    `pallas_kernels.nonfinite`; listed ids outside ``[0, num_kv_blocks)`` and columns outside
+    ``[0, S)`` contribute nothing, counts are clamped to ``[0, max]`` and permutation entries to
+    the sequence (the kernel does the same).
     """
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
     bq, bk = layout.block_q, layout.block_k
-    nq = layout.num_q_blocks
+    nq, nk = layout.num_q_blocks, layout.num_kv_blocks
     t_pad = nq * bq
 
     def full(x):
@@ -59,9 +66,10 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
         return None if x is None else jnp.broadcast_to(x, (b, n, nq) + x.shape[3:])
 
     q_pos, k_pos = layout.positions()
-    q_pos = jnp.broadcast_to(q_pos, (b, n, t))
-    k_pos = jnp.broadcast_to(k_pos, (b, n, s))
-    q_orig = q_pos - layout.q_offset  # original query index of each permuted row
+    q_orig = jnp.clip(jnp.broadcast_to(q_pos, (b, n, t)) - layout.q_offset, 0, t - 1)  # original query index
+    q_pos = q_orig + layout.q_offset
+    k_pos = jnp.clip(jnp.broadcast_to(k_pos, (b, n, s)), 0, s - 1)
+    k, v = poison_keys(k, v)
 
     qh = jnp.einsum("btnd->bntd", q).astype(jnp.float32)
     qh = jnp.take_along_axis(qh, q_orig[..., None], axis=2)  # permuted query order
@@ -95,8 +103,7 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
         ok = valid[:, :, None, :]
         if causal:
             ok = ok & (kpos[:, :, None, :] <= qpos[..., None])
-        scores = jnp.where(ok, scores, _NEG_INF)
-        return _online_update(carry[:3], scores, vv) + (qblk,)
+        return _online_update(carry[:3], scores, ok, vv) + (qblk,)
 
     def one_q_block(i):
         qblk = jax.lax.dynamic_slice_in_dim(qh, i * bq, bq, axis=2)  # [B,N,bq,D]
@@ -114,9 +121,9 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
             ids = jax.lax.dynamic_slice_in_dim(blk_i, c * cb, cb, axis=2)
             slot = c * cb + jnp.arange(cb)
             idx = (ids[..., None] * bk + jnp.arange(bk)).reshape(b, n, cb * bk)
-            valid = (slot[None, None, :, None] < cnt_i[..., None, None]) & (
-                (ids[..., None] * bk + jnp.arange(bk)) < s
-            )
+            valid = ((slot[None, None, :, None] < cnt_i[..., None, None])
+                     & (ids[..., None] >= 0) & (ids[..., None] < nk)
+                     & ((ids[..., None] * bk + jnp.arange(bk)) < s))
             return keys_step(carry, idx, valid.reshape(b, n, cb * bk), qpos), None
 
         carry, _ = jax.lax.scan(block_chunk, carry, jnp.arange(n_chunks))
@@ -125,14 +132,11 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
 
             def col_chunk(carry, c):
                 idx = jax.lax.dynamic_slice_in_dim(col_i, c * cc, cc, axis=2)
-                valid = (c * cc + jnp.arange(cc)) < ccnt_i[..., None]
+                valid = ((c * cc + jnp.arange(cc)) < ccnt_i[..., None]) & (idx >= 0) & (idx < s)
                 return keys_step(carry, idx, valid, qpos), None
 
             carry, _ = jax.lax.scan(col_chunk, carry, jnp.arange(n_col_chunks))
-        m, l, acc = carry[:3]
-        out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
-        return out, lse
+        return finish(*carry[:3])
 
     out, lse = jax.lax.map(one_q_block, jnp.arange(nq))  # [nq,B,N,bq,D], [nq,B,N,bq]
     out = jnp.einsum("ibnqd->bniqd", out).reshape(b, n, t_pad, d)[:, :, :t]

@@ -6,7 +6,8 @@ gathered row by row through `kv_perm`, and single key columns are gathered into 
 ``block_k``-wide tiles. The causal mask (original positions) is computed only for tiles
 that can contain a masked pair: a tile whose largest key position is beyond the smallest
 query position of the block, or that holds padding. Softmax runs in base 2 with float32
-statistics; masked scores are -inf and fully masked rows end as out = 0, lse = -inf.
+statistics; masked scores are -inf and fully masked rows end as out = 0, lse = -inf. Non-finite
+inputs follow `pallas_kernels.nonfinite` (a visible NaN / inf makes the row NaN, NaN lse).
 
 Queries permuted per head are gathered once by the wrapper (one pass over q, which also
 moves heads in front), so the kernel reads them as contiguous tiles; keys are gathered in
@@ -24,7 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.block_sparse.layout import BlockLayout
-from pallas_kernels.online_softmax import softmax_step
+from pallas_kernels.nonfinite import finish, poison_keys
+from pallas_kernels.online_softmax import masked_tile, softmax_step, softmax_update, unmasked_tile
 from pallas_kernels.tiling import LN2, LOG2E, inverse_permutation
 from pallas_kernels.tiling import next_pow2 as _next_pow2
 from pallas_kernels.tiling import pad_to as _pad_to
@@ -33,7 +35,7 @@ from pallas_kernels.tiling import pad_to as _pad_to
 def _kernel(
     q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs,
     sm_scale: float, causal: bool, block_q: int, block_k: int, num_q_blocks: int,
-    kv_len: int, q_offset: int, leads: dict[str, tuple[bool, bool]],
+    kv_len: int, num_kv_blocks: int, q_offset: int, leads: dict[str, tuple[bool, bool]],
     has_qperm: bool, has_kvperm: bool, has_cols: bool,
 ):
     refs = list(refs)
@@ -61,19 +63,16 @@ def _kernel(
         q_pos = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0) + q_offset
         q_min = qi * block_q + q_offset
 
-    def update(carry, k, v, s_mask):
-        s = pltriton.dot(q, k, trans_b=True) * scale  # [bq, bk] f32
-        return softmax_step(carry, s_mask(s), v)
-
     def masked(k_pos):
         ok = k_pos[None, :] < kv_len
         if causal:
             ok = ok & (k_pos[None, :] <= q_pos[:, None])
-        return lambda s: jnp.where(ok, s, -jnp.inf)
+        return ok
 
     def block_body(j, carry):
         blk = blocks_ref[*lead('kv_blocks'), j]
-        start = blk * block_k
+        in_range = (blk >= 0) & (blk < num_kv_blocks)  # an id out of range contributes nothing
+        start = jnp.where(in_range, blk, 0) * block_k
         if has_kvperm:
             k_pos = kvperm_ref[*lead('kv_perm')[:2], pl.ds(start, block_k)]
             k = k_ref[k_pos, :]
@@ -84,12 +83,11 @@ def _kernel(
             k = k_ref[pl.ds(start, block_k), :]
             v = v_ref[pl.ds(start, block_k), :]
             k_last = start + block_k - 1
-        need = (k_last > q_min) if causal else (k_last >= kv_len)
-        mask_fn = masked(k_pos)
-        return update(
-            carry, k, v,
-            lambda s: lax.cond(need, mask_fn, lambda x: x, s),
-        )
+        need = ((k_last > q_min) if causal else (k_last >= kv_len)) | ~in_range
+        k_pos = jnp.where(in_range, k_pos, kv_len)
+        s = pltriton.dot(q, k, trans_b=True) * scale  # [bq, bk] f32
+        s, poison = lax.cond(need, lambda: masked_tile(s, masked(k_pos)), lambda: unmasked_tile(s))
+        return softmax_update(carry, s, poison, v)
 
     carry = (
         jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -101,21 +99,21 @@ def _kernel(
     if has_cols:
         def col_body(t, carry):
             idx = cols_ref[*lead('kv_columns'), pl.ds(t * block_k, block_k)]
-            valid = t * block_k + iota_k < ccount_ref[*lead('kv_column_count')]
+            valid = ((t * block_k + iota_k < ccount_ref[*lead('kv_column_count')])
+                     & (idx >= 0) & (idx < kv_len))  # a column out of range contributes nothing
+            idx = jnp.where(valid, idx, 0)
             k_pos = kvperm_ref[*lead('kv_perm')[:2], idx] if has_kvperm else idx
-            rows = jnp.where(valid, k_pos, 0)
-            k = k_ref[rows, :]
-            v = v_ref[rows, :]
-            return update(carry, k, v, masked(jnp.where(valid, k_pos, kv_len)))
+            k = k_ref[k_pos, :]
+            v = v_ref[k_pos, :]
+            s = pltriton.dot(q, k, trans_b=True) * scale
+            return softmax_step(carry, s, v, masked(jnp.where(valid, k_pos, kv_len)))
 
         n_tiles = (ccount_ref[*lead('kv_column_count')] + block_k - 1) // block_k
         carry = lax.fori_loop(0, n_tiles, col_body, carry)
 
-    m, l, acc = carry
-    has_mass = l > 0.0
-    l_safe = jnp.where(has_mass, l, 1.0)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(has_mass, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    out, lse = finish(*carry, base2=True)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 # Shared memory the software pipeline may use for its k/v stages. Hopper has 227 KB per
@@ -141,9 +139,9 @@ def _lead_flags(x: jax.Array) -> tuple[bool, bool, bool]:
 
 
 def prepare_operands(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayout):
-    """Everything the wrapper does besides the kernel: padding T, S and D to the tiles,
-    gathering permuted queries per head, clamping layout ids and counts, padding the
-    permutations and column lists. Returns (q_in, k_in, v_in, layout operands, static
+    """Everything the wrapper does besides the kernel: moving non-finite values onto their
+    keys (`poison_keys`), padding T, S and D to the tiles, gathering permuted queries per
+    head, clamping counts and permutations, padding the permutations and column lists. Returns (q_in, k_in, v_in, layout operands, static
     metadata). Benchmarks time this separately as "layout handling"."""
     b, t, n, d = q.shape
     s = k.shape[1]
@@ -151,10 +149,11 @@ def prepare_operands(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayo
     nq, nk = layout.num_q_blocks, layout.num_kv_blocks
     t_pad, s_pad = nq * bq, nk * bk
     d_pad = max(16, _next_pow2(d))
+    k, v = poison_keys(k, v)  # a non-finite value row becomes a NaN key (one fused pass)
     k_in = _pad_to(_pad_to(k, 3, d_pad), 1, s_pad)
     v_in = _pad_to(_pad_to(v, 3, d_pad), 1, s_pad)
-    ops = {
-        "kv_blocks": jnp.clip(layout.kv_blocks, 0, nk - 1),
+    ops = {  # ids out of range are skipped in the kernel; counts are clamped here
+        "kv_blocks": layout.kv_blocks,
         "kv_block_count": jnp.clip(layout.kv_block_count, 0, layout.max_blocks),
     }
     if layout.q_perm is not None:
@@ -174,7 +173,7 @@ def prepare_operands(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayo
     if layout.kv_columns is not None:
         mc = layout.max_columns
         mc_pad = max(bk, -(-mc // bk) * bk)
-        ops["kv_columns"] = _pad_to(jnp.clip(layout.kv_columns, 0, s - 1), 3, mc_pad)
+        ops["kv_columns"] = _pad_to(layout.kv_columns, 3, mc_pad)
         ops["kv_column_count"] = jnp.clip(layout.kv_column_count, 0, mc)
     return q_in, k_in, v_in, ops
 
@@ -205,7 +204,7 @@ def launch(
     kernel = functools.partial(
         _kernel,
         sm_scale=sm_scale, causal=causal, block_q=bq, block_k=bk, num_q_blocks=nq,
-        kv_len=layout.kv_len, q_offset=layout.q_offset,
+        kv_len=layout.kv_len, num_kv_blocks=layout.num_kv_blocks, q_offset=layout.q_offset,
         leads={name: _lead_flags(ops[name]) for name in names},
         has_qperm=has_qperm, has_kvperm="kv_perm" in ops, has_cols="kv_columns" in ops,
     )
@@ -246,8 +245,9 @@ def block_sparse_attention_triton(
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
-    Inputs are assumed validated (see `api.block_sparse_attention`); ids and counts are
-    clamped so that traced layouts can never make the kernel read out of bounds.
+    Inputs are assumed validated (see `api.block_sparse_attention`). Traced layouts can never
+    make the kernel read out of bounds: ids and columns out of range contribute nothing,
+    counts and permutation entries are clamped (as in the reference).
     """
     b, t, n, d = q.shape
     q_in, k_in, v_in, ops = prepare_operands(q, k, v, layout)

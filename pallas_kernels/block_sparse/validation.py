@@ -1,10 +1,11 @@
 """Layout checks for `block_sparse_attention`, run before anything is traced into a kernel
 (q / k / v are checked by `pallas_kernels.checks.check_qkv`).
 
-Shape and dtype checks always run (they are static). Value checks (block ids in range,
-counts within the list, permutations) run when the layout arrays are concrete; inside
-`jax.jit` they are traced, so the kernel clamps ids and counts instead of reading out of
-bounds (see `clamp_layout`).
+Shape and dtype checks always run (they are static). Value checks (the contract of
+`pallas_kernels.block_sparse.layout`: counts within the list, ids and columns in range and
+distinct, permutations) run when the layout arrays are concrete; inside `jax.jit` they are
+traced: the implementations then neutralise what is cheap (see the layout module) and
+`BlockLayout.check` under ``checkify`` checks the rest.
 """
 
 from __future__ import annotations

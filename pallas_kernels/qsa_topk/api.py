@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.checks import check_int, check_pow2, check_qkv
+from pallas_kernels import nonfinite
+from pallas_kernels.checks import check_int, check_pow2, check_qkv, check_sm_scale
 from pallas_kernels.platform import default_implementation
 from pallas_kernels.qsa_topk.common import QSATopKResult
 from pallas_kernels.qsa_topk.reference import qsa_topk_reference
@@ -33,6 +34,7 @@ def qsa_topk(
     rows: int = 64,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    check_finite: bool = False,
 ) -> QSATopKResult:
     """Query-sparse attention of every gamma-th query with an online top-k of key blocks.
 
@@ -49,13 +51,18 @@ def qsa_topk(
       sink_blocks: leading key blocks forced in (never candidates).
       local: local window in tokens forced in; with the diagonal block, never candidates.
         A row at position p offers blocks ``sink_blocks <= j < max(0, p - local) // block_kv``.
-      sm_scale: default ``D ** -0.5``.
+      sm_scale: a finite float > 0; default ``D ** -0.5``.
       implementation: "reference" | "triton" | None (triton on a GPU or when ``interpret``).
       rows, num_warps, num_stages: Triton tile (sampled rows per program) and launch.
+      check_finite: raise `NonFiniteError` (under ``jax.jit`` a ``checkify`` error) when q, k
+        or v holds a NaN or an inf, instead of propagating it.
 
     Returns:
       `QSATopKResult` (out_gamma ``[B, Tg, N, D]``, lse_gamma ``[B, N, Tg]``, block_idx and
-      block_score ``[B, N, Tg, top_k]``), ``Tg = ceil(T / gamma)``.
+      block_score ``[B, N, Tg, top_k]``), ``Tg = ceil(T / gamma)``. Non-finite inputs
+      (`pallas_kernels.nonfinite`): a sampled row that sees a non-finite score or value has
+      NaN out and lse; a candidate block with a visible non-finite score has score NaN and is
+      selected before every finite one (as `lax.top_k` ranks NaN).
     """
     check_qkv(q, k, v)
     check_int("gamma", gamma, 1)
@@ -78,7 +85,9 @@ def qsa_topk(
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received "
                          f"{implementation!r}")
-    sm_scale = float(q.shape[-1]) ** -0.5 if sm_scale is None else float(sm_scale)
+    sm_scale = check_sm_scale(sm_scale, q.shape[-1])
+    if check_finite:
+        nonfinite.check_finite(q=q, k=k, v=v)
     kw = dict(gamma=gamma, block_kv=block_kv, top_k=top_k, k_exact=k_exact, topk=topk,
               sink_blocks=sink_blocks, local=local, sm_scale=sm_scale)
     if implementation == "reference":

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.qsa_topk import topk as topk_lib
+from pallas_kernels.nonfinite import finish, score_poison, value_poison
 from pallas_kernels.qsa_topk.common import QSATopKResult, candidate_end, sampled_positions
 from pallas_kernels.tiling import cdiv
 
@@ -30,7 +31,9 @@ def block_scores(qg: jax.Array, pos: jax.Array, k: jax.Array, v: jax.Array | Non
       chunk: key blocks per scan step (memory ``B * N * R * chunk * block_kv``).
 
     Returns (out ``[B, R, N, D]`` f32 or None, lse ``[B, N, R]``, scores ``[B, N, R, nk]``
-    f32; -inf for blocks with no visible key).
+    f32; -inf for blocks with no visible key, NaN for blocks with a visible non-finite score).
+    out / lse follow `pallas_kernels.nonfinite` (a non-finite value poisons the rows that see
+    it; it does not change block scores).
     """
     b, r, n, d = qg.shape
     s, kh = k.shape[1], k.shape[2]
@@ -41,7 +44,11 @@ def block_scores(qg: jax.Array, pos: jax.Array, k: jax.Array, v: jax.Array | Non
     qg = jnp.einsum("btkgd->bkgtd", qg.astype(jnp.float32).reshape(b, r, kh, groups, d))
     pad = steps * width - s
     kf = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
-    vf = None if v is None else jnp.pad(v.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    vf = vp = None
+    if v is not None:
+        vp = jnp.pad(value_poison(v), ((0, 0), (0, pad), (0, 0)))  # [B, S', K]: 0 or NaN per key
+        vf = jnp.pad(jnp.where(jnp.isnan(value_poison(v))[..., None], 0.0, v.astype(jnp.float32)),
+                     ((0, 0), (0, pad), (0, 0), (0, 0)))
 
     def step(carry, i):
         m, l, acc = carry
@@ -49,12 +56,13 @@ def block_scores(qg: jax.Array, pos: jax.Array, k: jax.Array, v: jax.Array | Non
         kpos = i * width + jnp.arange(width)
         sc = jnp.einsum("bkgtd,bckd->bkgtc", qg, kb, precision=lax.Precision.HIGHEST) * sm_scale
         ok = (kpos[None, :] <= pos[:, None]) & (kpos < s)[None, :]  # [R, W]
+        zb = score_poison(sc, ok).reshape(sc.shape[:-1] + (chunk, block_kv))
         sc = jnp.where(ok, sc, -jnp.inf).reshape(sc.shape[:-1] + (chunk, block_kv))
         mb = sc.max(-1)  # [B, K, G, R, chunk]
         mb_safe = jnp.where(jnp.isneginf(mb), 0.0, mb)
         pb = jnp.exp(sc - mb_safe[..., None])
-        lb = pb.sum(-1)
-        score = jnp.where(lb > 0, mb_safe + jnp.log(jnp.where(lb > 0, lb, 1.0)), -jnp.inf)
+        lb = (pb + zb).sum(-1)  # NaN for a block with a visible non-finite score
+        score = jnp.where(lb == 0, -jnp.inf, mb_safe + jnp.log(jnp.where(lb == 0, 1.0, lb)))
         m_new = jnp.maximum(m, mb.max(-1))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
@@ -62,6 +70,8 @@ def block_scores(qg: jax.Array, pos: jax.Array, k: jax.Array, v: jax.Array | Non
         l = l * alpha + (lb * w).sum(-1)
         if vf is not None:
             vb = lax.dynamic_slice_in_dim(vf, i * width, width, axis=1)
+            vpb = lax.dynamic_slice_in_dim(vp, i * width, width, axis=1)  # [B, W, K]
+            l = l + jnp.sum(jnp.where(ok, jnp.einsum("bck->bkc", vpb)[:, :, None, None, :], 0.0), axis=-1)
             pw = (pb * w[..., None]).reshape(pb.shape[:-2] + (width,))
             pv = jnp.einsum("bkgtc,bckd->bkgtd", pw, vb, precision=lax.Precision.HIGHEST)
             acc = acc * alpha[..., None] + pv
@@ -71,13 +81,12 @@ def block_scores(qg: jax.Array, pos: jax.Array, k: jax.Array, v: jax.Array | Non
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + ((d,) if vf is not None else (1,)), jnp.float32))
     (m, l, acc), scores = lax.scan(step, init, jnp.arange(steps))
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf).reshape(b, n, r)
+    out, lse = finish(m, l, acc)
+    lse = lse.reshape(b, n, r)
     scores = jnp.einsum("ibkgtc->bkgtic", scores).reshape(b, n, r, steps * chunk)[..., :nk]
-    out = None
-    if vf is not None:
-        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        out = jnp.einsum("bkgtd->btkgd", out).reshape(b, r, n, d)
-    return out, lse, scores
+    if vf is None:
+        return None, lse, scores
+    return jnp.einsum("bkgtd->btkgd", out).reshape(b, r, n, d), lse, scores
 
 
 def sampled_block_scores(q: jax.Array, k: jax.Array, v: jax.Array | None, *, gamma: int,
@@ -101,9 +110,10 @@ def select_blocks(scores: jax.Array, active: jax.Array, remaining: jax.Array, *,
     lead, nk = scores.shape[:-1], scores.shape[-1]
     active = jnp.broadcast_to(active, scores.shape)
     if algorithm in ("exact", "tournament"):
-        masked = jnp.where(active, scores, -jnp.inf)
+        masked = jnp.where(active, topk_lib.rank_value(scores), -jnp.inf)
         take = min(top_k, nk)
         vals, ids = lax.top_k(masked, take)
+        vals = topk_lib.unrank_value(vals)
         empty = jnp.isneginf(vals)
         vals, ids = jnp.where(empty, -jnp.inf, vals), jnp.where(empty, -1, ids)
         if take < top_k:

@@ -37,6 +37,14 @@ A scan offers, at step ``j``, one score ``x [R]`` (block id ``j``) to every row 
 Empty slots hold value -inf and a distinct negative id (``-1 - slot``); padding slots
 (when k is not a power of two) hold +inf and are never evicted. `finalize` maps both to
 (-inf, -1) and sorts by (value desc, id asc) as `lax.top_k` orders its output.
+
+Non-finite scores: a NaN score (a block holding a visible non-finite q . k) ranks above every
+finite score, as `lax.top_k` ranks it, so its block is always selected and the NaN reaches the
+attention of the rows that see it. Inside the structures it is held as `RANK_NAN` (the largest
+float32, below the +inf padding). The exact and tournament structures therefore keep the
+first k NaN blocks; the estimated hybrid keeps the first ``k_exact`` in its exact slots and
+accepts later ones whenever an append-only slot is still free, keeping them out of its
+running statistics. `finalize` turns them back into NaN.
 """
 
 from __future__ import annotations
@@ -52,6 +60,17 @@ from pallas_kernels.tiling import next_pow2
 
 ALGORITHMS = ("exact", "tournament", "estimated")
 _INT_MIN = -(2**31)
+RANK_NAN = float(jnp.finfo(jnp.float32).max)  # how a NaN score ranks: above every finite score
+
+
+def rank_value(x: jax.Array) -> jax.Array:
+    """Scores as the structures compare them: NaN (and +inf) -> `RANK_NAN`."""
+    return jnp.where(jnp.isnan(x) | (x == jnp.inf), RANK_NAN, x)
+
+
+def unrank_value(x: jax.Array) -> jax.Array:
+    """Inverse of `rank_value` on selected scores: `RANK_NAN` -> NaN."""
+    return jnp.where(x == RANK_NAN, jnp.nan, x)
 
 
 def _iota(rows: int, size: int) -> jax.Array:
@@ -218,12 +237,15 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
     """One offer -> (state, (accept [R], value [R], id [R], slot [R])): the item appended
     at ``slot`` of the estimated slots where ``accept``. ``remaining [R]``: offers this row
     still gets, this one included (the row's candidates are contiguous block ids, so the
-    caller knows it in closed form)."""
-    # Welford over every score offered.
-    n = state.n + active.astype(jnp.float32)
-    delta = x - state.mean
-    mean = jnp.where(active, state.mean + delta / jnp.maximum(n, 1.0), state.mean)
-    m2 = jnp.where(active, state.m2 + delta * (x - mean), state.m2)
+    caller knows it in closed form). A `RANK_NAN` item is accepted whenever a slot is free
+    and stays out of the running statistics."""
+    x = rank_value(x)
+    # Welford over every finite score offered.
+    stat = active & (x != RANK_NAN)
+    n = state.n + stat.astype(jnp.float32)
+    delta = jnp.where(stat, x - state.mean, 0.0)
+    mean = jnp.where(stat, state.mean + delta / jnp.maximum(n, 1.0), state.mean)
+    m2 = jnp.where(stat, state.m2 + delta * (x - mean), state.m2)
     if k_exact > 0:
         exact, (sv, si, ok) = exact_offer(state.exact, x, j, active)
     else:
@@ -234,7 +256,7 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
     sigma = jnp.sqrt(jnp.maximum(m2, 0.0) / jnp.maximum(n, 1.0))
     z = erfinv(jnp.clip(2.0 * p - 1.0, -0.9999999, 0.9999999))
     thr = mean + math.sqrt(2.0) * sigma * z
-    accept = ok & (slots_left > 0) & ((p <= 0.0) | ((n >= 2.0) & (sv >= thr)))
+    accept = ok & (slots_left > 0) & ((p <= 0.0) | (sv == RANK_NAN) | ((n >= 2.0) & (sv >= thr)))
     est_vals, est_ids = state.est_vals, state.est_ids
     if est_vals is not None:
         hit = (_iota(x.shape[0], est_vals.shape[1]) == state.count[:, None]) & accept[:, None]
@@ -271,8 +293,10 @@ def init(algorithm: str, rows: int, k: int, k_exact: int):
 
 
 def offer(algorithm: str, state, x, j, active, remaining, *, k: int, k_exact: int):
+    """Offer score ``x [R]`` of block ``j`` to the rows where ``active`` (NaN ranks first)."""
     if algorithm == "none":
         return state
+    x = rank_value(x)
     if algorithm == "exact":
         return exact_offer(state, x, j, active)[0]
     if algorithm == "tournament":
@@ -301,13 +325,13 @@ def parts(algorithm: str, state, k_exact: int) -> tuple[tuple[jax.Array, jax.Arr
 def finalize(vals: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Slots ``[..., P]`` (any order, padding +inf, empties negative ids) -> (scores, ids)
     ``[..., k]`` sorted by score descending then id ascending; empty slots are (-inf, -1)
-    and come last."""
+    and come last; `RANK_NAN` items come first and are returned as NaN."""
     empty = (ids < 0) | (vals == jnp.inf)
     vals = jnp.where(empty, -jnp.inf, vals)
     ids = jnp.where(empty, -1, ids)
     key_id = jnp.where(empty, jnp.iinfo(jnp.int32).max, ids)
     _, _, vals, ids = lax.sort((-vals, key_id, vals, ids), dimension=vals.ndim - 1, num_keys=2)
-    return vals[..., :k], ids[..., :k]
+    return unrank_value(vals[..., :k]), ids[..., :k]
 
 
 def run_scan(algorithm: str, scores: jax.Array, active: jax.Array, remaining: jax.Array,

@@ -15,7 +15,9 @@ and offers ``S(j)`` to the row's top-k structure (`topk.py`: exact buffer, tourn
 or estimated hybrid), held in registers for the whole scan; the estimated hybrid keeps only
 its k_exact slots there and stores accepted items straight to the output. Only candidate
 blocks are offered (see `common.py`); the causal mask is computed only for tiles that need
-it.
+it. Non-finite inputs follow `pallas_kernels.nonfinite`: a block with a visible non-finite
+score has a NaN score (ranked first, see `topk.py`), a non-finite value row poisons the rows
+that see it (a per-key flag next to v, whose bad rows are zeroed once by the wrapper).
 
 Measured on an H200 (2026-11-21; B=1, N=28, K=4, D=128, bf16, gamma=16, beta=64, 64
 sampled rows per program): at 128k tokens the kernel takes 25 ms without top-k (about
@@ -36,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.nonfinite import finish, value_poison
+from pallas_kernels.online_softmax import masked_tile, unmasked_tile
 from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.qsa_topk.common import QSATopKResult
 from pallas_kernels.tiling import LN2, LOG2E, cdiv
@@ -49,7 +53,7 @@ def default_launch(rows: int, register_slots: int, d_pad: int) -> tuple[int, int
     return (8 if regs > 64 * 192 else 4), 2
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *topk_refs, sm_scale, gamma, rows,
+def _kernel(q_ref, k_ref, v_ref, vp_ref, o_ref, lse_ref, *topk_refs, sm_scale, gamma, rows,
             block_kv, num_tiles, tg, kv_len, q_offset, algorithm, top_k, k_exact,
             sink_blocks, local):
     tile = num_tiles - 1 - pl.program_id(0)  # longest causal rows start first
@@ -68,26 +72,31 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *topk_refs, sm_scale, gamma, ro
         start = j * block_kv
         k = k_ref[pl.ds(start, block_kv), :]
         v = v_ref[pl.ds(start, block_kv), :]
+        vp = vp_ref[pl.ds(start, block_kv)]  # [bk] 0, or NaN for a non-finite value row
         s = pltriton.dot(q, k, trans_b=True) * scale  # [R, bk] f32, base 2
         k_pos = start + iota_k
 
-        def mask(x):
+        def mask():
             ok = (k_pos[None, :] <= pos[:, None]) & (k_pos[None, :] < kv_len)
-            return jnp.where(ok, x, -jnp.inf)
+            return masked_tile(s, ok) + (jnp.sum(jnp.where(ok, vp[None, :], 0.0), axis=1),)
+
+        def no_mask():
+            return unmasked_tile(s) + (jnp.zeros((rows,), jnp.float32) + jnp.sum(vp),)
 
         need = (start + block_kv - 1 > first_pos) | (start + block_kv > kv_len)
-        s = lax.cond(need, mask, lambda x: x, s)
+        s, poison, v_poison = lax.cond(need, mask, no_mask)
         mb = jnp.max(s, axis=1)
         mb_safe = jnp.where(mb == -jnp.inf, 0.0, mb)
         p = jnp.exp2(s - mb_safe[:, None])
-        lb = jnp.sum(p, axis=1)
-        has = lb > 0.0
-        score = jnp.where(has, (mb_safe + jnp.log2(jnp.where(has, lb, 1.0))) * LN2, -jnp.inf)
+        lb = jnp.sum(p + poison, axis=1)  # NaN for a block with a visible non-finite score
+        empty = lb == 0.0
+        score = topk_lib.rank_value(
+            jnp.where(empty, -jnp.inf, (mb_safe + jnp.log2(jnp.where(empty, 1.0, lb))) * LN2))
         m_new = jnp.maximum(m, mb)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
         w = jnp.exp2(mb_safe - m_safe)
-        l = l * alpha + lb * w
+        l = l * alpha + lb * w + v_poison
         acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v) * w[:, None]
         active = (j >= sink_blocks) & (j < lo)
         if algorithm == "estimated":
@@ -127,10 +136,9 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *topk_refs, sm_scale, gamma, ro
         state0,
     )
     m, l, acc, state = lax.fori_loop(0, n_blocks, body, carry)
-    has_mass = l > 0.0
-    l_safe = jnp.where(has_mass, l, 1.0)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(has_mass, m * LN2 + jnp.log(l_safe), -jnp.inf)
+    out, lse = finish(m, l, acc, base2=True)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
     if algorithm == "estimated":
         (ev, ei), _ = topk_lib.estimated_result(state, k_exact)
         topk_refs[0][...] = ev
@@ -174,12 +182,15 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
     nk = cdiv(s, block_kv)
     d_pad = max(16, topk_lib.next_pow2(d))
     qg = _pad_to(_pad_to(q[:, ::gamma], 3, d_pad), 1, num_tiles * rows)  # [B, Tgp, N, Dp]
+    vp = value_poison(v)  # [B, S, K]: a non-finite value row poisons the rows that see it
     k_in = _pad_to(_pad_to(k, 3, d_pad), 1, nk * block_kv)
-    v_in = _pad_to(_pad_to(v, 3, d_pad), 1, nk * block_kv)
+    v_in = _pad_to(_pad_to(jnp.where(jnp.isnan(vp)[..., None], 0, v), 3, d_pad), 1, nk * block_kv)
+    vp_in = _pad_to(vp, 1, nk * block_kv)
     tgp = num_tiles * rows
     sizes = _part_sizes(topk, top_k, k_exact)
     q_spec = pl.BlockSpec((None, rows, None, d_pad), lambda i, h, z: (z, num_tiles - 1 - i, h, 0))
     kv_spec = pl.BlockSpec((None, nk * block_kv, None, d_pad), lambda i, h, z: (z, 0, h // groups, 0))
+    vp_spec = pl.BlockSpec((None, nk * block_kv, None), lambda i, h, z: (z, 0, h // groups))
     lse_spec = pl.BlockSpec((None, None, rows), lambda i, h, z: (z, h, num_tiles - 1 - i))
     part_specs, part_shapes = [], []
     for size in sizes:
@@ -200,14 +211,14 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
     out, lse, *parts = pl.pallas_call(
         kernel,
         grid=(num_tiles, n, b),
-        in_specs=[q_spec, kv_spec, kv_spec],
+        in_specs=[q_spec, kv_spec, kv_spec, vp_spec],
         out_specs=[q_spec, lse_spec] + part_specs,
         out_shape=[jax.ShapeDtypeStruct(qg.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, n, tgp), jnp.float32)] + part_shapes,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="qsa_topk",
-    )(qg, k_in, v_in)
+    )(qg, k_in, v_in, vp_in)
     if not parts:
         vals = jnp.full((b, n, tg, top_k), -jnp.inf, jnp.float32)
         ids = jnp.full((b, n, tg, top_k), -1, jnp.int32)

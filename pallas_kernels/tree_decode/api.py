@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.checks import check_int, check_pow2, check_qkv, fmt_shape
+from pallas_kernels import nonfinite
+from pallas_kernels.checks import check_int, check_pow2, check_qkv, check_sm_scale, fmt_shape
 from pallas_kernels.platform import default_implementation, num_cores
 from pallas_kernels.tiling import cdiv
 from pallas_kernels.tree_decode import triton as td_triton
@@ -62,6 +63,7 @@ def tree_decode_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    check_finite: bool = False,
 ) -> jax.Array:
     """Attention of T new tokens over a long cache: one softmax over the prefix and a block.
 
@@ -74,7 +76,7 @@ def tree_decode_attention(
       block_start: int32 scalar, first slot of the block.
       block_mask: bool ``[B, T, W]``, which of the slots ``block_start .. block_start + W - 1``
         each query sees (its ancestors and itself).
-      sm_scale: softmax scale, default ``D ** -0.5``.
+      sm_scale: softmax scale, a finite float > 0; default ``D ** -0.5``.
       implementation: ``"reference"`` (pure JAX) or ``"triton"`` (Pallas Triton split-K);
         None picks triton on a GPU, reference on CPU unless ``interpret``.
       interpret: run the Pallas kernel in interpret mode; None means True off GPU.
@@ -86,9 +88,13 @@ def tree_decode_attention(
         at least 2 key tiles per slice.
       num_warps, num_stages: Triton launch parameters (default 4 warps, 3 stages within
         the shared-memory budget).
+      check_finite: raise `NonFiniteError` (under ``jax.jit`` a ``checkify`` error) when q,
+        k or v holds a NaN or an inf (every slot, valid or not), instead of propagating it.
 
     Returns:
-      ``[B, T, N, D]`` in q's dtype; a query that sees no key gives 0.
+      ``[B, T, N, D]`` in q's dtype; a query that sees no key gives 0; a query that sees a
+      non-finite score or value gives NaN; invalid slots contribute nothing whatever they
+      hold (`pallas_kernels.nonfinite`).
     """
     check_qkv(q, k, v)
     check_masks(q, k, prefix_valid, block_start, block_mask)
@@ -108,7 +114,9 @@ def tree_decode_attention(
         check_pow2("num_warps", num_warps, 1)
     if num_stages is not None:
         check_int("num_stages", num_stages, 1)
-    sm_scale = float(d) ** -0.5 if sm_scale is None else float(sm_scale)
+    sm_scale = check_sm_scale(sm_scale, d)
+    if check_finite:
+        nonfinite.check_finite(q=q, k=k, v=v)
     block_start = jnp.asarray(block_start, jnp.int32)
     if implementation == "reference":
         return tree_decode_attention_reference(q, k, v, prefix_valid, block_start, block_mask,

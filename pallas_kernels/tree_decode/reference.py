@@ -4,7 +4,8 @@ One softmax over two key sets, as in verification of a speculative draft tree: t
 prefix (a per-key mask ``prefix_valid [B, S]`` shared by every query) and a block of W slots
 starting at ``block_start`` (a per-query mask ``block_mask [B, T, W]``: each query's
 ancestors and itself). Scores and softmax statistics in float32; a query that sees no key
-gives 0. Memory is O(B * N * T * S) for the scores, fine for T <= 64.
+gives 0; a query that sees a non-finite score or value gives NaN, and masked slots (an
+unwritten cache slot holding NaN) contribute nothing (`pallas_kernels.nonfinite`). Memory is O(B * N * T * S) for the scores, fine for T <= 64.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.nonfinite import finish, poison_keys, score_poison
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
@@ -34,18 +37,22 @@ def tree_decode_attention_reference(
     """
     b, t, n, d = q.shape
     kh, w = k.shape[2], block_mask.shape[-1]
+    k, v = poison_keys(k, v)
     qg = q.reshape(b, t, kh, n // kh, d)
     kb = jax.lax.dynamic_slice_in_dim(k, block_start, w, axis=1)
     vb = jax.lax.dynamic_slice_in_dim(v, block_start, w, axis=1)
+    ok1 = prefix_valid[:, None, None, None, :]
+    ok2 = block_mask[:, None, None, :, :]
     s1 = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    s1 = jnp.where(prefix_valid[:, None, None, None, :], s1, -jnp.inf)
     s2 = jnp.einsum("btkgd,bwkd->bkgtw", qg, kb, preferred_element_type=jnp.float32) * sm_scale
-    s2 = jnp.where(block_mask[:, None, None, :, :], s2, -jnp.inf)
+    poison = jnp.sum(score_poison(s1, ok1), axis=-1) + jnp.sum(score_poison(s2, ok2), axis=-1)
+    s1 = jnp.where(ok1, s1, -jnp.inf)
+    s2 = jnp.where(ok2, s2, -jnp.inf)
     m = jnp.maximum(jnp.max(s1, axis=-1), jnp.max(s2, axis=-1))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
-    p1, p2 = jnp.exp(s1 - m), jnp.exp(s2 - m)
-    l = jnp.sum(p1, axis=-1) + jnp.sum(p2, axis=-1)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)[..., None]
+    p1, p2 = jnp.exp(s1 - m_safe), jnp.exp(s2 - m_safe)
+    l = jnp.sum(p1, axis=-1) + jnp.sum(p2, axis=-1) + poison
     o = (jnp.einsum("bkgts,bskd->bkgtd", p1.astype(v.dtype), v, preferred_element_type=jnp.float32)
          + jnp.einsum("bkgtw,bwkd->bkgtd", p2.astype(v.dtype), vb, preferred_element_type=jnp.float32))
-    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    o, _ = finish(m, l, o)
     return jnp.einsum("bkgtd->btkgd", o).reshape(b, t, n, d).astype(q.dtype)

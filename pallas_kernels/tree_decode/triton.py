@@ -22,7 +22,9 @@ Only whole tiles are read (keys ``[0, S - S % block_k)``), so the cache is never
 copied (except for head dims that are not powers of two). The wrapper then does the small
 part in plain JAX: the ``S % block_k`` tail keys (per-key mask) and the W block keys
 (per-query mask ``block_mask``) form one extra partial, and all partials merge by
-log-sum-exp. A query that sees no key gives 0.
+log-sum-exp. A query that sees no key gives 0; non-finite inputs follow
+`pallas_kernels.nonfinite` (the kernel zeroes invalid slots' values in the tile and poisons a
+row whose accumulator turns non-finite, so the cache is never copied).
 
 Measured on an H200 (2026-11-22, B=1, N=28, K=4, D=128, bf16, S=26112, tree block of T
 slots; bench/tree_decode.py): T=31 0.074 ms per call (XLA 0.28, cuDNN on the prefix alone
@@ -40,8 +42,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.nonfinite import finish, poison_keys, score_poison
 from pallas_kernels.online_softmax import softmax_step
-from pallas_kernels.tiling import LN2, LOG2E, cdiv, next_pow2
+from pallas_kernels.tiling import LOG2E, cdiv, next_pow2
 from pallas_kernels.tiling import pad_to as _pad_to
 
 # Shared memory the software pipeline may use for its k/v stages (as in block_sparse:
@@ -90,8 +93,9 @@ def _kernel(range_ref, pv_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
         k = k_ref[pl.ds(start, block_k), :]
         v = v_ref[pl.ds(start, block_k), :]
         ok = pv_ref[pl.ds(start, block_k)] != 0
+        v = jnp.where(ok[:, None], v, 0)  # an invalid slot's value never meets a zero weight
         s = pltriton.dot(q, k, trans_b=True) * scale  # [R, bk] f32, base 2
-        return softmax_step(carry, jnp.where(ok[None, :], s, -jnp.inf), v)
+        return softmax_step(carry, s, v, ok[None, :])
 
     rows = q.shape[0]
     carry = (
@@ -99,11 +103,8 @@ def _kernel(range_ref, pv_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, q.shape[1]), jnp.float32),
     )
-    m, l, acc = lax.fori_loop(lo, hi, body, carry)
-    has_mass = l > 0.0
-    l_safe = jnp.where(has_mass, l, 1.0)
-    o_ref[...] = acc / l_safe[:, None]
-    lse_ref[...] = jnp.where(has_mass, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    # A valid slot's non-finite value reaches acc (every row sees every valid prefix slot).
+    o_ref[...], lse_ref[...] = finish(*lax.fori_loop(lo, hi, body, carry), base2=True, check_acc=True)
 
 
 def prefix_tile_range(prefix_valid: jax.Array, full_tiles: int, block_k: int) -> jax.Array:
@@ -193,18 +194,17 @@ def extra_partial(q, k, v, prefix_valid, block_start, block_mask, *, sm_scale, t
         vals.append(v[:, tail_start:])
         masks.append(jnp.broadcast_to(prefix_valid[:, None, None, None, tail_start:],
                                       (b, kh, n // kh, t, s - tail_start)))
-    kx, vx, mask = (jnp.concatenate(keys, axis=1), jnp.concatenate(vals, axis=1),
-                    jnp.concatenate(masks, axis=-1))
+    kx, vx = poison_keys(jnp.concatenate(keys, axis=1), jnp.concatenate(vals, axis=1))
+    mask = jnp.concatenate(masks, axis=-1)
     sc = jnp.einsum("btkgd,bxkd->bkgtx", qg, kx, preferred_element_type=jnp.float32) * sm_scale
+    poison = jnp.sum(score_poison(sc, mask), axis=-1)
     sc = jnp.where(mask, sc, -jnp.inf)
     m = jnp.max(sc, axis=-1)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(sc - m_safe[..., None])
-    l = jnp.sum(p, axis=-1)
+    l = jnp.sum(p, axis=-1) + poison
     o = jnp.einsum("bkgtx,bxkd->bkgtd", p.astype(v.dtype), vx, preferred_element_type=jnp.float32)
-    has = l > 0.0
-    l_safe = jnp.where(has, l, 1.0)
-    return o / l_safe[..., None], jnp.where(has, m_safe + jnp.log(l_safe), -jnp.inf)
+    return finish(m, l, o)
 
 
 def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, o_extra: jax.Array,
@@ -215,12 +215,14 @@ def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, o_extra: jax.Array,
     is empty). No concatenation, so XLA reads the partials once in one fusion."""
     m = jnp.maximum(jnp.max(lse_parts, axis=2), lse_extra)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    w_parts = jnp.exp(lse_parts - m_safe[:, :, None])  # 0 for empty parts
+    w_parts = jnp.exp(lse_parts - m_safe[:, :, None])  # 0 for empty parts, NaN for poisoned ones
     w_extra = jnp.exp(lse_extra - m_safe)
     total = jnp.sum(w_parts, axis=2) + w_extra
-    # An elementwise sum, not a dot: a float32 dot could run in TF32 on the GPU.
-    o = jnp.sum(w_parts[..., None] * o_parts, axis=2) + w_extra[..., None] * o_extra
-    return o / jnp.where(total > 0.0, total, 1.0)[..., None]
+    # An elementwise sum, not a dot: a float32 dot could run in TF32 on the GPU. An empty
+    # part contributes exactly nothing; a NaN weight propagates.
+    o = (jnp.sum(jnp.where(w_parts[..., None] == 0.0, 0.0, w_parts[..., None] * o_parts), axis=2)
+         + jnp.where(w_extra[..., None] == 0.0, 0.0, w_extra[..., None] * o_extra))
+    return o / jnp.where(total == 0.0, 1.0, total)[..., None]
 
 
 @functools.partial(

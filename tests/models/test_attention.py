@@ -3,9 +3,12 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from models.attention import LayerAttention, cudnn_attention, dense_attention, resolve_attention
-from pallas_kernels import tree_decode_attention
+from pallas_kernels import NonFiniteError, tree_decode_attention
+from tests.pallas_kernels.helpers import expect_nonfinite_contract, plant_nonfinite, random_qkv
 
 
 def _naive(q, k, v, q_pos, valid, causal=True):
@@ -126,3 +129,32 @@ def test_tree_attention_equals_per_query_mask():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     with pytest.raises(ValueError, match="prefix_valid"):
         tree_decode_attention(q, k, v, jnp.asarray(prefix[:, :3]), jnp.asarray(start), jnp.asarray(block))
+
+
+# --------------------------------------------------------------------- NaN / inf contract
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**30), st.integers(1, 4), st.booleans(), st.booleans())
+def test_dense_nan_inf_reach_exactly_the_rows_that_see_them(seed, count, direct, per_query):
+    """Direct and blocked paths: a NaN / inf in q, k or v (valid slot or not) makes exactly the
+    rows that see it NaN; an unwritten cache slot holding NaN contaminates nobody."""
+    rng = np.random.default_rng(seed)
+    b, t, s, n, kh, d = 2, 12, 40, 4, 2, 8
+    q, k, v = random_qkv(seed, b, t, s, n, kh, d)
+    q, k, v = plant_nonfinite(rng, q, k, v, count)
+    q_pos = np.stack([np.arange(t) + 20, np.arange(t) + 3]).astype(np.int32)
+    valid = rng.random((b, t, s) if per_query else (b, s)) > 0.3
+    mask = (valid if per_query else valid[:, None, :]) & (np.arange(s)[None, None, :] <= q_pos[:, :, None])
+    out = dense_attention(q, k, v, q_positions=jnp.asarray(q_pos), kv_valid=jnp.asarray(valid), block_q=8,
+                          block_k=16, direct_max_scores=(1 << 30) if direct else 0)
+    expect_nonfinite_contract(out, None, q, k, v, np.broadcast_to(mask[:, None], (b, n, t, s)), 1e-4)
+
+
+def test_dense_sm_scale_and_check_finite():
+    q, k, v = random_qkv(0, 1, 4, 8, 2, 1, 8)
+    kw = dict(q_positions=jnp.arange(4)[None] + 4, kv_valid=jnp.ones((1, 8), bool))
+    with pytest.raises(ValueError, match="sm_scale: expected a finite positive float; received 'abc'"):
+        dense_attention(q, k, v, sm_scale="abc", **kw)
+    with pytest.raises(ValueError, match="sm_scale: expected a finite positive float; received nan"):
+        dense_attention(q, k, v, sm_scale=float("nan"), **kw)
+    with pytest.raises(NonFiniteError, match=r"k: expected finite values .* index \[0, 3, 0, 1\]"):
+        dense_attention(q, k.at[0, 3, 0, 1].set(jnp.nan), v, check_finite=True, **kw)

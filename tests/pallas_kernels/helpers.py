@@ -73,3 +73,43 @@ def rel_err(a, b) -> float:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+BAD = (np.nan, np.inf, -np.inf)
+
+
+def plant_nonfinite(rng, q, k, v, count):
+    """Put ``count`` NaN / +inf / -inf values at random elements of q, k, v."""
+    arrays = [np.array(x, np.float32) for x in (q, k, v)]
+    for _ in range(count):
+        which = arrays[rng.integers(0, 3)]
+        which[tuple(int(rng.integers(0, n)) for n in which.shape)] = BAD[rng.integers(0, 3)]
+    return [jnp.asarray(a, q.dtype) for a in arrays]
+
+
+def poisoned_rows(q, k, v, mask):
+    """bool [B, N, T]: rows that see (``mask`` [B|1, N|1, T, S]) a non-finite query, key or value."""
+    n, kh = q.shape[2], k.shape[2]
+    q_bad = ~np.isfinite(np.asarray(q, np.float32)).all(-1)  # [B, T, N]
+    kv_bad = ~(np.isfinite(np.asarray(k, np.float32)).all(-1) & np.isfinite(np.asarray(v, np.float32)).all(-1))
+    kv_bad = np.repeat(kv_bad, n // kh, axis=2)  # [B, S, N]
+    mask = np.asarray(mask)
+    sees_bad_key = (mask & np.einsum("bsn->bns", kv_bad)[:, :, None, :]).any(-1)
+    return sees_bad_key | (mask.any(-1) & np.einsum("btn->bnt", q_bad))
+
+
+def expect_nonfinite_contract(out, lse, q, k, v, mask, atol):
+    """Check (out [B,T,N,D], lse [B,N,T]) against the contract for ``mask``."""
+    bad = poisoned_rows(q, k, v, mask)
+    clean = [jnp.asarray(np.nan_to_num(np.asarray(x, np.float32), nan=0.0, posinf=0.0, neginf=0.0)) for x in (q, k, v)]
+    ref_out, ref_lse = masked_dense_attention(*clean, mask)
+    out = np.einsum("btnd->bntd", np.asarray(out, np.float32))
+    ref_out = np.einsum("btnd->bntd", np.asarray(ref_out))
+    assert np.isnan(out[bad]).all(), "a row that sees a non-finite input is not NaN"
+    assert np.isfinite(out[~bad]).all(), "NaN / inf leaked into a row that does not see it"
+    np.testing.assert_allclose(out[~bad], ref_out[~bad], atol=atol, rtol=atol)
+    if lse is not None:
+        lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+        assert np.isnan(lse[bad]).all()
+        np.testing.assert_allclose(lse[~bad], ref_lse[~bad], atol=atol, rtol=atol)  # -inf == -inf for empty rows
+    return bad

@@ -57,8 +57,9 @@ WRAPPERS = [
     QBoundary({"text": A, "image": G, "video": VS}),
     QBoundary({"video": TRI}, default=A),
     TwoDBoundary({("text", "text"): D, ("video", "video"): VS, ("video", "text"): A,
-                  ("text", "video"): TRI, ("image", "image"): D, ("image", "text"): A}),
-    TwoDBoundary({("video", "video"): G, ("video", "text"): A, ("text", "text"): G, ("image", "video"): VS}),
+                  ("text", "video"): TRI, ("image", "image"): D, ("image", "text"): A}, default=TRI),
+    TwoDBoundary({("video", "video"): G, ("video", "text"): A, ("text", "text"): G, ("image", "video"): VS},
+                 skip_missing=True),
 ]
 
 
@@ -115,9 +116,12 @@ def test_rows_follow_their_modality():
     causal = np.arange(200)[None, :] <= np.arange(200)[:, None]
     np.testing.assert_array_equal(mask[kinds != 0], causal[kinds != 0])
     assert mask[kinds == 0].sum() < 0.8 * causal[kinds == 0].sum()
-    # TwoD: unlisted query kinds get no keys; a listed pair sees exactly the causal keys of
-    # its key kind (per key: blocks straddling two kinds become single columns).
-    two = mmjax.build_layout(q, k, TwoDBoundary({("video", "text"): D}), m)
+    # TwoD: missing pairs are an error naming them, unless skip_missing (then unlisted query
+    # kinds get no keys); a listed pair sees exactly the causal keys of its key kind (per key:
+    # blocks straddling two kinds become single columns).
+    with pytest.raises(ValueError, match=r"missing \[\('text', 'text'\), \('text', 'image'\), .*\('video', 'video'\)\]"):
+        mmjax.build_layout(q, k, TwoDBoundary({("video", "text"): D}), m)
+    two = mmjax.build_layout(q, k, TwoDBoundary({("video", "text"): D}, skip_missing=True), m)
     mask2 = np.asarray(two.to_dense_mask())[0, 0]
     assert not mask2[kinds != 2].any()
     np.testing.assert_array_equal(mask2[kinds == 2], (causal & (kinds == 0)[None, :])[kinds == 2])
@@ -128,9 +132,12 @@ def test_rows_follow_their_modality():
     for part in full.parts:
         cover = sum(np.asarray(p.to_dense_mask())[0, 0].astype(int) for p in part.parts)
         assert cover.max() == 1  # pairs disjoint per key
-    out = mmjax.sparse_attention(q, k, v, TwoDBoundary({("video", "text"): D}), m,
+    out = mmjax.sparse_attention(q, k, v, TwoDBoundary({("video", "text"): D}, skip_missing=True), m,
                                  options=KernelOptions(implementation="reference"))
     assert not np.asarray(out)[0, kinds != 2].any()
+    # A default serves every unlisted pair: Dense everywhere but one pair is dense causal.
+    dflt = mmjax.build_layout(q, k, TwoDBoundary({("video", "text"): D}, default=D), m)
+    np.testing.assert_array_equal(np.asarray(dflt.to_dense_mask())[0, 0], causal)
 
 
 def test_kboundary_permutes_keys_by_modality():
@@ -168,7 +175,10 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match=r"patterns: expected modality names from .*'audio'"):
         mmjax.build_layout(q, k, QBoundary({"audio": A}, default=A), m)
     with pytest.raises(ValueError, match=r"pattern: SFFixed has no position-aware layout"):
-        mmjax.build_layout(q, k, TwoDBoundary({("video", "video"): SFFixed(local=16, stride=16, summary=4, **SMALL)}), m)
+        mmjax.build_layout(q, k, TwoDBoundary({("video", "video"): SFFixed(local=16, stride=16, summary=4, **SMALL)},
+                                              skip_missing=True), m)
+    with pytest.raises(ValueError, match=r"default / skip_missing: expected at most one"):
+        TwoDBoundary({("text", "text"): A}, default=A, skip_missing=True)
     with pytest.raises(ValueError, match=r"patterns\['text'\]: expected an mmjax.sparse.patterns pattern"):
         QBoundary({"text": "grid"})
     with pytest.raises(ValueError, match="patterns: bad key"):
@@ -245,7 +255,22 @@ def test_grid_and_slashes_inside_wrappers_use_original_positions():
     vid = kinds == 2
     assert (mask[vid] >= lines[vid]).all()
     # The same inside TwoD (video, video): lines of video keys only, text keys never.
-    two = mmjax.build_layout(q, k, TwoDBoundary({("video", "video"): g}), m)
+    two = mmjax.build_layout(q, k, TwoDBoundary({("video", "video"): g}, skip_missing=True), m)
     mask2 = np.asarray(two.to_dense_mask())[0, 0]
     assert (mask2[vid] >= (lines & vid[None, :])[vid]).all()
     assert not mask2[:, ~vid].any() and not mask2[~vid].any()
+
+
+def test_spans_that_disagree_with_the_ids_are_refused():
+    """Spans decide which kinds are present: a Modality whose spans omit a kind would leave
+    that kind's rows uncovered (all zero) without a word."""
+    q, k, _ = random_qkv(1, 1, 64, 64, 1, 1, 16)
+    m = _modality(1, 64, seed=2)
+    spans = tuple(tuple((0 if kind == 1 else kind, a, b) for kind, a, b in row) for row in m.spans)  # image -> text
+    liar = Modality(m.ids, m.names, spans)
+    for wrapper in (QBoundary({"text": A}, default=A), TwoDBoundary({("text", "text"): A}, default=A), KBoundary(A)):
+        with pytest.raises(ValueError, match=r"modality.spans\[0\]: expected the runs of the ids; position \d+ has id 1"):
+            mmjax.build_layout(q, k, wrapper, liar)
+    short = Modality(m.ids, m.names, ((m.spans[0][0],),))
+    with pytest.raises(ValueError, match=r"modality.spans\[0\]: expected runs covering \[0, 64\)"):
+        mmjax.build_layout(q, k, QBoundary({"text": A}, default=A), short)

@@ -89,7 +89,7 @@ def test_malformed_config_fails_with_clear_message(tmp_path, edit, match):
 def test_not_json_and_bad_construction(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text("{schema_version: 1")
-    with pytest.raises(ValueError, match=r"bad\.json: config: not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad\.json: not valid JSON \(Expecting property name"):
         SparseConfig.load(path)
     with pytest.raises(ValueError, match=r"layers\[1\]: expected 2 heads \(as layers\[0\]\); received 1"):
         SparseConfig(((Dense(), Dense()), (Dense(),)))
@@ -142,7 +142,7 @@ def _wrapped_config():
     a = AShape(sink=16, local=48, **SMALL)
     return SparseConfig(((NoBoundary(Dense(**SMALL)), KBoundary(a),
                           QBoundary({"video": Grid(stride_space=(48,), **SMALL)}, default=a),
-                          TwoDBoundary({("video", "text"): a, ("text", "text"): Dense(**SMALL)})),))
+                          TwoDBoundary({("video", "text"): a, ("text", "text"): Dense(**SMALL)}, default=a)),))
 
 
 def test_round_trip_with_boundary_wrappers(tmp_path):
@@ -151,7 +151,16 @@ def test_round_trip_with_boundary_wrappers(tmp_path):
     data = json.loads((tmp_path / "w.json").read_text())
     assert data["layers"][0][1]["params"]["pattern"]["pattern"] == "AShape"
     assert {e["query"] for e in data["layers"][0][3]["params"]["patterns"]} == {"video", "text"}
+    assert data["layers"][0][3]["params"]["default"]["pattern"] == "AShape"
+    assert data["layers"][0][3]["params"]["skip_missing"] is False
     assert SparseConfig.load(tmp_path / "w.json") == cfg
+    # skip_missing round-trips; files written before default / skip_missing existed still load.
+    from mmjax.sparse.patterns import TwoDBoundary
+    skip = SparseConfig(((TwoDBoundary({("video", "text"): Dense(**SMALL)}, skip_missing=True),),))
+    assert SparseConfig.from_json(skip.to_json()) == skip
+    old = skip.to_dict()
+    del old["layers"][0][0]["params"]["default"], old["layers"][0][0]["params"]["skip_missing"]
+    assert SparseConfig.from_dict(old).layers[0][0] == TwoDBoundary({("video", "text"): Dense(**SMALL)})
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -165,6 +174,9 @@ def test_round_trip_with_boundary_wrappers(tmp_path):
     (lambda d: d["layers"][0][3]["params"]["patterns"][0].pop("key"),
      r"layers\[0\]\[3\] \(TwoDBoundary\)\.patterns: expected a list of"),
     (lambda d: d["layers"][0][3]["params"].update(extra=1), r"\(TwoDBoundary\)\.params: unknown parameter"),
+    (lambda d: d["layers"][0][3]["params"].update(skip_missing=1), r"\(TwoDBoundary\)\.skip_missing: expected bool"),
+    (lambda d: d["layers"][0][3]["params"].update(skip_missing=True),
+     r"\(TwoDBoundary\)\.default / skip_missing: expected at most one"),
 ])
 def test_malformed_wrapper_fails_with_clear_message(edit, match):
     d = _wrapped_config().to_dict()
@@ -174,12 +186,16 @@ def test_malformed_wrapper_fails_with_clear_message(edit, match):
 
 
 def test_prefill_with_a_config_runs_the_tiny_vlm():
+    """A config's logits equal the model's logits with exactly the built masks: layer 1 heads
+    0-1 run QBoundary (video rows: a 16-token window, text rows: dense causal), everything else
+    dense. The expected run injects masked dense attention per head, not the sparse kernels."""
     import jax
 
     from mmjax.inference import prefill
     from mmjax.sparse.patterns import QBoundary
     from models.qwen2_5_vl import Qwen2_5_VL
     from tests.models.helpers import small_config, video_prompt
+    from tests.pallas_kernels.helpers import masked_dense_attention
 
     cfg = small_config()
     model = Qwen2_5_VL(cfg, dtype=jnp.float32, key=jax.random.key(7))
@@ -191,4 +207,19 @@ def test_prefill_with_a_config_runs_the_tiny_vlm():
     mixed = SparseConfig(((Dense(**SMALL),) * 4, (q_video_sparse, q_video_sparse, Dense(**SMALL), Dense(**SMALL)),
                           (Dense(**SMALL),) * 4), options=REF)
     got = np.asarray(prefill(model, inputs, attention=mixed).logits)
-    assert np.isfinite(got).all() and np.abs(got - dense).max() > 1e-4
+
+    def masked_layer(q, k, v, *, layer, q_positions, kv_valid, modality):
+        t = q.shape[1]
+        causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+        window = mmjax.build_layout(q[:, :, :2], k, q_video_sparse, modality).to_dense_mask()  # [B, 2|1, T, S]
+        mask = jnp.concatenate([jnp.broadcast_to(window, (q.shape[0], 2, t, t)),
+                                jnp.broadcast_to(causal, (q.shape[0], 2, t, t))], axis=1)
+        return masked_dense_attention(q, k, v, mask)[0].astype(q.dtype)
+
+    def plain(q, k, v, *, layer, q_positions, kv_valid, modality):
+        return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid)
+
+    want = np.asarray(prefill(model, inputs, attention=[plain, masked_layer, plain]).logits)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    # The masks matter: video rows really lose keys (the result is not the dense one).
+    assert np.abs(got - dense).max() > 1e-3

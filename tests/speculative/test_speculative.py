@@ -15,7 +15,7 @@ from mmjax.speculative.sampling import target_log_probs
 from mmjax.speculative.tree import add_level, empty_pool, level_offset, select_tree
 from mmjax.speculative.verify import accept_greedy, accept_sampling
 from models.qwen2_5_vl import Qwen2_5_VL
-from models.qwen2_5_vl.model import cached_forward
+from models.qwen2_5_vl.model import cached_forward, forward
 from models.qwen2_text import compact_cache
 from pallas_kernels import tree_decode_attention
 from tests.models.helpers import IMG, VE, VS, small_config, video_prompt
@@ -257,13 +257,22 @@ def test_oracle_draft_accepts_depth_plus_one(prompts, tree):
 
 
 def test_sampled_speculative_first_token_matches_plain(target, prompts):
-    """Same seed -> the first token (drawn from the prefill logits) agrees; all tokens lie in the
-    target's top-k support."""
+    """Same seed -> the first token (drawn from the prefill logits) agrees; every token, plain or
+    speculative, lies in the target's top-k support given its prefix."""
     s = Sampling(temperature=1.0, top_k=5, seed=2)
     spec = mmjax.generate(target, prompts["text"], 8, s, draft=SparrowDraft.init(target, jax.random.key(0)),
                           tree=TreeConfig(10, 3, 4))
     plain = mmjax.generate(target, prompts["text"], 8, s)
-    assert spec.tokens[0, 0] == plain.tokens[0, 0] and (spec.tokens >= 0).all()
+    assert spec.tokens[0, 0] == plain.tokens[0, 0]
+    # Every emitted token lies in the target's top-5 given the prompt and the tokens before it
+    # (lossless sampling with top_k=5 draws from the target's truncated distribution).
+    for out in (spec, plain):
+        pre = prefill(target, prompts["text"])
+        logits, cache = pre.logits, pre.cache
+        for i, tok in enumerate(np.asarray(out.tokens)[0]):
+            top5 = np.argsort(-np.asarray(logits)[0])[:5]
+            assert tok in top5, (i, tok, top5)
+            logits, cache = decode_step(target, cache, jnp.asarray([tok]))
 
 
 def test_vata_draft_cache_holds_text_positions_only(target):

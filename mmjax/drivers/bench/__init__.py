@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from mmjax.drivers.args import ArgumentParser
+
 # name -> (module, one-line purpose)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "kernels": ("mmjax.drivers.bench.kernels", "block-sparse kernel vs cuDNN: dense and random layouts, 32k-1M"),
@@ -20,7 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmjax bench", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="mmjax bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="benchmarks:\n" + "\n".join(f"  {n:<14} {purpose}"
                                                                    for n, (_, purpose) in BENCHMARKS.items())

@@ -8,12 +8,12 @@ takes). Prints ms per step and writes JSON to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import jax.numpy as jnp
 
+from mmjax.drivers.args import ArgumentParser, add_result_args, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.timing import device_name, time_fn
 from models.attention import LayerAttention, dense_attention, resolve_attention
@@ -27,9 +27,9 @@ def _unrolled(layer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mmjax bench decode_layers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results", help="directory for the JSON result")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 26112], help="cache slots S")
+    p = ArgumentParser(prog="mmjax bench decode_layers", description=__doc__.split("\n\n")[0])
+    add_result_args(p, "decode_layers")
+    p.add_argument("--seq-lens", type=positive_int, nargs="+", default=[1024, 26112], help="cache slots S")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         p.error("needs a GPU (a 7B-shaped model is timed)")
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(row, flush=True)
     table = print_table(rows, [("S", "S", "d"), ("scan_ms", "scan ms", ".3f"), ("unrolled_ms", "unrolled ms", ".3f"),
                                ("unrolled_speedup", "scan / unrolled", ".2f")])
-    print("wrote", write_result(args.out, "decode_layers", {"rows": rows, "table": table, "device": device_name(),
+    print("wrote", write_result(args.out, args.name, {"rows": rows, "table": table, "device": device_name(),
                                                        "model_shape": "qwen2.5-vl-7b"}))
     return 0
 

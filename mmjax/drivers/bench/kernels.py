@@ -14,7 +14,6 @@ columns are the point.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import sys
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax.drivers.args import ArgumentParser, add_result_args, is_pow2, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.timing import device_name, time_fn
 from pallas_kernels import BlockLayout, block_sparse_attention
@@ -293,16 +293,17 @@ def run_benchmark(cfg: KernelBenchConfig, out_dir: str | None, log=print, result
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mmjax bench kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results", help="directory for the JSON result")
+    p = ArgumentParser(prog="mmjax bench kernels", description=__doc__.split("\n\n")[0])
+    add_result_args(p, "kernels")
     p.add_argument("--cpu", action="store_true", help="small interpret-mode run even on a GPU")
-    p.add_argument("--seq-lens", type=int, nargs="*", help="override the sequence lengths")
-    p.add_argument("--sparse-only-lens", type=int, nargs="*", help="lengths run with sparse layouts only")
+    p.add_argument("--seq-lens", type=positive_int, nargs="*", help="override the sequence lengths")
+    p.add_argument("--sparse-only-lens", type=positive_int, nargs="*", help="lengths run with sparse layouts only")
     p.add_argument("--no-sweep", action="store_true", help="use the first tile candidate")
-    p.add_argument("--tile", type=int, nargs=4, metavar=("BQ", "BK", "WARPS", "STAGES"),
-                   help="use this tile instead of sweeping")
-    p.add_argument("--name", default="kernels", help="result file prefix")
+    p.add_argument("--tile", type=positive_int, nargs=4, metavar=("BQ", "BK", "WARPS", "STAGES"),
+                   help="use this tile instead of sweeping (BQ, BK powers of two >= 16, WARPS a power of two)")
     args = p.parse_args(argv)
+    if args.tile and not (is_pow2(args.tile[0], 16) and is_pow2(args.tile[1], 16) and is_pow2(args.tile[2])):
+        p.error(f"--tile: expected BQ, BK powers of two >= 16 and WARPS a power of two; received {args.tile}")
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
     cfg = GPU_CONFIG if on_gpu else CPU_CONFIG
     if args.seq_lens is not None:

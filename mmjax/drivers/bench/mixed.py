@@ -14,7 +14,6 @@ Heads are planted per GQA group (`mixed_inputs.planted_qkv`): group g has plant
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import sys
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax.drivers.args import ArgumentParser, add_result_args, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.sparse.attention import attend_heads, attention_recall, gather_heads
 from mmjax.sparse.modality import Modality
@@ -149,12 +149,11 @@ def _by_pattern(pats):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mmjax bench mixed", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results")
+    p = ArgumentParser(prog="mmjax bench mixed", description=__doc__.split("\n\n")[0])
+    add_result_args(p, "mixed")
     p.add_argument("--cpu", action="store_true", help="small interpret-mode run even on a GPU")
-    p.add_argument("--seq-lens", type=int, nargs="+")
-    p.add_argument("--calib-len", type=int)
-    p.add_argument("--name", default="mixed")
+    p.add_argument("--seq-lens", type=positive_int, nargs="+", help="sequence lengths")
+    p.add_argument("--calib-len", type=positive_int, help="calibration length of the search")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
     cfg = GPU_CONFIG if on_gpu else CPU_CONFIG

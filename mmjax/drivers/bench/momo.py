@@ -20,7 +20,6 @@ run cut short still leaves its results. On a CPU the same at toy sizes in interp
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import math
@@ -31,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax.drivers.args import ArgumentParser, add_result_args, is_pow2, nonneg_int, positive_float, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.sparse.metrics import block_mass, captured_mass, mean_pooled_layout, momo_sparsity
 from mmjax.sparse.patterns.momo import Momo, assemble_layout, delta_correct, union_trim
@@ -384,19 +384,23 @@ class Runner:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mmjax bench momo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results", help="directory for the JSON result")
+    p = ArgumentParser(prog="mmjax bench momo", description=__doc__.split("\n\n")[0])
+    add_result_args(p, "momo")
     p.add_argument("--cpu", action="store_true", help="small interpret-mode run even on a GPU")
-    p.add_argument("--seq-lens", type=int, nargs="*", help="override the sequence lengths")
-    p.add_argument("--mass-lens", type=int, nargs="*", help="lengths with captured-mass runs")
-    p.add_argument("--budget-s", type=float, help="stop starting new sections after this long")
-    p.add_argument("--fig4-ks", type=int, nargs="*", help="k values of the top-k latency sweep")
-    p.add_argument("--tile", type=int, nargs=2, metavar=("ROWS", "WARPS"),
-                   help="QSA tile (sampled rows per program, warps; 0 = default) instead of sweeping")
+    p.add_argument("--seq-lens", type=positive_int, nargs="*", help="override the sequence lengths")
+    p.add_argument("--mass-lens", type=positive_int, nargs="*", help="lengths with captured-mass runs")
+    p.add_argument("--budget-s", type=positive_float, help="stop starting new sections after this long")
+    p.add_argument("--fig4-ks", type=positive_int, nargs="*", help="k values of the top-k latency sweep")
+    p.add_argument("--tile", type=nonneg_int, nargs=2, metavar=("ROWS", "WARPS"),
+                   help="QSA tile (sampled rows per program: a power of two >= 16, warps: a power of two; "
+                        "0 = default) instead of sweeping")
     p.add_argument("--algorithms", nargs="*", choices=("exact", "tournament", "estimated"),
                    help="top-k algorithms to run")
-    p.add_argument("--name", default="momo", help="result file prefix")
     args = p.parse_args(argv)
+    if args.tile and not ((args.tile[0] == 0 or is_pow2(args.tile[0], 16))
+                          and (args.tile[1] == 0 or is_pow2(args.tile[1]))):
+        p.error(f"--tile: expected ROWS 0 or a power of two >= 16 and WARPS 0 or a power of two; "
+                f"received {args.tile}")
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
     cfg = GPU_CONFIG if on_gpu else CPU_CONFIG
     if args.seq_lens is not None:

@@ -8,7 +8,6 @@ Inputs: `video_inputs.video_qkv` (frames of 16 x 16 tokens, M-RoPE, smooth conte
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import sys
@@ -17,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax.drivers.args import ArgumentParser, add_result_args, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.sparse.attention import attention_recall
 from mmjax.sparse.layouts import attend
@@ -208,12 +208,11 @@ def _one(cfg, name, pattern, q, k, v, s, opts, t_anchor) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mmjax bench patterns", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results")
+    p = ArgumentParser(prog="mmjax bench patterns", description=__doc__.split("\n\n")[0])
+    add_result_args(p, "patterns")
     p.add_argument("--cpu", action="store_true", help="small interpret-mode run even on a GPU")
-    p.add_argument("--seq-lens", type=int, nargs="+")
+    p.add_argument("--seq-lens", type=positive_int, nargs="+")
     p.add_argument("--patterns", nargs="+", help="subset of pattern names")
-    p.add_argument("--name", default="patterns")
     p.add_argument("--sweep", action="store_true",
                    help="recall-vs-density sweep of settings at the recall length instead of the table")
     args = p.parse_args(argv)

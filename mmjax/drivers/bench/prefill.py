@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mmjax
+from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.patterns import AShape, Grid, VerticalSlash
 from mmjax.timing import device_name
@@ -89,6 +90,14 @@ def attention_spec(name: str, config: Qwen2_5_VLConfig):
         return mmjax.SparseConfig.uniform(PATTERNS[name], num_layers=c.num_hidden_layers,
                                           num_heads=c.num_attention_heads)
     return mmjax.SparseConfig.load(name)
+
+
+def config_name(text: str) -> str:
+    """An attention name of this benchmark (see the module docstring) or an existing JSON file."""
+    if text in ("cudnn", "dense", *PATTERNS) or os.path.isfile(text):
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of cudnn, dense, {', '.join(PATTERNS)} or a SparseConfig JSON "
+                                     f"file; received {text!r}")
 
 
 def load_model(args) -> Qwen2_5_VL:
@@ -212,32 +221,27 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mmjax bench prefill", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("--out", default="bench/results", help="directory for the JSON result (and plot)")
-    p.add_argument("--name", default="prefill", help="result file prefix")
+    p = ArgumentParser(prog="mmjax bench prefill", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
+    add_result_args(p, "prefill")
     p.add_argument("--preset", default="7b", choices=("3b", "7b"), help="random weights of this shape (GPU)")
     p.add_argument("--model", help="a checkpoint directory instead of random weights")
-    p.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
-    p.add_argument("--tokens", type=int, nargs="+", help="visual tokens per row (default 128k-1M on a GPU)")
-    p.add_argument("--configs", nargs="+", default=["cudnn", "grid", "ashape"], help="attention per row")
-    p.add_argument("--mlp-chunk", type=int, default=16384, help="tokens per chunk of norms / projections / MLP")
-    p.add_argument("--frames-per-chunk", type=int, default=None, help="temporal patches per vision-tower chunk")
-    p.add_argument("--chunk-tokens", type=int, default=None, help="chunked prefill (tokens per chunk)")
+    p.add_argument("--layers", type=positive_int, help="decoder layers (default: the model's)")
+    p.add_argument("--tokens", type=positive_int, nargs="+", help="visual tokens per row (default 128k-1M on a GPU)")
+    p.add_argument("--configs", type=config_name, nargs="+", default=["cudnn", "grid", "ashape"],
+                   help="attention per row")
+    p.add_argument("--mlp-chunk", type=positive_int, default=16384, help="tokens per chunk of norms / projections / MLP")
+    p.add_argument("--frames-per-chunk", type=positive_int, default=None, help="temporal patches per vision-tower chunk")
+    p.add_argument("--chunk-tokens", type=positive_int, default=None, help="chunked prefill (tokens per chunk)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV cache storage")
-    p.add_argument("--repeats", type=int, default=1, help="warm calls (the fastest is reported)")
-    p.add_argument("--warm-budget-s", type=float, default=240.0,
+    p.add_argument("--repeats", type=positive_int, default=1, help="warm calls (the fastest is reported)")
+    p.add_argument("--warm-budget-s", type=positive_float, default=240.0,
                    help="no second call when the first took longer (warm = first - compile)")
-    p.add_argument("--row-timeout-s", type=float, default=1200.0, help="wall time of one row's process")
+    p.add_argument("--row-timeout-s", type=positive_float, default=1200.0, help="wall time of one row's process")
     p.add_argument("--compile-cache", help="directory of JAX's persistent compilation cache")
     p.add_argument("--plot", action="store_true", help="write a PNG of TTFT and memory vs tokens")
     p.add_argument("--row", nargs=2, metavar=("TOKENS", "ATTENTION"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for flag in ("layers", "mlp_chunk", "frames_per_chunk", "chunk_tokens", "repeats"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            p.error(f"--{flag.replace('_', '-')}: expected a positive int; received {value}")
     if args.compile_cache:
         mmjax.inference.enable_compilation_cache(args.compile_cache)
     if args.row:
@@ -262,19 +266,21 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.configs:
             rows.append(_child(args, n, name, args.row_timeout_s))
             _speedups(rows)
-            path = write_result(args.out, args.name, result)
+            if args.out:
+                path = write_result(args.out, args.name, result)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     table = print_table(rows, [("tokens", "tokens", "d"), ("attention", "attention", "s"),
                                ("first_s", "first call s", ".1f"), ("warm_s", "warm TTFT s", ".2f"),
                                ("speedup", "speedup", ".2f"), ("peak_gib", "peak GiB", ".1f"),
                                ("tokens_per_s", "tokens/s", ".0f"), ("error", "error", "s")])
     result["table"] = table
-    path = write_result(args.out, args.name, result)
-    if args.plot:
+    if args.out:
+        path = write_result(args.out, args.name, result)
+        print(f"wrote {path}")
+    if args.plot and path:
         png = path[:-len(".json")] + ".png"
         plot(rows, png)
         print(f"wrote {png}")
-    print(f"wrote {path}")
     return 0 if all("error" not in r for r in rows) else 1
 
 

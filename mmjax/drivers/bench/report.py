@@ -1,4 +1,9 @@
-"""Benchmark results: a printed table and a JSON file named by device and date."""
+"""Benchmark results: a printed table and a JSON file named by device and date.
+
+The JSON is written atomically (a temporary file beside it, renamed into place). Benchmarks
+rewrite their file after every section, so a result of the same name, device and date is
+replaced (``overwrite=True`` is their explicit choice); the name is checked to be a plain
+file-name stem."""
 
 from __future__ import annotations
 
@@ -6,15 +11,19 @@ import datetime
 import json
 import os
 import platform
+import re
 
 import jax
 
+from mmjax.files import atomic_write, check_output_dir, safe_name
 from mmjax.timing import device_name
 
 
-def write_result(out_dir: str, name: str, payload: dict) -> str:
-    """Write ``payload`` with device, date and versions to ``out_dir/name_<device>_<date>.json``."""
-    os.makedirs(out_dir, exist_ok=True)
+def write_result(out_dir: str, name: str, payload: dict, *, overwrite: bool = True) -> str:
+    """Write ``payload`` with device, date and versions to ``out_dir/name_<device>_<date>.json``
+    atomically; returns the path. ``name`` must be a plain stem (`mmjax.files.safe_name`)."""
+    name = safe_name(name)
+    out_dir = check_output_dir(out_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {
         "device": device_name(),
@@ -24,13 +33,9 @@ def write_result(out_dir: str, name: str, payload: dict) -> str:
         "jax": jax.__version__,
         "python": platform.python_version(),
     }
-    slug = meta["device"].replace(" ", "-").replace("/", "-")
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", meta["device"]).strip("-.") or "device"
     path = os.path.join(out_dir, f"{name}_{slug}_{meta['date']}.json")
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"meta": meta, **payload}, f, indent=1)
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
-    return path
+    return atomic_write(path, json.dumps({"meta": meta, **payload}, indent=1), overwrite=overwrite)
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

@@ -22,7 +22,6 @@ On a CPU the same table runs on a tiny configuration (timings only show that eve
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import gc
@@ -30,6 +29,7 @@ import gc
 import jax
 import jax.numpy as jnp
 
+from mmjax.drivers.args import ArgumentParser, add_result_args, int_list, positive_int, tree_list
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.speculative.draft import DraftCache, SparrowDraft
 from mmjax.speculative.sampling import Sampling
@@ -171,19 +171,18 @@ _GREEDY = Sampling()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mmjax bench speculative", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--visual", default=None, help="comma-separated visual token counts")
-    ap.add_argument("--trees", default=None, help="comma-separated trees, e.g. 30-4-8,48-5-10")
-    ap.add_argument("--layers", type=int, default=None, help="shrink the target's decoder (device time)")
-    ap.add_argument("--name", default="speculative", help="result file prefix")
+    ap = ArgumentParser(prog="mmjax bench speculative", description=__doc__.split("\n")[0])
+    add_result_args(ap, "speculative")
+    ap.add_argument("--visual", type=int_list, default=None, help="comma-separated visual token counts")
+    ap.add_argument("--trees", type=tree_list, default=None, help="comma-separated trees, e.g. 30-4-8,48-5-10")
+    ap.add_argument("--layers", type=positive_int, default=None, help="shrink the target's decoder (device time)")
     args = ap.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     cfg = SpecBenchConfig()
     if args.visual:
-        cfg = dataclasses.replace(cfg, visual_tokens=tuple(int(x) for x in args.visual.split(",")))
+        cfg = dataclasses.replace(cfg, visual_tokens=args.visual)
     if args.trees:
-        cfg = dataclasses.replace(cfg, trees=tuple(args.trees.split(",")))
+        cfg = dataclasses.replace(cfg, trees=args.trees)
     if on_gpu:
         mc = preset("7b")
         if args.layers:

@@ -17,13 +17,13 @@ benchmark absorbed it.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
+from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.timing import device_name, time_fn
 from models.attention import dense_attention
@@ -113,11 +113,11 @@ def run(seq_lens, tree_sizes, sweep_budget_s: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mmjax bench tree_decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results", help="directory for the JSON result")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 26112], help="cache slots S")
-    p.add_argument("--tree-sizes", type=int, nargs="+", default=[1, 31, 49], help="tree queries T")
-    p.add_argument("--sweep-budget-s", type=float, default=150.0, help="wall time for the launch sweeps")
+    p = ArgumentParser(prog="mmjax bench tree_decode", description=__doc__.split("\n\n")[0])
+    add_result_args(p, "tree_decode")
+    p.add_argument("--seq-lens", type=positive_int, nargs="+", default=[1024, 26112], help="cache slots S")
+    p.add_argument("--tree-sizes", type=positive_int, nargs="+", default=[1, 31, 49], help="tree queries T")
+    p.add_argument("--sweep-budget-s", type=positive_float, default=150.0, help="wall time for the launch sweeps")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         p.error("needs a GPU (the split-K kernel and cuDNN are timed)")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         ("dense_mask_ms", "per-query mask ms", ".4f"), ("cudnn_prefix_only_ms", "cuDNN prefix ms", ".4f"),
         ("speedup_vs_xla", "x XLA", ".1f"), ("speedup_vs_cudnn_prefix_only", "x cuDNN", ".1f"),
         ("max_diff", "max diff", ".2e"), ("best_ms", "best ms", ".4f"), ("best_config", "best config", "s")])
-    print("wrote", write_result(args.out, "tree_decode", {"rows": rows, "table": table, "device": device_name(),
+    print("wrote", write_result(args.out, args.name, {"rows": rows, "table": table, "device": device_name(),
                                                           "num_cores": num_cores()}))
     return 0
 

@@ -75,7 +75,7 @@ def _row_split_kinds(pattern, m: Modality) -> list[int]:
     kinds in id order; TwoD only those with a listed pair)."""
     present = sorted({kind for row in m.spans for kind, _, _ in row})
     if isinstance(pattern, TwoDBoundary):
-        listed = {m.kind(mq) for (mq, mk), _ in pattern.patterns if m.kind(mk) in present}
+        listed = {qk for qk, _ in pattern.pair_patterns(m)}
         return [x for x in present if x in listed]
     return present
 
@@ -338,8 +338,8 @@ def _two_d(layer: _Layer, cands, dense, bud, tol, note, best_nb, take) -> None:
     present, key_kinds = layer.present, layer.key_kinds
     C = len(cands)
 
-    def pairs_for(mk, p):
-        return TwoDBoundary({(names[a], names[mk]): p for a in present})
+    def pairs_for(mk, p):  # the pairs of one key kind; the others are scored from their own parts
+        return TwoDBoundary({(names[a], names[mk]): p for a in present}, skip_missing=True)
 
     dense_by_key, pair = {}, {}
     for mk in key_kinds:

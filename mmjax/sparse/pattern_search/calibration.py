@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax.files import atomic_write_with
 from mmjax.sparse.modality import DEFAULT_NAMES, Modality
 from models.attention import dense_attention
 
@@ -42,6 +43,12 @@ def _check_layer(i: int, q, k, v) -> None:
             raise ValueError(f"calibration {name}_{i}: expected {want}; received shape {_shape(x)}")
         if not jnp.issubdtype(jnp.dtype(getattr(x, "dtype", np.asarray(x).dtype)), jnp.floating):
             raise ValueError(f"calibration {name}_{i}: expected a float dtype; received {x.dtype}")
+        if not isinstance(x, jax.core.Tracer):
+            finite = np.asarray(jnp.isfinite(jnp.asarray(x)))
+            if not finite.all():
+                at = [int(j) for j in np.argwhere(~finite)[0]]
+                raise ValueError(f"calibration {name}_{i}: expected finite values (the search compares attention "
+                                 f"outputs); received {int((~finite).sum())} NaN / inf, the first at index {at}")
     b, t, n, d = np.shape(q)
     if np.shape(k) != np.shape(v):
         raise ValueError(f"calibration v_{i}: expected the shape of k_{i} {_shape(k)}; received {_shape(v)}")
@@ -154,9 +161,12 @@ class Calibration:
             out["modality_names"] = np.asarray(self.modality.names)
         return out
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the npz layout (bfloat16 arrays are stored as float32)."""
-        np.savez(path, **self.to_arrays())
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+        """Write the npz layout (bfloat16 arrays are stored as float32) to ``path`` exactly
+        (no suffix is added), atomically: a temporary file beside it, renamed into place. An
+        existing file is replaced only with ``overwrite=True``."""
+        arrays = self.to_arrays()
+        atomic_write_with(path, lambda f: np.savez(f, **arrays), binary=True, overwrite=overwrite)
 
 
 def as_calibration(calibration, modality=None) -> Calibration:

@@ -13,7 +13,9 @@
   keys of mk only (packed first; estimation over them), so every key is attended through
   the pattern of its own modality: a key block straddling mk's last key becomes single
   columns. The pairs of one query modality are disjoint and are merged by lse
-  (`LayoutSet`). Pairs not listed are not computed.
+  (`LayoutSet`). Every (query kind, key kind) pair of the modalities present must be listed,
+  or ``default`` given (it serves the unlisted pairs); ``skip_missing=True`` says explicitly
+  that unlisted pairs are not computed (their rows may then see no key and give 0).
 
 Inner patterns build through `Pattern.build_placed` (`mmjax.sparse.placement`): windows, slash
 offsets, Grid line phases and causal cut-offs are on original positions whatever the
@@ -21,6 +23,9 @@ permutation. Every permutation is a `BlockLayout` ``q_perm`` / ``kv_perm``: the 
 applies causality on original positions, so each wrapper computes exactly
 ``layout.to_dense_mask()``. Patterns with their own permutation (Grid) compose with every
 wrapper. Modality names key the dicts; kinds missing from a QBoundary use ``default``.
+A wrapper never leaves a present modality uncovered without being told: a QBoundary without a
+pattern for a present kind, or a TwoDBoundary without a present pair, raises a ValueError
+naming what is missing unless a ``default`` is given.
 """
 
 from __future__ import annotations
@@ -61,10 +66,11 @@ def _keep_query_blocks(part: BlockLayout, q_kind: jax.Array, kind: int) -> Block
 
 
 # --------------------------------------------------------------------- helpers
-def _need_modality(modality, who: str) -> Modality:
+def _need_modality(modality, who: str, q, k) -> Modality:
     if not isinstance(modality, Modality):
         raise ValueError(f"modality: {who} needs a Modality (per-token kinds); received "
                          f"{type(modality).__name__}")
+    modality.check(q, k)  # ids cover k; static spans agree with the ids
     return modality
 
 
@@ -119,7 +125,7 @@ class KBoundary(Pattern):
         _check_inner("pattern", self.pattern)
 
     def build_layout(self, q, k, *, modality=None) -> AnyLayout:
-        m = _need_modality(modality, "KBoundary")
+        m = _need_modality(modality, "KBoundary", q, k)
         b, t = q.shape[0], q.shape[1]
         pl = Placement(rows=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), k_group=m.ids,
                        num_groups=m.num_kinds)
@@ -157,7 +163,7 @@ class QBoundary(Pattern):
             _check_inner("default", self.default)
 
     def build_layout(self, q, k, *, modality=None) -> RowSplit:
-        m = _need_modality(modality, "QBoundary")
+        m = _need_modality(modality, "QBoundary", q, k)
         given = dict(self.patterns)
         unknown = sorted(set(given) - set(m.names))
         if unknown:
@@ -180,10 +186,15 @@ class QBoundary(Pattern):
 @dataclasses.dataclass(frozen=True)
 class TwoDBoundary(Pattern):
     """One intra pattern per (query modality, key modality) pair, restricted to that pair's
-    key blocks in modality order and merged by lse per query modality. Unlisted pairs are
-    not computed."""
+    key blocks in modality order and merged by lse per query modality.
+
+    Every pair of present kinds needs a pattern: listed in ``patterns``, else ``default``;
+    without a default a missing pair is a ValueError naming it, unless ``skip_missing=True``
+    (unlisted pairs are then not computed)."""
 
     patterns: Mapping[tuple[str, str], Pattern] | tuple
+    default: Pattern | None = None
+    skip_missing: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patterns", _items(
@@ -191,23 +202,50 @@ class TwoDBoundary(Pattern):
             lambda key: isinstance(key, tuple) and len(key) == 2 and all(isinstance(x, str) for x in key)))
         super().__post_init__()
 
-    def build_layout(self, q, k, *, modality=None) -> RowSplit:
-        m = _need_modality(modality, "TwoDBoundary")
+    def validate(self) -> None:
+        if self.default is not None:
+            _check_inner("default", self.default)
+        if not isinstance(self.skip_missing, bool):
+            raise ValueError(f"skip_missing: expected a bool; received {self.skip_missing!r}")
+        if self.skip_missing and self.default is not None:
+            raise ValueError("default / skip_missing: expected at most one (a default computes the unlisted "
+                             "pairs, skip_missing leaves them out); received both")
+
+    def pair_patterns(self, m: Modality) -> dict[tuple[int, int], Pattern]:
+        """(query kind, key kind) -> pattern for the present kinds of ``m`` (listed pairs, then
+        ``default``). Raises ValueError naming the missing pairs when neither covers one and
+        ``skip_missing`` is False."""
         unknown = sorted({x for key, _ in self.patterns for x in key} - set(m.names))
         if unknown:
             raise ValueError(f"patterns: expected modality names from {m.names}; received {unknown}")
+        present = sorted(_present(m))
+        given = {(m.kind(a), m.kind(b)): p for (a, b), p in self.patterns}
+        out, missing = {}, []
+        for qk in present:
+            for kk in present:
+                p = given.get((qk, kk), self.default)
+                if p is not None:
+                    out[(qk, kk)] = p
+                elif not self.skip_missing:
+                    missing.append((m.names[qk], m.names[kk]))
+        if missing:
+            raise ValueError(f"patterns: expected a pattern for every (query, key) pair of the modalities present "
+                             f"{tuple(m.names[x] for x in present)}, or default=..., or skip_missing=True; "
+                             f"missing {missing}")
+        return out
+
+    def build_layout(self, q, k, *, modality=None) -> RowSplit:
+        m = _need_modality(modality, "TwoDBoundary", q, k)
+        pairs = self.pair_patterns(m)
         q_kind = m.query_ids(q.shape[1])
         parts, kinds = [], []
-        for qk, q_name in enumerate(m.names):
-            pairs = [(k_name, p) for (qn, k_name), p in self.patterns
-                     if qn == q_name and m.kind(k_name) in _present(m)]
-            if qk not in _present(m):
-                continue
-            if not pairs:
+        for qk in range(m.num_kinds):
+            mine = [(kk, p) for (a, kk), p in pairs.items() if a == qk]
+            if not mine:
                 continue
             pair_parts = []
-            for k_name, pattern in pairs:
-                layout = _query_modality_layout(pattern, q, k, q_kind, qk, k_valid=m.ids == m.kind(k_name))
+            for kk, pattern in mine:
+                layout = _query_modality_layout(pattern, q, k, q_kind, qk, k_valid=m.ids == kk)
                 pair_parts += list(block_parts(layout))
             parts.append(LayoutSet(tuple(pair_parts)))
             kinds.append(qk)

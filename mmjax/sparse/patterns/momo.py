@@ -232,7 +232,8 @@ class Momo(Pattern):
         res = qsa_topk(q, k, v, gamma=self.gamma, block_kv=self.block, top_k=self.k,
                        k_exact=self.k_exact, topk=self.topk, sink_blocks=self.sink_blocks,
                        local=self.local, sm_scale=options.sm_scale,
-                       implementation=options.implementation, interpret=options.interpret)
+                       implementation=options.implementation, interpret=options.interpret,
+                       check_finite=options.check_finite)
         geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,
                    sink_blocks=self.sink_blocks, local=self.local)
         ids, _ = union_trim(res.block_idx, res.block_score, gamma=self.gamma, k_trim=self.trim, **geo)
@@ -252,5 +253,6 @@ class Momo(Pattern):
         out, lse = block_sparse_attention(
             q, k, v, plan.layout, sm_scale=options.sm_scale,
             implementation=options.implementation, interpret=options.interpret,
+            check_finite=options.check_finite,
         )
         return delta_correct(out, lse, plan.qsa.out_gamma, plan.qsa.lse_gamma, self.gamma)
