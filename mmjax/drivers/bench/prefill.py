@@ -190,8 +190,8 @@ def _speedups(rows: list[dict]) -> None:
             r["speedup"] = dense[r["tokens"]] / r["warm_s"]
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """TTFT and peak memory against tokens, one line per attention."""
+def plot(rows: list[dict], path: str, device: str | None = None) -> None:
+    """TTFT and peak memory against tokens, one line per attention (``device`` names the plot)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -213,7 +213,7 @@ def plot(rows: list[dict], path: str) -> None:
         if ax.get_lines():
             ax.legend()
     a.set_yscale("log")
-    fig.suptitle(f"mmjax.prefill, {device_name()}")
+    fig.suptitle(f"mmjax.prefill, {device or device_name()}")
     fig.tight_layout()
     tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=120)
