@@ -51,15 +51,24 @@ def _row_blocks(layout: BlockLayout, rows: jax.Array, batch: int, heads: int) ->
 
 
 def captured_mass(mass: jax.Array, layout: BlockLayout, rows: jax.Array) -> dict[str, jax.Array]:
-    """Mass the layout captures vs the oracle that keeps, for every row, its own best blocks,
-    as many as the layout computes (causal blocks only) for that row.
+    """Mass the layout captures vs two oracles with as many blocks as the layout computes
+    (causal blocks only) for each row:
+
+    * "oracle" (per row): every row keeps its own best blocks. No layout with one block
+      list per query block reaches it when the rows of a query block prefer different
+      blocks; it is the upper bound of the MOMO paper's Fig. 2e;
+    * "oracle_block" (per query block): the rows of ``rows`` that share a query block keep
+      the blocks with the most mass summed over those rows (the best shared list), each row
+      as many as its own count. With whole query blocks in ``rows`` this is the best any
+      block layout with the layout's counts can do; with one row per block it equals
+      "oracle".
 
     Args:
       mass: ``[B, N, R, nk]`` from `block_mass` (same block size as ``layout.block_k``).
       rows: the query rows ``[R]`` mass was computed for.
 
     Returns dict of float32 ``[B, N]`` means over rows: "captured", "oracle", "ratio"
-    (captured / oracle), and "blocks" (mean blocks per row).
+    (captured / oracle), "oracle_block", "ratio_block" and "blocks" (mean blocks per row).
     """
     b, n, r, nk = mass.shape
     rows = jnp.asarray(rows, jnp.int32)
@@ -73,12 +82,28 @@ def captured_mass(mass: jax.Array, layout: BlockLayout, rows: jax.Array) -> dict
     cum = jnp.cumsum(ranked, axis=-1)
     oracle = jnp.take_along_axis(cum, jnp.maximum(count - 1, 0)[..., None], -1)[..., 0]
     oracle = jnp.where(count > 0, oracle, 0.0)
+    oracle_block = _shared_list_oracle(mass, rows // layout.block_q, count)
     return {
         "captured": captured.mean(-1),
         "oracle": oracle.mean(-1),
         "ratio": captured.mean(-1) / jnp.maximum(oracle.mean(-1), 1e-30),
+        "oracle_block": oracle_block.mean(-1),
+        "ratio_block": captured.mean(-1) / jnp.maximum(oracle_block.mean(-1), 1e-30),
         "blocks": count.astype(jnp.float32).mean(-1),
     }
+
+
+def _shared_list_oracle(mass: jax.Array, group: jax.Array, count: jax.Array) -> jax.Array:
+    """Per row ``[B, N, R]``: the mass it keeps when the rows with equal ``group`` (int
+    ``[R]``, the query block) share one ranking of blocks by their summed mass and each row
+    keeps the first ``count`` (``[B, N, R]``) of that ranking."""
+    same = group[:, None] == group[None, :]  # [R, R]
+    summed = jnp.einsum("rs,bnsk->bnrk", same.astype(mass.dtype), mass)
+    order = jnp.argsort(-summed, axis=-1)
+    ranked = jnp.take_along_axis(mass, order, axis=-1)
+    cum = jnp.cumsum(ranked, axis=-1)
+    kept = jnp.take_along_axis(cum, jnp.maximum(count - 1, 0)[..., None], -1)[..., 0]
+    return jnp.where(count > 0, kept, 0.0)
 
 
 def momo_sparsity(layout: BlockLayout, gamma: int) -> jax.Array:

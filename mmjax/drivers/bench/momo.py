@@ -140,7 +140,8 @@ def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
     def trim(res, t, s):
         geo = dict(q_len=t, kv_len=s, query_block=pattern.query_block, block=pattern.block,
                    sink_blocks=pattern.sink_blocks, local=pattern.local)
-        ids, _ = union_trim(res.block_idx, res.block_score, gamma=pattern.gamma, k_trim=pattern.trim, **geo)
+        ids, _ = union_trim(res.block_idx, res.block_score, gamma=pattern.gamma, k_trim=pattern.trim,
+                            rule=pattern.trim_rule, lse=res.lse_gamma, **geo)
         return assemble_layout(ids, **geo)
 
     def key_sparse(q, k, v, layout):
