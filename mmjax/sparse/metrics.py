@@ -154,3 +154,56 @@ def mean_pooled_layout(q: jax.Array, k: jax.Array, *, query_block: int, block: i
     ids = jnp.einsum("nbqk->bnqk", ids)
     return assemble_layout(ids, q_len=t, kv_len=s, query_block=query_block, block=block,
                            sink_blocks=sink_blocks, local=local)
+
+
+# ------------------------------------------------------- oracle block masks (patterns)
+def block_mass_matrix(q: jax.Array, k: jax.Array, *, block_q: int, block_k: int,
+                      sm_scale: float | None = None) -> jax.Array:
+    """Causal softmax mass of every (query block, key block) tile, summed over the tile's
+    rows: float32 ``[B, N, nq, nk]`` (each query block's row sums to its row count). One
+    query block at a time (``block_q x S`` scores per head), so it runs at 64k tokens on a
+    CPU; the reference for recall-vs-density oracles."""
+    b, t, n, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    nq, nk = cdiv(t, block_q), cdiv(s, block_k)
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    qp = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, nq * block_q - t), (0, 0), (0, 0)))
+    kf = jnp.repeat(k.astype(jnp.float32), n // kh, axis=2)
+    k_pos = jnp.arange(s)
+
+    def one(i):
+        qb = jax.lax.dynamic_slice_in_dim(qp, i * block_q, block_q, axis=1)  # [B, bq, N, D]
+        pos = i * block_q + jnp.arange(block_q) + (s - t)
+        sc = jnp.einsum("bqnd,bsnd->bnqs", qb, kf, precision=jax.lax.Precision.HIGHEST) * scale
+        ok = (k_pos[None, :] <= pos[:, None]) & (pos[:, None] < s)
+        sc = jnp.where(ok, sc, -jnp.inf)
+        m = sc.max(-1, keepdims=True)
+        p = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0))
+        p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+        p = jnp.pad(p.sum(2), ((0, 0), (0, 0), (0, nk * block_k - s)))
+        return p.reshape(b, n, nk, block_k).sum(-1)  # [B, N, nk]
+
+    out = jax.lax.map(one, jnp.arange(nq))  # [nq, B, N, nk]
+    return jnp.einsum("qbnk->bnqk", out)
+
+
+def oracle_recall(mass: jax.Array, density: jax.Array, *, q_len: int, kv_len: int, block_q: int,
+                  block_k: int) -> jax.Array:
+    """Recall of the best block mask (original order) that computes at most ``density`` of
+    the causal pairs, counting whole tiles as `BlockLayout.density` does.
+
+    mass: ``[B, N, nq, nk]`` from `block_mass_matrix`; density: ``[B|1, N|1]`` or a float.
+    Returns float32 ``[B, N]``: mass kept / rows. Tiles are taken by mass per pair (all
+    causal tiles of one shape cost the same, edge tiles less), greedily."""
+    b, n, nq, nk = mass.shape
+    rows = jnp.minimum(block_q, q_len - jnp.arange(nq) * block_q).astype(jnp.float32)
+    cols = jnp.minimum(block_k, kv_len - jnp.arange(nk) * block_k).astype(jnp.float32)
+    cost = (rows[:, None] * cols[None, :]).ravel()  # [nq * nk]
+    per_pair = (mass.reshape(b, n, -1) / cost)
+    order = jnp.argsort(-per_pair, axis=-1)
+    spent = jnp.cumsum(cost[order], axis=-1)
+    kept = jnp.cumsum(jnp.take_along_axis(mass.reshape(b, n, -1), order, -1), axis=-1)
+    budget = jnp.broadcast_to(jnp.asarray(density, jnp.float32), (b, n))[..., None] * causal_pairs(q_len, kv_len)
+    take = (spent <= budget + 1e-3).sum(-1)  # tiles that fit
+    got = jnp.take_along_axis(kept, jnp.maximum(take - 1, 0)[..., None], -1)[..., 0]
+    return jnp.where(take > 0, got, 0.0) / q_len

@@ -94,7 +94,7 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
         scores = jnp.einsum("bnqd,bnld->bnql", qblk, kk) * sm_scale
         ok = valid[:, :, None, :]
         if causal:
-            ok = ok & (kpos[:, :, None, :] <= qpos[..., None])
+            ok = ok & (kpos[:, :, None, :] + layout.gap <= qpos[..., None])
         scores = jnp.where(ok, scores, _NEG_INF)
         return _online_update(carry[:3], scores, vv) + (qblk,)
 

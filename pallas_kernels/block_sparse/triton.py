@@ -3,7 +3,7 @@
 One program per (query block, query head, batch). It keeps its query tile in registers and
 follows the layout's key-block list: contiguous key tiles are sliced, permuted key tiles are
 gathered row by row through `kv_perm`, and single key columns are gathered into dense
-``block_k``-wide tiles. The causal mask (original positions) is computed only for tiles
+``block_k``-wide tiles. The causal mask (original positions, minus the layout's causal ``gap``) is computed only for tiles
 that can contain a masked pair: a tile whose largest key position is beyond the smallest
 query position of the block, or that holds padding. Softmax runs in base 2 with float32
 statistics; masked scores are -inf and fully masked rows end as out = 0, lse = -inf.
@@ -33,7 +33,7 @@ from pallas_kernels.tiling import pad_to as _pad_to
 def _kernel(
     q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs,
     sm_scale: float, causal: bool, block_q: int, block_k: int, num_q_blocks: int,
-    kv_len: int, q_offset: int, leads: dict[str, tuple[bool, bool]],
+    kv_len: int, q_offset: int, gap: int, leads: dict[str, tuple[bool, bool]],
     has_qperm: bool, has_kvperm: bool, has_cols: bool,
 ):
     refs = list(refs)
@@ -68,7 +68,7 @@ def _kernel(
     def masked(k_pos):
         ok = k_pos[None, :] < kv_len
         if causal:
-            ok = ok & (k_pos[None, :] <= q_pos[:, None])
+            ok = ok & (k_pos[None, :] + gap <= q_pos[:, None])
         return lambda s: jnp.where(ok, s, -jnp.inf)
 
     def block_body(j, carry):
@@ -84,7 +84,7 @@ def _kernel(
             k = k_ref[pl.ds(start, block_k), :]
             v = v_ref[pl.ds(start, block_k), :]
             k_last = start + block_k - 1
-        need = (k_last > q_min) if causal else (k_last >= kv_len)
+        need = (k_last + gap > q_min) if causal else (k_last >= kv_len)
         mask_fn = masked(k_pos)
         return update(
             carry, k, v,
@@ -205,7 +205,7 @@ def launch(
     kernel = functools.partial(
         _kernel,
         sm_scale=sm_scale, causal=causal, block_q=bq, block_k=bk, num_q_blocks=nq,
-        kv_len=layout.kv_len, q_offset=layout.q_offset,
+        kv_len=layout.kv_len, q_offset=layout.q_offset, gap=layout.gap,
         leads={name: _lead_flags(ops[name]) for name in names},
         has_qperm=has_qperm, has_kvperm="kv_perm" in ops, has_cols="kv_columns" in ops,
     )

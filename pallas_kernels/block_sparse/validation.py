@@ -71,6 +71,8 @@ def _concrete(x) -> np.ndarray | None:
 
 def check_layout_values(layout: BlockLayout) -> None:
     """Value checks on concrete layouts (skipped for traced arrays)."""
+    if not isinstance(layout.gap, (int, np.integer)) or isinstance(layout.gap, bool) or layout.gap < 0:
+        raise ValueError(f"layout.gap: expected an int >= 0 (causal gap); received {layout.gap!r}")
     nk = layout.num_kv_blocks
     blocks, count = _concrete(layout.kv_blocks), _concrete(layout.kv_block_count)
     if blocks is not None and count is not None:

@@ -202,3 +202,30 @@ def test_broadcast_lists_and_columns_with_their_own_lead_dims():
     for kw in ({"implementation": "reference"}, {"interpret": True}):
         out, lse = block_sparse_attention(q, k, v, layout, **kw)
         _check(out, lse, ref_out, ref_lse, jnp.float32)
+
+
+@pytest.mark.parametrize("perm", [False, True])
+@pytest.mark.parametrize("gap", [1, 7, 40])
+def test_causal_gap_masks_the_nearest_keys_and_merges_with_a_window(perm, gap):
+    """A layout with a causal gap g computes keys <= position - g; merged with a window of
+    the g nearest keys (gap 0) it equals the union layout."""
+    b, t, s, n, kh, d = 1, 70, 100, 4, 2, 32
+    q, k, v = random_qkv(gap, b, t, s, n, kh, d)
+    rng = np.random.default_rng(gap)
+    far = random_layout(rng, b, n, t, s, 32, 16, density=0.7, perm=perm).replace(gap=gap)
+    mask = far.to_dense_mask()
+    pos_q = np.arange(t)[:, None] + s - t
+    assert not np.asarray(mask)[..., (pos_q - np.arange(s)[None, :]) < gap].any()
+    ref_out, ref_lse = masked_dense_attention(q, k, v, mask)
+    for kw in ({"implementation": "reference"}, {"interpret": True}):
+        out, lse = block_sparse_attention(q, k, v, far, **kw)
+        _check(out, lse, ref_out, ref_lse, jnp.float32)
+    near = BlockLayout.dense_causal(t, s, block_q=32, block_k=16)
+    near_mask = np.asarray(near.to_dense_mask()) & ((pos_q - np.arange(s)[None, :]) < gap)
+    assert not (np.asarray(mask) & near_mask).any()
+    out_n, lse_n = masked_dense_attention(q, k, v, jnp.asarray(near_mask))
+    out_m, lse_m = merge_attention(*block_sparse_attention(q, k, v, far, interpret=True), out_n, lse_n)
+    ref_u, _ = masked_dense_attention(q, k, v, mask | jnp.asarray(near_mask))
+    assert rel_err(out_m, ref_u) < 1e-5
+    with pytest.raises(ValueError, match="^causal:"):
+        block_sparse_attention(q, k, v, far, causal=False)
