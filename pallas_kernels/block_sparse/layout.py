@@ -14,8 +14,9 @@ Causality is always decided on *original* positions. Queries are the last ``q_le
 ``kv_len`` positions (suffix / chunked prefill): original query ``t`` sits at position
 ``t + kv_len - q_len``; key ``s`` sits at position ``s``. A layout may ask for a causal
 *gap* (``gap`` g >= 0, static): the query at position p then sees keys at positions
-``<= p - g`` only, so a layout listing far keys can be merged exactly with a window of the
-``g`` nearest keys computed by another layout.
+``<= p - g`` only; with a causal *window* (``window`` w >= 1, static; 0 = none) it sees keys
+at positions ``> p - w`` only. A layout with ``window=g`` and one with ``gap=g`` split every
+query's causal keys exactly (near / far), whatever blocks they list.
 
 Every array has leading dims ``[B|1, N|1]``: a size-1 batch or head dim is broadcast, so one
 dense-causal list serves all heads. Block and column lists (and their counts) may also have a
@@ -58,6 +59,8 @@ class BlockLayout:
       q_len, kv_len: the sequence lengths T and S the layout was built for (static).
       gap: causal gap (static, >= 0): with causal attention a query at position p sees
         keys at positions <= p - gap (0: plain causal).
+      window: causal window (static, >= 0): with causal attention a query at position p sees
+        keys at positions > p - window only (0: no window).
     """
 
     kv_blocks: jax.Array
@@ -71,6 +74,7 @@ class BlockLayout:
     q_len: int = dataclasses.field(default=0, metadata=dict(static=True))
     kv_len: int = dataclasses.field(default=0, metadata=dict(static=True))
     gap: int = dataclasses.field(default=0, metadata=dict(static=True))
+    window: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -276,6 +280,8 @@ class BlockLayout:
         k_pos = jnp.broadcast_to(k_pos, lead + k_pos.shape[2:])
         if causal:
             pairs = pairs & (k_pos[..., None, :] + self.gap <= q_pos[..., :, None])
+            if self.window:
+                pairs = pairs & (k_pos[..., None, :] + self.window > q_pos[..., :, None])
         # Scatter permuted rows/cols back to original order.
         q_orig = q_pos - self.q_offset
         inv_q = inverse_permutation(q_orig)

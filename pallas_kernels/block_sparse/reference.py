@@ -95,6 +95,8 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
         ok = valid[:, :, None, :]
         if causal:
             ok = ok & (kpos[:, :, None, :] + layout.gap <= qpos[..., None])
+            if layout.window:
+                ok = ok & (kpos[:, :, None, :] + layout.window > qpos[..., None])
         scores = jnp.where(ok, scores, _NEG_INF)
         return _online_update(carry[:3], scores, vv) + (qblk,)
 
