@@ -19,6 +19,7 @@ from mmjax.sparse import (
                           SparseConfig,
                           attention_recall,
                           build_layout,
+                          plot_layout,
                           search,
                           sparse_attention,
 )
@@ -28,4 +29,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Calibration", "CalibrationRecorder", "GenerateOutput", "LayoutSet", "Modality", "PrefillOutput",
            "RowSplit", "SearchSpace", "SparseConfig", "attention_recall", "build_layout", "decode_step", "generate",
-           "patterns", "prefill", "search", "sparse_attention", "speculative"]
+           "patterns", "plot_layout", "prefill", "search", "sparse_attention", "speculative"]
