@@ -20,7 +20,6 @@ search list of MInference's ``mminference.py``):
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 from mmjax.sparse.patterns import AShape, Grid, Pattern, VerticalSlash
 from mmjax.sparse.patterns.grid import STRIDE_SOURCES
@@ -29,14 +28,18 @@ BOUNDARIES = ("NoBoundary", "KBoundary", "QBoundary", "TwoDBoundary")
 TABLE3_ASHAPE = ((128, 1024), (128, 2048), (128, 4096))
 TABLE3_VERTICAL_SLASH = ((1000, 1024), (1000, 2048), (2000, 2048), (1000, 3096), (2000, 3096), (1000, 4096),
                          (2000, 4096), (3500, 200), (1000, 2500))
-GRID_FLAGS = tuple(f for f in itertools.product((True, False), repeat=3) if any(f))  # 6 (h, v, s)
+# (use_hline, use_vline, use_slash): the six combinations of MInference's search list
+# (hline + slash without vline is not among them).
+GRID_FLAGS = ((True, False, False), (False, True, False), (False, False, True), (True, True, False),
+              (False, True, True), (True, True, True))
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchSpace:
     """Candidates: ``ashape`` (sink, local) pairs, ``vertical_slash`` (vertical_size,
     slash_size) pairs, Grid ``grid_strides`` (stride sources "frame" / "search" or ints) x
-    ``grid_flags`` (use_hline, use_vline, use_slash) x ``grid_local`` bands;
+    ``grid_flags`` (use_hline, use_vline, use_slash) x ``grid_local`` bands, each keeping the
+    first ``grid_sink`` keys;
     ``grid_stride_space`` (None: the Grid default) / ``grid_max_stride`` bound the online
     stride search. ``boundaries``: the boundary types tried, simplest first (ties go to the
     earlier one). ``last_q`` / blocks apply to every candidate."""
@@ -46,6 +49,7 @@ class SearchSpace:
     grid_strides: tuple[int | str, ...] = STRIDE_SOURCES
     grid_flags: tuple[tuple[bool, bool, bool], ...] = GRID_FLAGS
     grid_local: tuple[int, ...] = (128,)
+    grid_sink: int = 0
     grid_stride_space: tuple[int, ...] | None = None
     grid_max_stride: int = 1024
     boundaries: tuple[str, ...] = BOUNDARIES
@@ -84,7 +88,8 @@ class SearchSpace:
         out: list[Pattern] = [AShape(sink=s, local=w, **blocks) for s, w in self.ashape]
         out += [VerticalSlash(vertical_size=v, slash_size=sl, last_q=self.last_q, **blocks)
                 for v, sl in self.vertical_slash]
-        out += [Grid(stride=st, use_hline=h, use_vline=vl, use_slash=sl, local=w, last_q=self.last_q,
+        out += [Grid(stride=st, use_hline=h, use_vline=vl, use_slash=sl, local=w, sink=self.grid_sink,
+                     last_q=self.last_q,
                      stride_space=self.grid_stride_space, max_stride=self.grid_max_stride, **blocks)
                 for st in self.grid_strides if st != "frame" or frame_tokens is not None
                 for h, vl, sl in self.grid_flags for w in self.grid_local]

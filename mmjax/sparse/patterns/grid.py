@@ -4,6 +4,7 @@ permuted into dense blocks.
 The pattern, per head, for a stride ``s`` and line phases ``P`` (``phases`` of them):
 
 * main diagonal band: the ``local`` nearest keys of every query (always kept; 0 = none);
+* sink: the first ``sink`` keys (e.g. the text before the video), always kept;
 * slash lines (``use_slash``): the diagonals at offsets ``m * s``, ``m >= 1``: a query
   attends the same phase, i.e. the same spatial position, in every earlier frame;
 * vertical lines (``use_vline``): the keys at a phase in P (e.g. each frame's sink token);
@@ -27,7 +28,8 @@ frame) is then contiguous and in frame order, and the line phases come first. In
 * the slash lines are block diagonal: the pairs at offsets ``m * s`` are exactly the pairs of
   equal phase, so query group g sees key group g, and a query block whose rows span groups
   ``[a, b]`` lists the key range of groups ``[a, b]``, a few dense tiles;
-* the vertical lines are the first ``|P|`` key groups: a contiguous prefix of the keys;
+* the vertical lines are the first ``|P|`` key groups: a contiguous prefix of the keys
+  (after the sink keys, which form one group of their own in front when ``sink`` > 0);
 * the horizontal lines are the first ``|P|`` query groups: the first query blocks, which
   list every key block.
 
@@ -88,9 +90,10 @@ def multiple_mass(slash: jax.Array, stride: int) -> jax.Array:
     return slash[..., stride::stride].sum(-1)
 
 
-def phase_groups(pos: jax.Array, stride: jax.Array, phase: jax.Array) -> jax.Array:
+def phase_groups(pos: jax.Array, stride: jax.Array, phase: jax.Array, sink: int = 0) -> jax.Array:
     """Phase group of every position (see the module docstring): pos int32 ``[L]`` or
-    ``[B|1, 1, L]``, stride ``[B, N]``, phase ``[B, N, P]`` -> int32 ``[B, N, L]``."""
+    ``[B|1, 1, L]``, stride ``[B, N]``, phase ``[B, N, P]`` -> int32 ``[B, N, L]``. With
+    ``sink`` > 0 the positions below it form group 0 and every other group moves up by one."""
     pos = jnp.asarray(pos, jnp.int32)
     if pos.ndim == 1:
         pos = pos[None, None]
@@ -99,7 +102,10 @@ def phase_groups(pos: jax.Array, stride: jax.Array, phase: jax.Array) -> jax.Arr
     n_lines = phase.shape[-1]
     line = ph[..., None] == phase[..., None, :]  # [B, N, L, P]
     rest = n_lines + (pos - phase[..., :1]) % s
-    return jnp.where(line.any(-1), jnp.argmax(line, -1), rest).astype(jnp.int32)
+    group = jnp.where(line.any(-1), jnp.argmax(line, -1), rest)
+    if sink:
+        group = jnp.where(pos < sink, 0, group + 1)
+    return group.astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +114,8 @@ class Grid(Pattern):
 
     stride: "search" | "frame" | an int; max_stride: largest searched stride;
     stride_space: searched candidates (None: `DEFAULT_STRIDES`); phases: line phases per
-    head; local: main diagonal band in tokens (0: none); last_q: estimation rows.
+    head; local: main diagonal band in tokens (0: none); sink: first keys always kept;
+    last_q: estimation rows.
     """
 
     stride: int | str = "search"
@@ -118,6 +125,7 @@ class Grid(Pattern):
     max_stride: int = 1024
     local: int = 128
     phases: int = 1
+    sink: int = 0
     last_q: int = 64
     stride_space: tuple[int, ...] | None = None
     block_q: int = 128
@@ -138,6 +146,7 @@ class Grid(Pattern):
         check_int("last_q", self.last_q, 1)
         check_int("local", self.local, 0)
         check_int("phases", self.phases, 1)
+        check_int("sink", self.sink, 0)
         if isinstance(self.stride, int) and self.phases > self.stride:
             raise ValueError(f"phases: expected phases <= stride={self.stride}; received {self.phases}")
         if not self.local and not self.has_lines:
@@ -147,7 +156,7 @@ class Grid(Pattern):
     # -------------------------------------------------------------- stride
     @property
     def has_lines(self) -> bool:
-        return self.use_hline or self.use_vline or self.use_slash
+        return self.use_hline or self.use_vline or self.use_slash or self.sink > 0
 
     def candidate_strides(self, s: int) -> tuple[int, ...]:
         space = DEFAULT_STRIDES if self.stride_space is None else self.stride_space
@@ -245,8 +254,8 @@ class Grid(Pattern):
         """stride ``[B,N]``, phase ``[B,N,P]`` -> the `LayoutSet` of the module docstring.
         bounds: static (smallest, largest) stride (list widths)."""
         off = s - t
-        kg = phase_groups(jnp.arange(s), stride, phase)  # [B, N, S]
-        qg = phase_groups(jnp.arange(t) + off, stride, phase)
+        kg = phase_groups(jnp.arange(s), stride, phase, self.sink)  # [B, N, S]
+        qg = phase_groups(jnp.arange(t) + off, stride, phase, self.sink)
         kv_perm = jnp.argsort(kg, axis=-1, stable=True).astype(jnp.int32)
         q_perm = jnp.argsort(qg, axis=-1, stable=True).astype(jnp.int32)
         kg_sorted = jnp.take_along_axis(kg, kv_perm, -1)
@@ -263,7 +272,8 @@ class Grid(Pattern):
         key segment (one segment: the groups themselves)."""
         bq, bk = self.block_q, self.block_k
         nq, nk = cdiv(t, bq), cdiv(s, bk)
-        p_lines = self.phases
+        front = 1 if self.sink else 0  # the sink group
+        p_lines = self.phases + front  # groups [0, p_lines): sink, then the line phases
         code = kg_sorted if key_code is None else key_code
         gap = self.local
         parts = [] if band is None else [band]
@@ -278,7 +288,8 @@ class Grid(Pattern):
         search = lambda a, v, side: jax.vmap(jax.vmap(lambda x, y: jnp.searchsorted(x, y, side=side)))(
             jnp.broadcast_to(a, v.shape[:2] + a.shape[2:]), v).astype(jnp.int32)
         groups = []
-        if self.use_vline:
+        kept_groups = [g for g in range(p_lines) if g < front or self.use_vline]
+        if kept_groups:
             # Line keys by (segment, line group, position), every other key of a segment after
             # them: ascending in packed order (invalid segments last, beyond every search).
             n_seg = len(seg_base)
@@ -290,7 +301,7 @@ class Grid(Pattern):
             lcode = ((seg_idx * (p_lines + 1) + jnp.minimum(kg_sorted, p_lines)) * (s + 1)
                      + jnp.where(is_line, k_pos_sorted, s))
             for i in range(n_seg):
-                for g in range(p_lines):
+                for g in kept_groups:
                     c0 = (i * (p_lines + 1) + g) * (s + 1)
                     lo = search(lcode, jnp.full_like(reach, c0), "left")
                     hi = search(lcode, c0 + jnp.clip(reach, -1, s - 1), "right") - 1
@@ -308,14 +319,14 @@ class Grid(Pattern):
             blocks, count = jnp.zeros(g_lo.shape + (1,), jnp.int32), jnp.zeros_like(g_lo)
         common = dict(q_perm=q_perm, kv_perm=kv_perm, block_q=bq, block_k=bk, q_len=t, kv_len=s, gap=gap)
         if self.use_hline:
-            n_rows = (qg_sorted < p_lines).sum(-1)  # [B, N]
+            n_rows = (qg_sorted < p_lines).sum(-1)  # [B, N] (sink rows, the first queries, too)
             h_rows = jnp.arange(nq) * bq < n_rows[..., None]
             count = jnp.where(h_rows, 0, count)
             n_full = nk if n_valid is None else (n_valid + bk - 1) // bk
             full = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32)[None, None, None],
                                kv_block_count=jnp.where(h_rows, jnp.broadcast_to(n_full, n_rows.shape)[..., None],
                                                         0).astype(jnp.int32), **common)
-        if self.use_vline or self.use_slash:
+        if kept_groups or self.use_slash:
             parts.append(BlockLayout(kv_blocks=blocks, kv_block_count=count.astype(jnp.int32), **common))
         if self.use_hline:
             parts.append(full)
@@ -331,16 +342,16 @@ class Grid(Pattern):
                                          modality=placement)
         bounds = self.stride_bounds(s, placement)
         b = k.shape[0]
-        kg = phase_groups(jnp.arange(s)[None, None], stride, phase)  # [B, N, S]
+        kg = phase_groups(jnp.arange(s)[None, None], stride, phase, self.sink)  # [B, N, S]
         invalid = jnp.zeros((b, s), jnp.int32) if placement.k_valid is None else (~placement.k_valid).astype(jnp.int32)
         seg = (invalid * placement.num_groups + placement.k_group)[:, None]  # [B, 1, S]
-        n_codes = self.phases + bounds[1]
+        n_codes = self.phases + bounds[1] + 1
         key_code = seg * n_codes + kg  # < 2 * groups * (P + max stride): int32
         kv_perm = jnp.argsort(key_code, axis=-1, stable=True).astype(jnp.int32)
         code_sorted = jnp.take_along_axis(key_code, kv_perm, -1)
         kg_sorted = jnp.take_along_axis(kg, kv_perm, -1)
         row_pos = placement.rows + (s - t)  # [B, T]
-        qg = phase_groups(row_pos[:, None], stride, phase)  # [B, N, T]
+        qg = phase_groups(row_pos[:, None], stride, phase, self.sink)  # [B, N, T]
         inner = jnp.argsort(qg, axis=-1, stable=True).astype(jnp.int32)
         q_perm, q_pos = plc.q_positions(placement, s, inner)
         qg_sorted = jnp.take_along_axis(qg, inner, -1)

@@ -6,26 +6,34 @@ correction.
    per sampled row, scored by S(j) = logsumexp of the block's scaled logits.
 2. `union_trim` (MOMO Algorithm 2): per query block of ``query_block`` (chi) rows, merge
    the selections of its ``chi / gamma`` sampled rows and keep the ``k_trim`` best block ids
-   (ties to the lower id) by one of two rules (``Momo.trim_rule``):
+   (ties to the lower id) by one of two rules (``Momo.trim_rule``; "auto", the default, is
+   "mass" for the exact top-k algorithms and "mean" for "estimated"):
 
-   * ``"mass"`` (default): the summed softmax mass the sampled rows put on the block,
+   * ``"mass"``: the summed softmax mass the sampled rows put on the block,
      ``sum_g exp(S_g(j) - lse_g)`` over the rows g that kept j (0 for the others): an
      estimate of the query block's own mass in block j, the quantity the best shared block
-     list maximises;
-   * ``"mean"``: the mean score S(j) over the rows that kept j (Algorithm 2 as written).
+     list maximises. Exact when every row keeps its true top k (a block a row did not keep
+     has less mass there than the row's k-th block);
+   * ``"mean"``: the mean score S(j) over the rows that kept j (Algorithm 2 as written),
+     which does not assume that a block a row left out is worth nothing there: the
+     "estimated" top-k keeps blocks above a running quantile, not the row's true top k.
 
    `assemble_layout` adds the forced blocks (sink blocks, and every block from the local
    window of the query block's first row to its diagonal block) and builds a `BlockLayout`.
 
-Why "mass" (measured on CPU, 2026-11-23, `bench.momo.video_like` at S = 16k, frames of 1024
-tokens, k = k_trim = 16, gamma 16, the rows of 4 whole query blocks): the mean ignores how
-many sampled rows kept a block, so a block one row likes a lot beats a block every row
-likes; it captured 12.9% of the mass against 16.1% for the best shared list per query
-block at the same count (3.2 points; 4.1 with gamma 4: denser sampling made it *worse*).
-Summed mass captured 14.5% (1.6 points; 0.9 with gamma 4). The rest of the gap to the
-per-row oracle of `metrics.captured_mass` (21.7%) is granularity: each row of a 128-row
-query block keeps its own best blocks there, which no layout with one list per query
-block reaches (see `metrics.captured_mass`, "oracle" vs "oracle_block").
+Measured on CPU (reference implementations, 2026-11-23; `bench.momo.video_like`, frames of
+1024 tokens; every row of 2 random query blocks of the second half; 2 heads), default
+budget (gamma 16, k = k_trim = 128, chi 128, beta 64) at S = 128k: the captured mass is
+9.15% with the estimated top-k and the mean rule, against 17.41% for the per-row oracle
+(an 8.3-point gap, as on the GPU) and 12.25% for the best shared list per query block. So
+5.2 points are granularity: each row of a 128-row query block keeps its own best blocks in
+the per-row oracle, which no layout with one list per query block reaches. Of the 3.1
+points left, the mean rule costs 1.3 (exact top-k: 9.53% with "mean", 10.83% with "mass":
+the mean ignores how many sampled rows kept a block, so a block one row likes a lot beats a
+block every row likes) and the estimated selection the rest (estimated + "mass": 9.12%;
+k_exact 16 / 32: 9.60% / 9.95% with "mean"). Needle inputs: within 0.06 points either way;
+mixed video + text (`synthetic.mixed_video_text_qkv`): 1.03 points ("mean") / 0.51
+("mass") with the estimated top-k, 0.24 with exact + "mass".
 3. Key-sparse attention of all queries on that layout (`block_sparse_attention`) -> O_*.
 4. Delta correction (Eq. 3): ``out[t] = O_*[t] + (O_gamma - O_*)[gamma * (t // gamma)]``,
    so the sampled rows equal dense attention and every row of a gamma group is shifted by
@@ -86,6 +94,7 @@ def window_start(q_len: int, kv_len: int, *, query_block: int, block: int, local
 
 # -------------------------------------------------------------- union and trim
 TRIM_RULES = ("mass", "mean")
+MOMO_TRIM_RULES = ("auto",) + TRIM_RULES
 
 
 def union_trim(block_idx: jax.Array, block_score: jax.Array, *, q_len: int, kv_len: int,
@@ -206,8 +215,8 @@ class Momo(Pattern):
       sink: leading tokens forced in (rounded up to whole blocks).
       local: local window in tokens forced in (with the diagonal blocks).
       trim_rule: how union + trim ranks the sampled rows' blocks: "mass" (summed softmax
-        mass, default) or "mean" (mean score, Algorithm 2 as written); see the module
-        docstring.
+        mass), "mean" (mean score, Algorithm 2 as written) or "auto" (default: "mass" for
+        the exact / tournament top-k, "mean" for "estimated"); see the module docstring.
     """
 
     gamma: int = 16
@@ -219,7 +228,7 @@ class Momo(Pattern):
     topk: str = "estimated"
     sink: int = 64
     local: int = 128
-    trim_rule: str = "mass"
+    trim_rule: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()  # names block / query_block (the base class would say block_q / block_k)
@@ -236,6 +245,13 @@ class Momo(Pattern):
     @property
     def trim(self) -> int:
         return self.k if self.k_trim is None else self.k_trim
+
+    @property
+    def rule(self) -> str:
+        """The trim rule in use ("auto" resolved)."""
+        if self.trim_rule != "auto":
+            return self.trim_rule
+        return "mean" if self.topk == "estimated" else "mass"
 
     @property
     def sink_blocks(self) -> int:
@@ -258,8 +274,8 @@ class Momo(Pattern):
             raise ValueError(f"topk: expected one of {TOPK_ALGORITHMS}; received {self.topk!r}")
         check_int("sink", self.sink, 0)
         check_int("local", self.local, 0)
-        if self.trim_rule not in TRIM_RULES:
-            raise ValueError(f"trim_rule: expected one of {TRIM_RULES}; received {self.trim_rule!r}")
+        if self.trim_rule not in MOMO_TRIM_RULES:
+            raise ValueError(f"trim_rule: expected one of {MOMO_TRIM_RULES}; received {self.trim_rule!r}")
 
     def check_lengths(self, kv_len: int) -> None:
         nk = cdiv(kv_len, self.block)
@@ -279,7 +295,7 @@ class Momo(Pattern):
         geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,
                    sink_blocks=self.sink_blocks, local=self.local)
         ids, _ = union_trim(res.block_idx, res.block_score, gamma=self.gamma, k_trim=self.trim,
-                            rule=self.trim_rule, lse=res.lse_gamma, **geo)
+                            rule=self.rule, lse=res.lse_gamma, **geo)
         return MomoPlan(res, assemble_layout(ids, **geo))
 
     def build_layout(self, q: jax.Array, k: jax.Array, *, modality=None) -> BlockLayout:
