@@ -107,7 +107,7 @@ def test_frame_grid_inside_a_query_boundary_equals_masked_dense():
     (dict(local=0, use_hline=False, use_vline=False, use_slash=False), "local"), (dict(local=-1), "local"),
     (dict(phases=0), "phases"), (dict(stride=4, phases=5), "phases"), (dict(max_stride=0), "max_stride"),
     (dict(stride_space=()), "stride_space"), (dict(stride_space=(0, 64)), "stride_space"),
-    (dict(use_slash=1), "use_slash"),
+    (dict(use_slash=1), "use_slash"), (dict(sink=-1), "sink"),
 ])
 def test_bad_hyper_parameters_raise_value_error_naming_them(kw, name):
     with pytest.raises(ValueError, match=f"^{name}:"):

@@ -61,6 +61,7 @@ def fidelity_patterns() -> dict[str, Pattern]:
             out[name] = Grid(stride=stride, use_hline=flags[0], use_vline=flags[1], use_slash=flags[2])
     out["Grid(frame,hvs,local=512)"] = Grid(stride="frame", local=512)
     out["Momo"] = Momo()
+    out["Momo(k=16)"] = Momo(k=16)  # the default's share of the key blocks at 128k, at 16k
     return out
 
 
