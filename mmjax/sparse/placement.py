@@ -16,7 +16,7 @@ A boundary wrapper hands the inner pattern the *original* q / k plus a `Placemen
 
 Patterns state their rules on **original positions** (local windows, slash offsets, Grid line
 phases, causal cut-offs) and pack keys by ``(invalid, group, inner class, position)``: the
-inner class is the pattern's own key split (Grid: line keys first). Within a segment (one
+inner class is the pattern's own key split (Grid packs its own codes: phase groups). Within a segment (one
 group and one inner class) keys ascend by position, so a window of positions is one
 contiguous run of packed keys per segment, found by a binary search on the packed codes.
 Order-based rules (A-shape's ``sink``: the first keys of the packed order) act on the packed

@@ -19,6 +19,7 @@ import os
 import jax
 import jax.numpy as jnp
 import matplotlib
+import matplotlib.lines
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -171,12 +172,15 @@ def recall_density_figure(rows: list[dict], curves: dict[str, list[float]]) -> m
     fig, axes = plt.subplots(-(-len(names) // cols), cols, figsize=(5 * cols, 4 * -(-len(names) // cols)),
                              squeeze=False)
     markers = {"AShape": "s", "VerticalSlash": "^", "Grid": "o", "Momo": "D"}
+    names_p = list(dict.fromkeys(r["pattern"] for r in rows))
+    cmap = plt.get_cmap("tab20")
+    color = {p: cmap(i % 20) for i, p in enumerate(names_p)}  # one colour per pattern in every panel
     for ax, name in zip(axes.ravel(), names):
-        ax.plot(DENSITY_GRID, curves[name], "k--", lw=1, label="oracle block top-k")
+        ax.plot(DENSITY_GRID, curves[name], "k--", lw=1)
         for r in rows:
             if r["input"] == name and "recall" in r:
-                kind = r["pattern"].split("(")[0]
-                ax.scatter(r["density"], r["recall"], marker=markers.get(kind, "x"), s=25, label=r["pattern"])
+                ax.scatter(r["density"], r["recall"], marker=markers.get(r["pattern"].split("(")[0], "x"), s=25,
+                           color=color[r["pattern"]])
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("density (computed / causal pairs)")
         ax.set_ylabel("attention recall")
@@ -185,8 +189,10 @@ def recall_density_figure(rows: list[dict], curves: dict[str, list[float]]) -> m
         ax.grid(alpha=0.3)
     for ax in axes.ravel()[len(names):]:
         ax.axis("off")
-    handles, labels = axes.ravel()[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower right", fontsize=7)
+    handles = [matplotlib.lines.Line2D([], [], color="k", ls="--", label="oracle block top-k")]
+    handles += [matplotlib.lines.Line2D([], [], ls="", marker=markers.get(p.split("(")[0], "x"), color=color[p], label=p)
+                for p in names_p]
+    fig.legend(handles=handles, loc="lower right", fontsize=7)
     fig.tight_layout()
     return fig
 
