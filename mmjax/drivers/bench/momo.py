@@ -419,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="QSA tile (sampled rows per program, warps; 0 = default) instead of sweeping")
     p.add_argument("--algorithms", nargs="*", choices=("exact", "tournament", "estimated"),
                    help="top-k algorithms to run")
+    p.add_argument("--timed-algorithm", choices=("exact", "tournament", "estimated"),
+                   help="top-k algorithm of the timing section (default estimated)")
     p.add_argument("--name", default="momo", help="result file prefix")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
@@ -435,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, qsa_tiles=(tuple(args.tile),))
     if args.algorithms:
         cfg = dataclasses.replace(cfg, algorithms=tuple(args.algorithms))
+    if args.timed_algorithm:
+        cfg = dataclasses.replace(cfg, timed_algorithm=args.timed_algorithm)
     if not on_gpu:
         print("no GPU: small interpret-mode run (timings are not kernel speed)")
     runner = Runner(cfg, args.out, name=args.name)
