@@ -10,7 +10,8 @@ from mmjax.sparse.config import SparseConfig
 from mmjax.sparse.layouts import KernelOptions, LayoutSet, RowSplit, attend
 from mmjax.sparse.modality import Modality
 from mmjax.sparse.pattern_search import Calibration, CalibrationRecorder, SearchSpace, search
+from mmjax.sparse.plot import plot_layout
 
 __all__ = ["Calibration", "CalibrationRecorder", "KernelOptions", "LayoutSet", "Modality", "RowSplit", "SearchSpace",
            "SparseConfig", "attend", "attend_heads", "attention_recall", "build_layout", "head_groups", "patterns",
-           "search", "sparse_attention"]
+           "plot_layout", "search", "sparse_attention"]

@@ -2,7 +2,7 @@
 
 Saved as versioned JSON::
 
-    {"schema_version": 1, "num_layers": L, "num_heads": N,
+    {"schema_version": 2, "num_layers": L, "num_heads": N,
      "layers": [[{"pattern": "VerticalSlash", "params": {"vertical_size": 1000, ...}}, ...N],
                 ...L]}
 
@@ -14,6 +14,12 @@ TwoDBoundary ``{"patterns": [{"query": mq, "key": mk, "pattern": {...}}, ...], "
 Loading checks the version, the layer/head counts, the pattern names, the parameter names
 and types, and each pattern's own hyper-parameter checks; every error is a ValueError that
 names the place (``layers[3][5] (Grid).local: ...``).
+
+Version 1 files (written before Grid became MMInference's family) still load, meaning what
+they meant: a v1 Grid's ``use_slash`` was its local band, so it becomes ``local`` (0 when
+it was off) with ``use_slash=False`` (v1 had no stride diagonals) and ``stride="search"``;
+a v1 Momo ranked blocks by mean score, so it gets ``trim_rule="mean"``. Fields a v1 file
+left out take v1's defaults (`migrate_v1`).
 
 A config plugs into the models' attention hooks (``models.attention``):
 ``config.uniform_attention()`` is one ``attn_fn(q, k, v, *, layer, q_positions, kv_valid,
@@ -47,7 +53,11 @@ from mmjax.sparse.patterns import (
     VerticalSlash,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+# Grid's fields and defaults in schema version 1.
+V1_GRID_DEFAULTS = dict(stride_space=None, max_stride=1024, use_hline=True, use_vline=True, use_slash=True,
+                        last_q=64, local=1024, phases=1, block_q=128, block_k=64)
 
 PATTERNS: dict[str, type[Pattern]] = {
     cls.__name__: cls for cls in (Dense, AShape, TriShape, SFFixed, SFStrided, VerticalSlash, Grid, Momo,
@@ -126,6 +136,32 @@ def pattern_from_dict(entry: Any, where: str = "pattern") -> Pattern:
         return cls(**kwargs)
     except ValueError as e:
         raise ValueError(f"{where} ({name}).{e}") from e
+
+
+def migrate_v1(entry: Any) -> Any:
+    """A version-1 pattern entry (nested wrappers included) in version-2 terms (see the
+    module docstring); anything malformed is returned as is for the parser to report."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("params", {}), dict):
+        return entry
+    name, params = entry.get("pattern"), dict(entry.get("params", {}))
+    if name == "Grid" and "stride" not in params:
+        old = {**V1_GRID_DEFAULTS, **params}
+        band = old["use_slash"] is True
+        params = {**params, "stride": "search", "use_slash": False,
+                  "local": old["local"] if band else 0}
+    elif name == "Momo":
+        params.setdefault("trim_rule", "mean")
+    elif name in ("NoBoundary", "KBoundary") and "pattern" in params:
+        params["pattern"] = migrate_v1(params["pattern"])
+    elif name == "QBoundary":
+        if isinstance(params.get("patterns"), dict):
+            params["patterns"] = {m: migrate_v1(e) for m, e in params["patterns"].items()}
+        if params.get("default") is not None:
+            params["default"] = migrate_v1(params["default"])
+    elif name == "TwoDBoundary" and isinstance(params.get("patterns"), list):
+        params["patterns"] = [{**e, "pattern": migrate_v1(e["pattern"])} if isinstance(e, dict) and "pattern" in e
+                              else e for e in params["patterns"]]
+    return {**entry, "params": params}
 
 
 # ------------------------------------------------------------ boundary wrappers
@@ -242,8 +278,9 @@ class SparseConfig:
             raise ValueError(f"config: expected a JSON object; received {type(data).__name__}")
         if "schema_version" not in data:
             raise ValueError(f"schema_version: missing; expected {SCHEMA_VERSION}")
-        if data["schema_version"] != SCHEMA_VERSION:
-            raise ValueError(f"schema_version: expected {SCHEMA_VERSION}; received {data['schema_version']!r}")
+        version = data["schema_version"]
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
+            raise ValueError(f"schema_version: expected one of {READABLE_VERSIONS}; received {version!r}")
         unknown = sorted(set(data) - {"schema_version", "num_layers", "num_heads", "layers"})
         if unknown:
             raise ValueError(f"config: unexpected keys {unknown}; expected schema_version, num_layers, "
@@ -262,6 +299,8 @@ class SparseConfig:
                 got = len(layer) if isinstance(layer, list) else type(layer).__name__
                 raise ValueError(f"layers[{i}]: expected a list of num_heads={data['num_heads']} head "
                                  f"patterns; received {got}")
+            if version == 1:
+                layer = [migrate_v1(e) for e in layer]
             parsed.append(tuple(pattern_from_dict(e, f"layers[{i}][{h}]") for h, e in enumerate(layer)))
         return cls(tuple(parsed), options)
 

@@ -51,15 +51,24 @@ def _row_blocks(layout: BlockLayout, rows: jax.Array, batch: int, heads: int) ->
 
 
 def captured_mass(mass: jax.Array, layout: BlockLayout, rows: jax.Array) -> dict[str, jax.Array]:
-    """Mass the layout captures vs the oracle that keeps, for every row, its own best blocks,
-    as many as the layout computes (causal blocks only) for that row.
+    """Mass the layout captures vs two oracles with as many blocks as the layout computes
+    (causal blocks only) for each row:
+
+    * "oracle" (per row): every row keeps its own best blocks. No layout with one block
+      list per query block reaches it when the rows of a query block prefer different
+      blocks; it is the upper bound of the MOMO paper's Fig. 2e;
+    * "oracle_block" (per query block): the rows of ``rows`` that share a query block keep
+      the blocks with the most mass summed over those rows (the best shared list), each row
+      as many as its own count. With whole query blocks in ``rows`` this is the best any
+      block layout with the layout's counts can do; with one row per block it equals
+      "oracle".
 
     Args:
       mass: ``[B, N, R, nk]`` from `block_mass` (same block size as ``layout.block_k``).
       rows: the query rows ``[R]`` mass was computed for.
 
     Returns dict of float32 ``[B, N]`` means over rows: "captured", "oracle", "ratio"
-    (captured / oracle), and "blocks" (mean blocks per row).
+    (captured / oracle), "oracle_block", "ratio_block" and "blocks" (mean blocks per row).
     """
     b, n, r, nk = mass.shape
     rows = jnp.asarray(rows, jnp.int32)
@@ -73,12 +82,28 @@ def captured_mass(mass: jax.Array, layout: BlockLayout, rows: jax.Array) -> dict
     cum = jnp.cumsum(ranked, axis=-1)
     oracle = jnp.take_along_axis(cum, jnp.maximum(count - 1, 0)[..., None], -1)[..., 0]
     oracle = jnp.where(count > 0, oracle, 0.0)
+    oracle_block = _shared_list_oracle(mass, rows // layout.block_q, count)
     return {
         "captured": captured.mean(-1),
         "oracle": oracle.mean(-1),
         "ratio": captured.mean(-1) / jnp.maximum(oracle.mean(-1), 1e-30),
+        "oracle_block": oracle_block.mean(-1),
+        "ratio_block": captured.mean(-1) / jnp.maximum(oracle_block.mean(-1), 1e-30),
         "blocks": count.astype(jnp.float32).mean(-1),
     }
+
+
+def _shared_list_oracle(mass: jax.Array, group: jax.Array, count: jax.Array) -> jax.Array:
+    """Per row ``[B, N, R]``: the mass it keeps when the rows with equal ``group`` (int
+    ``[R]``, the query block) share one ranking of blocks by their summed mass and each row
+    keeps the first ``count`` (``[B, N, R]``) of that ranking."""
+    same = group[:, None] == group[None, :]  # [R, R]
+    summed = jnp.einsum("rs,bnsk->bnrk", same.astype(mass.dtype), mass)
+    order = jnp.argsort(-summed, axis=-1)
+    ranked = jnp.take_along_axis(mass, order, axis=-1)
+    cum = jnp.cumsum(ranked, axis=-1)
+    kept = jnp.take_along_axis(cum, jnp.maximum(count - 1, 0)[..., None], -1)[..., 0]
+    return jnp.where(count > 0, kept, 0.0)
 
 
 def momo_sparsity(layout: BlockLayout, gamma: int) -> jax.Array:
@@ -129,3 +154,56 @@ def mean_pooled_layout(q: jax.Array, k: jax.Array, *, query_block: int, block: i
     ids = jnp.einsum("nbqk->bnqk", ids)
     return assemble_layout(ids, q_len=t, kv_len=s, query_block=query_block, block=block,
                            sink_blocks=sink_blocks, local=local)
+
+
+# ------------------------------------------------------- oracle block masks (patterns)
+def block_mass_matrix(q: jax.Array, k: jax.Array, *, block_q: int, block_k: int,
+                      sm_scale: float | None = None) -> jax.Array:
+    """Causal softmax mass of every (query block, key block) tile, summed over the tile's
+    rows: float32 ``[B, N, nq, nk]`` (each query block's row sums to its row count). One
+    query block at a time (``block_q x S`` scores per head), so it runs at 64k tokens on a
+    CPU; the reference for recall-vs-density oracles."""
+    b, t, n, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    nq, nk = cdiv(t, block_q), cdiv(s, block_k)
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    qp = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, nq * block_q - t), (0, 0), (0, 0)))
+    kf = jnp.repeat(k.astype(jnp.float32), n // kh, axis=2)
+    k_pos = jnp.arange(s)
+
+    def one(i):
+        qb = jax.lax.dynamic_slice_in_dim(qp, i * block_q, block_q, axis=1)  # [B, bq, N, D]
+        pos = i * block_q + jnp.arange(block_q) + (s - t)
+        sc = jnp.einsum("bqnd,bsnd->bnqs", qb, kf, precision=jax.lax.Precision.HIGHEST) * scale
+        ok = (k_pos[None, :] <= pos[:, None]) & (pos[:, None] < s)
+        sc = jnp.where(ok, sc, -jnp.inf)
+        m = sc.max(-1, keepdims=True)
+        p = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0))
+        p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+        p = jnp.pad(p.sum(2), ((0, 0), (0, 0), (0, nk * block_k - s)))
+        return p.reshape(b, n, nk, block_k).sum(-1)  # [B, N, nk]
+
+    out = jax.lax.map(one, jnp.arange(nq))  # [nq, B, N, nk]
+    return jnp.einsum("qbnk->bnqk", out)
+
+
+def oracle_recall(mass: jax.Array, density: jax.Array, *, q_len: int, kv_len: int, block_q: int,
+                  block_k: int) -> jax.Array:
+    """Recall of the best block mask (original order) that computes at most ``density`` of
+    the causal pairs, counting whole tiles as `BlockLayout.density` does.
+
+    mass: ``[B, N, nq, nk]`` from `block_mass_matrix`; density: ``[B|1, N|1]`` or a float.
+    Returns float32 ``[B, N]``: mass kept / rows. Tiles are taken by mass per pair (all
+    causal tiles of one shape cost the same, edge tiles less), greedily."""
+    b, n, nq, nk = mass.shape
+    rows = jnp.minimum(block_q, q_len - jnp.arange(nq) * block_q).astype(jnp.float32)
+    cols = jnp.minimum(block_k, kv_len - jnp.arange(nk) * block_k).astype(jnp.float32)
+    cost = (rows[:, None] * cols[None, :]).ravel()  # [nq * nk]
+    per_pair = (mass.reshape(b, n, -1) / cost)
+    order = jnp.argsort(-per_pair, axis=-1)
+    spent = jnp.cumsum(cost[order], axis=-1)
+    kept = jnp.cumsum(jnp.take_along_axis(mass.reshape(b, n, -1), order, -1), axis=-1)
+    budget = jnp.broadcast_to(jnp.asarray(density, jnp.float32), (b, n))[..., None] * causal_pairs(q_len, kv_len)
+    take = (spent <= budget + 1e-3).sum(-1)  # tiles that fit
+    got = jnp.take_along_axis(kept, jnp.maximum(take - 1, 0)[..., None], -1)[..., 0]
+    return jnp.where(take > 0, got, 0.0) / q_len

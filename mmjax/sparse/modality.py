@@ -7,7 +7,9 @@ host, outside jit) the constructors also record the static *spans*: per batch ro
 contiguous runs ``(kind, start, end)`` (end exclusive) that cover the row.
 
 It is a pytree: ids are a leaf, names and spans are static, so a `Modality` passes through
-`jax.jit` (spans then stay those computed on the host).
+`jax.jit` (spans then stay those computed on the host). ``frame_tokens`` (static, optional)
+is the number of tokens per video frame (`frame_tokens_from_grid_thw`): the stride of
+Grid heads with ``stride="frame"``.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class Modality:
       names: static kind names, id ``i`` is ``names[i]``.
       spans: static per-row runs ``((kind, start, end), ...)`` or None when the ids were
         traced at construction.
+      frame_tokens: static tokens per video frame, or None when unknown.
 
     Build with `from_token_types` or `from_input_ids` (they validate); the plain constructor
     does not validate (it is also the pytree unflatten path).
@@ -95,13 +98,19 @@ class Modality:
     ids: jax.Array
     names: tuple[str, ...] = dataclasses.field(default=DEFAULT_NAMES, metadata=dict(static=True))
     spans: tuple[tuple[Span, ...], ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    frame_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     # ----------------------------------------------------------- constructors
     @classmethod
-    def from_token_types(cls, token_types, names: Sequence[str] = DEFAULT_NAMES) -> "Modality":
+    def from_token_types(cls, token_types, names: Sequence[str] = DEFAULT_NAMES,
+                         frame_tokens: int | None = None) -> "Modality":
         """token_types: integer ``[B, S]`` (or ``[S]``, taken as one row) of kind ids into
-        ``names``. Values are checked (and spans computed) when concrete."""
+        ``names``. Values are checked (and spans computed) when concrete. frame_tokens:
+        tokens per video frame (see the module docstring)."""
         names = _check_names(names)
+        if frame_tokens is not None and (not isinstance(frame_tokens, (int, np.integer)) or
+                                         isinstance(frame_tokens, bool) or frame_tokens < 1):
+            raise ValueError(f"frame_tokens: expected None or an int >= 1; received {frame_tokens!r}")
         x = token_types if isinstance(token_types, jax.Array) else np.asarray(token_types)
         if x.ndim == 1:
             x = x[None]
@@ -118,7 +127,8 @@ class Modality:
                 raise ValueError(f"token_types: expected ids in [0, {len(names)}) (names={names}); "
                                  f"received ids in [{lo}, {hi}]")
             spans = compute_spans(host)
-        return cls(ids=jnp.asarray(x, jnp.int32), names=names, spans=spans)
+        return cls(ids=jnp.asarray(x, jnp.int32), names=names, spans=spans,
+                   frame_tokens=None if frame_tokens is None else int(frame_tokens))
 
     @classmethod
     def from_input_ids(cls, input_ids, *, image_token_id: int, video_token_id: int,
@@ -196,6 +206,23 @@ class Modality:
                              "build it on the host with concrete ids")
         kid = self.kind(kind) if isinstance(kind, str) else int(kind)
         return tuple((a, b) for k_, a, b in self.spans[row] if k_ == kid)
+
+
+def frame_tokens_from_grid_thw(video_grid_thw, spatial_merge_size: int = 2) -> int:
+    """Tokens per frame in the LLM's token stream of the first video of ``video_grid_thw``
+    (int ``[V, 3]`` patches (t, h, w), as the HF processors return it): ``h * w /
+    spatial_merge_size**2`` (Qwen2.5-VL merges 2 x 2 patches into one token)."""
+    g = np.asarray(video_grid_thw)
+    if g.ndim != 2 or g.shape[1] != 3 or g.shape[0] < 1:
+        raise ValueError(f"video_grid_thw: expected an int array [V, 3] (t, h, w); received shape {g.shape}")
+    if not isinstance(spatial_merge_size, int) or spatial_merge_size < 1:
+        raise ValueError(f"spatial_merge_size: expected an int >= 1; received {spatial_merge_size!r}")
+    h, w = int(g[0, 1]), int(g[0, 2])
+    m2 = spatial_merge_size ** 2
+    if (h * w) % m2:
+        raise ValueError(f"video_grid_thw: expected h * w divisible by spatial_merge_size**2={m2}; "
+                         f"received h={h}, w={w}")
+    return h * w // m2
 
 
 def as_modality(modality, q: jax.Array, k: jax.Array) -> Modality | None:

@@ -8,13 +8,15 @@ A boundary wrapper hands the inner pattern the *original* q / k plus a `Placemen
 * ``k_group`` int32 ``[B, S]``: an outer group per key (KBoundary: the modality kind, so keys
   are packed by modality; otherwise 0), ``num_groups`` groups (static).
 * ``k_valid`` bool ``[B, S]`` or None: the keys the pattern may list (TwoDBoundary: keys of
-  the pair's key modality). Invalid keys are packed last and never computed: a key block
+  the pair's key modality).
+* ``frame_tokens`` (static int or None): tokens per video frame, from the wrapper's
+  `Modality` (a Grid with ``stride="frame"`` uses it). Invalid keys are packed last and never computed: a key block
   straddling the valid / invalid boundary is replaced by single columns of its valid keys,
   so each key is attended exactly by the pattern of its own modality.
 
 Patterns state their rules on **original positions** (local windows, slash offsets, Grid line
 phases, causal cut-offs) and pack keys by ``(invalid, group, inner class, position)``: the
-inner class is the pattern's own key split (Grid: line keys first). Within a segment (one
+inner class is the pattern's own key split (Grid packs its own codes: phase groups). Within a segment (one
 group and one inner class) keys ascend by position, so a window of positions is one
 contiguous run of packed keys per segment, found by a binary search on the packed codes.
 Order-based rules (A-shape's ``sink``: the first keys of the packed order) act on the packed
@@ -46,6 +48,7 @@ class Placement:
     k_group: jax.Array
     k_valid: jax.Array | None = None
     num_groups: int = dataclasses.field(default=1, metadata=dict(static=True))
+    frame_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def identity(cls, b: int, t: int, s: int) -> "Placement":

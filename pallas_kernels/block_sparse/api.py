@@ -37,7 +37,8 @@ def block_sparse_attention(
         n // (N / K)). Any D; non powers of two are zero-padded.
       layout: a `BlockLayout` built for ``q_len=T, kv_len=S``.
       sm_scale: softmax scale, a finite float > 0; default ``D ** -0.5``.
-      causal: mask keys after the query's original position.
+      causal: mask keys after the query's original position (and, per ``layout.gap`` /
+        ``layout.window``, keys too near / too far; those need ``causal=True``).
       implementation: ``"reference"`` (pure JAX) or ``"triton"`` (Pallas Triton); None picks
         triton on a GPU, reference on CPU unless ``interpret``.
       interpret: run the Pallas kernel in interpret mode (CPU).
@@ -57,6 +58,9 @@ def block_sparse_attention(
     b, t, n, d = q.shape
     validation.check_layout_shapes(layout, b, n, t, k.shape[1])
     validation.check_layout_values(layout)
+    if (layout.gap or layout.window) and not causal:
+        raise ValueError(f"causal: expected True for a layout with a causal gap / window (layout.gap="
+                         f"{layout.gap}, layout.window={layout.window}); received False")
     if implementation is None:
         implementation = default_implementation(interpret)
     if implementation not in IMPLEMENTATIONS:

@@ -12,7 +12,11 @@ the permuted order:
 
 Causality is always decided on *original* positions. Queries are the last ``q_len`` of
 ``kv_len`` positions (suffix / chunked prefill): original query ``t`` sits at position
-``t + kv_len - q_len``; key ``s`` sits at position ``s``.
+``t + kv_len - q_len``; key ``s`` sits at position ``s``. A layout may ask for a causal
+*gap* (``gap`` g >= 0, static): the query at position p then sees keys at positions
+``<= p - g`` only; with a causal *window* (``window`` w >= 1, static; 0 = none) it sees keys
+at positions ``> p - w`` only. A layout with ``window=g`` and one with ``gap=g`` split every
+query's causal keys exactly (near / far), whatever blocks they list.
 
 Every array has leading dims ``[B|1, N|1]``: a size-1 batch or head dim is broadcast, so one
 dense-causal list serves all heads. Block and column lists (and their counts) may also have a
@@ -67,6 +71,10 @@ class BlockLayout:
       kv_perm: optional int32 ``[B|1, N|1, kv_len]``: original key index of each permuted key.
       block_q, block_k: block sizes (static).
       q_len, kv_len: the sequence lengths T and S the layout was built for (static).
+      gap: causal gap (static, >= 0): with causal attention a query at position p sees
+        keys at positions <= p - gap (0: plain causal).
+      window: causal window (static, >= 0): with causal attention a query at position p sees
+        keys at positions > p - window only (0: no window).
     """
 
     kv_blocks: jax.Array
@@ -79,6 +87,8 @@ class BlockLayout:
     block_k: int = dataclasses.field(default=128, metadata=dict(static=True))
     q_len: int = dataclasses.field(default=0, metadata=dict(static=True))
     kv_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+    gap: int = dataclasses.field(default=0, metadata=dict(static=True))
+    window: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -283,7 +293,9 @@ class BlockLayout:
         q_pos = jnp.broadcast_to(q_pos, lead + q_pos.shape[2:])
         k_pos = jnp.broadcast_to(k_pos, lead + k_pos.shape[2:])
         if causal:
-            pairs = pairs & (k_pos[..., None, :] <= q_pos[..., :, None])
+            pairs = pairs & (k_pos[..., None, :] + self.gap <= q_pos[..., :, None])
+            if self.window:
+                pairs = pairs & (k_pos[..., None, :] + self.window > q_pos[..., :, None])
         # Scatter permuted rows/cols back to original order.
         q_orig = q_pos - self.q_offset
         inv_q = inverse_permutation(q_orig)

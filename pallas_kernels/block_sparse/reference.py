@@ -102,7 +102,9 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
         scores = jnp.einsum("bnqd,bnld->bnql", qblk, kk) * sm_scale
         ok = valid[:, :, None, :]
         if causal:
-            ok = ok & (kpos[:, :, None, :] <= qpos[..., None])
+            ok = ok & (kpos[:, :, None, :] + layout.gap <= qpos[..., None])
+            if layout.window:
+                ok = ok & (kpos[:, :, None, :] + layout.window > qpos[..., None])
         return _online_update(carry[:3], scores, ok, vv) + (qblk,)
 
     def one_q_block(i):

@@ -3,7 +3,7 @@
 One program per (query block, query head, batch). It keeps its query tile in registers and
 follows the layout's key-block list: contiguous key tiles are sliced, permuted key tiles are
 gathered row by row through `kv_perm`, and single key columns are gathered into dense
-``block_k``-wide tiles. The causal mask (original positions) is computed only for tiles
+``block_k``-wide tiles. The causal mask (original positions, minus the layout's causal ``gap``) is computed only for tiles
 that can contain a masked pair: a tile whose largest key position is beyond the smallest
 query position of the block, or that holds padding. Softmax runs in base 2 with float32
 statistics; masked scores are -inf and fully masked rows end as out = 0, lse = -inf. Non-finite
@@ -35,7 +35,7 @@ from pallas_kernels.tiling import pad_to as _pad_to
 def _kernel(
     q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs,
     sm_scale: float, causal: bool, block_q: int, block_k: int, num_q_blocks: int,
-    kv_len: int, num_kv_blocks: int, q_offset: int, leads: dict[str, tuple[bool, bool]],
+    kv_len: int, num_kv_blocks: int, q_offset: int, gap: int, window: int, leads: dict[str, tuple[bool, bool]],
     has_qperm: bool, has_kvperm: bool, has_cols: bool,
 ):
     refs = list(refs)
@@ -58,15 +58,17 @@ def _kernel(
     iota_k = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     if has_qperm:
         q_pos = qpos_ref[*lead('q_perm')[:2], pl.ds(qi * block_q, block_q)] + q_offset
-        q_min = jnp.min(q_pos)
+        q_min, q_max = jnp.min(q_pos), jnp.max(q_pos)
     else:
         q_pos = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0) + q_offset
-        q_min = qi * block_q + q_offset
+        q_min, q_max = qi * block_q + q_offset, qi * block_q + block_q - 1 + q_offset
 
     def masked(k_pos):
         ok = k_pos[None, :] < kv_len
         if causal:
-            ok = ok & (k_pos[None, :] <= q_pos[:, None])
+            ok = ok & (k_pos[None, :] + gap <= q_pos[:, None])
+            if window:
+                ok = ok & (k_pos[None, :] + window > q_pos[:, None])
         return ok
 
     def block_body(j, carry):
@@ -77,13 +79,15 @@ def _kernel(
             k_pos = kvperm_ref[*lead('kv_perm')[:2], pl.ds(start, block_k)]
             k = k_ref[k_pos, :]
             v = v_ref[k_pos, :]
-            k_last = jnp.max(k_pos)
+            k_last, k_first = jnp.max(k_pos), jnp.min(k_pos)
         else:
             k_pos = start + iota_k
             k = k_ref[pl.ds(start, block_k), :]
             v = v_ref[pl.ds(start, block_k), :]
-            k_last = start + block_k - 1
-        need = ((k_last > q_min) if causal else (k_last >= kv_len)) | ~in_range
+            k_last, k_first = start + block_k - 1, start
+        need = ((k_last + gap > q_min) if causal else (k_last >= kv_len)) | ~in_range
+        if causal and window:
+            need = need | (k_first + window <= q_max)
         k_pos = jnp.where(in_range, k_pos, kv_len)
         s = pltriton.dot(q, k, trans_b=True) * scale  # [bq, bk] f32
         s, poison = lax.cond(need, lambda: masked_tile(s, masked(k_pos)), lambda: unmasked_tile(s))
@@ -204,7 +208,8 @@ def launch(
     kernel = functools.partial(
         _kernel,
         sm_scale=sm_scale, causal=causal, block_q=bq, block_k=bk, num_q_blocks=nq,
-        kv_len=layout.kv_len, num_kv_blocks=layout.num_kv_blocks, q_offset=layout.q_offset,
+        kv_len=layout.kv_len, num_kv_blocks=layout.num_kv_blocks, q_offset=layout.q_offset, gap=layout.gap,
+        window=layout.window,
         leads={name: _lead_flags(ops[name]) for name in names},
         has_qperm=has_qperm, has_kvperm="kv_perm" in ops, has_cols="kv_columns" in ops,
     )

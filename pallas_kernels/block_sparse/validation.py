@@ -72,6 +72,10 @@ def _concrete(x) -> np.ndarray | None:
 
 def check_layout_values(layout: BlockLayout) -> None:
     """Value checks on concrete layouts (skipped for traced arrays)."""
+    if not isinstance(layout.gap, (int, np.integer)) or isinstance(layout.gap, bool) or layout.gap < 0:
+        raise ValueError(f"layout.gap: expected an int >= 0 (causal gap); received {layout.gap!r}")
+    if not isinstance(layout.window, (int, np.integer)) or isinstance(layout.window, bool) or layout.window < 0:
+        raise ValueError(f"layout.window: expected an int >= 0 (causal window, 0 = none); received {layout.window!r}")
     nk = layout.num_kv_blocks
     blocks, count = _concrete(layout.kv_blocks), _concrete(layout.kv_block_count)
     if blocks is not None and count is not None:

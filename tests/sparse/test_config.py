@@ -32,10 +32,10 @@ def test_round_trip_through_file(tmp_path):
     path = tmp_path / "cfg.json"
     cfg.save(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 1 and data["num_layers"] == 2 and data["num_heads"] == 4
+    assert data["schema_version"] == 2 and data["num_layers"] == 2 and data["num_heads"] == 4
     assert data["layers"][0][2] == {"pattern": "Grid", "params": {
-        "stride_space": [48, 64], "max_stride": 1024, "use_hline": False, "use_vline": True, "use_slash": True,
-        "last_q": 16, "local": 32, "phases": 1, "block_q": 32, "block_k": 16}}
+        "stride": "search", "use_hline": False, "use_vline": True, "use_slash": True, "max_stride": 1024,
+        "local": 32, "phases": 1, "sink": 0, "last_q": 16, "stride_space": [48, 64], "block_q": 32, "block_k": 16}}
     back = SparseConfig.load(path)
     assert back == cfg and back.layers[0][2].stride_space == (48, 64)
     assert SparseConfig.from_json(back.to_json()) == cfg
@@ -54,8 +54,8 @@ def _edit(fn):
 
 
 MALFORMED = [
-    (lambda d: d.pop("schema_version"), "schema_version: missing; expected 1"),
-    (lambda d: d.update(schema_version=2), "schema_version: expected 1; received 2"),
+    (lambda d: d.pop("schema_version"), "schema_version: missing; expected 2"),
+    (lambda d: d.update(schema_version=3), r"schema_version: expected one of \(1, 2\); received 3"),
     (lambda d: d.update(extra=1), "unexpected keys"),
     (lambda d: d.update(num_heads=5), r"layers\[0\]: expected a list of num_heads=5 head patterns; received 4"),
     (lambda d: d["layers"][1].pop(), r"layers\[1\]: expected a list of num_heads=4 head patterns; received 3"),
@@ -223,3 +223,40 @@ def test_prefill_with_a_config_runs_the_tiny_vlm():
     np.testing.assert_allclose(got, want, atol=1e-4)
     # The masks matter: video rows really lose keys (the result is not the dense one).
     assert np.abs(got - dense).max() > 1e-3
+
+
+# A file in schema version 1 (what the version before the Grid family wrote), verbatim.
+V1_JSON = """{"schema_version": 1, "num_layers": 1, "num_heads": 4, "layers": [[
+ {"pattern": "Grid", "params": {"stride_space": [48, 64], "max_stride": 1024, "use_hline": false,
+  "use_vline": true, "use_slash": true, "last_q": 16, "local": 32, "phases": 1, "block_q": 32, "block_k": 16}},
+ {"pattern": "Grid", "params": {"stride_space": [64], "use_hline": true, "use_vline": true, "use_slash": false}},
+ {"pattern": "Momo", "params": {"gamma": 16, "block": 64, "k": 4, "k_exact": 2, "k_trim": null,
+  "query_block": 128, "topk": "estimated", "sink": 64, "local": 128}},
+ {"pattern": "QBoundary", "params": {"patterns": {"video": {"pattern": "Grid", "params": {"stride_space": [48],
+  "max_stride": 1024, "use_hline": true, "use_vline": true, "use_slash": true, "last_q": 64, "local": 1024,
+  "phases": 1, "block_q": 128, "block_k": 64}}}, "default": {"pattern": "AShape", "params": {"sink": 128,
+  "local": 4096, "block_q": 128, "block_k": 64}}}}]]}"""
+
+
+def test_version_1_json_loads_with_its_meaning():
+    """v1 Grid: use_slash was the local band -> local (0 when off), no stride diagonals,
+    stride searched; v1 Momo ranked by mean score."""
+    cfg = SparseConfig.from_json(V1_JSON)
+    g0, g1, momo, qb = cfg.layers[0]
+    assert g0 == Grid(stride="search", stride_space=(48, 64), use_hline=False, use_vline=True, use_slash=False,
+                      last_q=16, local=32, **SMALL)
+    assert g1 == Grid(stride="search", stride_space=(64,), use_hline=True, use_vline=True, use_slash=False, local=0)
+    assert momo.trim_rule == "mean" and momo.k == 4
+    video = dict(qb.patterns)["video"]
+    assert video == Grid(stride="search", stride_space=(48,), use_slash=False, local=1024)
+    assert SparseConfig.from_json(cfg.to_json()) == cfg  # saved again as version 2
+    assert json.loads(cfg.to_json())["schema_version"] == 2
+
+
+def test_every_table3_variant_round_trips():
+    from mmjax.sparse.pattern_search import SearchSpace
+    cands = SearchSpace().candidates(frame_tokens=192)
+    grids = [c for c in cands if isinstance(c, Grid)]
+    assert len(cands) == 24 and len(grids) == 12 and {g.stride for g in grids} == {"frame", "search"}
+    cfg = SparseConfig((tuple(cands),))
+    assert SparseConfig.from_json(cfg.to_json()) == cfg

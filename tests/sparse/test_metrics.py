@@ -47,6 +47,18 @@ def test_captured_mass_against_brute_force():
     np.testing.assert_allclose(np.asarray(got["captured"]), cap / len(rows), atol=1e-5)
     np.testing.assert_allclose(np.asarray(got["oracle"]), orc / len(rows), atol=1e-5)
     assert (np.asarray(got["ratio"]) <= 1.0 + 1e-6).all()
+    # Shared-list oracle: rows of one query block rank blocks by their summed mass.
+    blk = np.zeros((1, 2))
+    rr = np.asarray(rows)
+    for n in range(2):
+        for i, r in enumerate(rr):
+            same = rr // 32 == r // 32
+            ranking = np.argsort(-mass[0, n, same].sum(0), kind="stable")
+            chosen = [j for j in range(8) if mask[0, n, r // 32, j] and j * 16 <= r]
+            blk[0, n] += mass[0, n, i, ranking[: len(chosen)]].sum()
+    np.testing.assert_allclose(np.asarray(got["oracle_block"]), blk / len(rows), atol=1e-5)
+    assert (np.asarray(got["captured"]) <= np.asarray(got["oracle_block"]) + 1e-6).all()
+    assert (np.asarray(got["oracle_block"]) <= np.asarray(got["oracle"]) + 1e-6).all()
     dense = captured_mass(jnp.asarray(mass), BlockLayout.dense_causal(128, 128, block_q=32, block_k=16), rows)
     np.testing.assert_allclose(np.asarray(dense["captured"]), 1.0, atol=1e-5)
 

@@ -11,9 +11,10 @@ from mmjax.sparse.patterns.momo import Momo, assemble_layout, delta_correct, for
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
 
 
-def numpy_algorithm2(ids, scores, *, q_len, kv_len, gamma, chi, beta, k_trim, sink_blocks, local):
+def numpy_algorithm2(ids, scores, *, q_len, kv_len, gamma, chi, beta, k_trim, sink_blocks, local, lse=None):
     """Per (b, n, query block): mean score of every repeated id over the gamma-rows of the
-    block that selected it; drop forced ids; keep the k_trim best (ties: lower id)."""
+    block that selected it (or, given ``lse``, the sum of exp(score - lse) over them); drop
+    forced ids; keep the k_trim best (ties: lower id)."""
     b, n, tg, _ = ids.shape
     nq = -(-q_len // chi)
     per = chi // gamma
@@ -27,8 +28,10 @@ def numpy_algorithm2(ids, scores, *, q_len, kv_len, gamma, chi, beta, k_trim, si
                 for g in range(c * per, min((c + 1) * per, tg)):
                     for j, sc in zip(ids[bi, ni, g], scores[bi, ni, g]):
                         if j >= 0 and sink_blocks <= j < lo:
-                            acc.setdefault(int(j), []).append(float(sc))
-                ranked = sorted(acc, key=lambda j: (-np.mean(np.float32(acc[j])), j))[:k_trim]
+                            w = float(sc) if lse is None else float(np.exp(np.float32(sc) - lse[bi, ni, g]))
+                            acc.setdefault(int(j), []).append(w)
+                agg = (lambda x: np.mean(np.float32(x))) if lse is None else (lambda x: np.sum(np.float32(x)))
+                ranked = sorted(acc, key=lambda j: (-agg(acc[j]), j))[:k_trim]
                 out[bi, ni, c, : len(ranked)] = ranked
     return out
 
@@ -74,6 +77,29 @@ def test_union_trim_matches_numpy_algorithm2(seed, q_len, kv_len, gamma, chi, be
         expect = set(f_ids[idx[2]][: f_count[idx[2]]]) | {j for j in want[idx] if j >= 0}
         assert list(listed) == sorted(expect)
         assert listed.max() < nk
+
+
+def test_union_trim_mass_rule_matches_numpy():
+    """rule="mass": blocks ranked by the summed softmax mass of the sampled rows that kept
+    them, so a block two rows keep beats one a single row scores a little higher."""
+    rng = np.random.default_rng(5)
+    b, n, q_len, kv_len, gamma, chi, beta, k, k_trim = 1, 2, 128, 384, 4, 32, 16, 4, 3
+    tg, nk = q_len // gamma, kv_len // beta
+    ids = np.stack([np.stack([rng.choice(np.arange(2, 12), size=k, replace=False) for _ in range(tg)])
+                    for _ in range(b * n)]).reshape(b, n, tg, k).astype(np.int32)
+    scores = rng.normal(size=(b, n, tg, k)).astype(np.float32)
+    lse = (3.0 + rng.normal(size=(b, n, tg))).astype(np.float32)
+    geo = dict(q_len=q_len, kv_len=kv_len, gamma=gamma, block=beta, k_trim=k_trim, sink_blocks=1, local=0)
+    got, vals = union_trim(jnp.asarray(ids), jnp.asarray(scores), query_block=chi, rule="mass",
+                           lse=jnp.asarray(lse), **geo)
+    want = numpy_algorithm2(ids, scores, chi=chi, beta=beta, lse=lse,
+                            **{x: geo[x] for x in ("q_len", "kv_len", "gamma", "k_trim", "sink_blocks", "local")})
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert (np.asarray(vals)[np.asarray(got) >= 0] > 0).all()
+    with pytest.raises(ValueError, match="lse"):
+        union_trim(jnp.asarray(ids), jnp.asarray(scores), query_block=chi, rule="mass", **geo)
+    with pytest.raises(ValueError, match="rule"):
+        union_trim(jnp.asarray(ids), jnp.asarray(scores), query_block=chi, rule="max", **geo)
 
 
 def test_forced_blocks_cover_sink_window_and_diagonal():
@@ -138,6 +164,7 @@ def test_end_to_end_equals_masked_dense_plus_correction(case, options):
     (dict(gamma=0), "gamma"), (dict(gamma=3), "gamma"), (dict(block=48), "block"),
     (dict(query_block=100), "query_block"), (dict(k=0), "k"), (dict(k_exact=200), "k_exact"), (dict(k_exact=-1, topk="exact"), "k_exact"),
     (dict(k_trim=0), "k_trim"), (dict(topk="heap"), "topk"), (dict(sink=-1), "sink"),
+    (dict(trim_rule="max"), "trim_rule"),
     (dict(local=1.5), "local"),
 ])
 def test_bad_hyper_parameters_raise_value_error_naming_them(kw, name):

@@ -135,16 +135,20 @@ def test_grid_estimator_recovers_stride_and_phase(stride, phase):
 def test_grid_permutations_round_trip_and_are_causal_in_permuted_space():
     q, k = _planted_grid(300, 400, 96, 11, n=2)
     layout = Grid(stride_space=(64, 96), last_q=32, local=48, **SMALL).build_layout(q, k)
-    for part in layout.parts:
+    band, lines, rows = layout.parts
+    assert band.q_perm is None and band.window == 48 and lines.gap == 48 and rows.gap == 48
+    for part in (lines, rows):
         qp, kp = np.asarray(part.q_perm), np.asarray(part.kv_perm)
         np.testing.assert_array_equal(np.sort(qp, -1), np.broadcast_to(np.arange(300), qp.shape))
         np.testing.assert_array_equal(np.sort(kp, -1), np.broadcast_to(np.arange(400), kp.shape))
         permuted = np.asarray(part.computed_pairs_permuted())
         q_pos, k_pos = (np.asarray(x) for x in part.positions())
-        visible = permuted & (k_pos[..., None, :] <= q_pos[..., :, None])
+        visible = permuted & (k_pos[..., None, :] + part.gap <= q_pos[..., :, None])
         # The mask in original order is the permuted mask moved back: same number of pairs.
         assert visible.sum() == np.asarray(part.to_dense_mask()).sum()
-    np.testing.assert_array_equal(np.asarray(layout.parts[0].q_perm), np.asarray(layout.parts[1].q_perm))
+    np.testing.assert_array_equal(np.asarray(lines.q_perm), np.asarray(rows.q_perm))
+    # Band (distance < 48) and lines (distance >= 48) never share a pair.
+    assert not (np.asarray(band.to_dense_mask()) & np.asarray(lines.to_dense_mask())).any()
 
 
 def test_recall_is_one_for_dense_and_matches_exact_recall():
@@ -179,7 +183,7 @@ def test_recall_is_one_for_dense_and_matches_exact_recall():
     (lambda: VerticalSlash(block_q=32, block_k=64), "block_q"),
     (lambda: Grid(stride_space=()), "stride_space"),
     (lambda: Grid(stride_space=(0, 64)), "stride_space"),
-    (lambda: Grid(use_hline=False, use_vline=False, use_slash=False), "use_hline"),
+    (lambda: Grid(use_hline=False, use_vline=False, use_slash=False, local=0), "local"),
     (lambda: Grid(phases=0), "phases"),
 ])
 def test_bad_hyper_parameters_name_themselves(make, match):

@@ -17,8 +17,8 @@ from models.attention import dense_attention
 
 REF = KernelOptions(implementation="reference")
 NAMES = ("text", "video")
-SPACE = SearchSpace(ashape=((16, 32), (128, 32)), vertical_slash=(), grid_local=(32,),
-                    grid_flags=((False, True, True),), grid_strides=(32, 48, 64, 96, 128), last_q=16,
+SPACE = SearchSpace(ashape=((16, 32), (128, 32)), vertical_slash=(), grid_local=(32,), grid_sink=8,
+                    grid_flags=((False, True, False),), grid_strides=("search",), grid_stride_space=(32, 48, 64, 96, 128), last_q=16,
                     block_q=32, block_k=16)
 
 

@@ -48,7 +48,7 @@ class MixedBenchConfig:
     anchor: str = "cudnn"
     dtype: str = "bfloat16"
     space: SearchSpace = SearchSpace(ashape=((64, 1024), (1024, 1024)), vertical_slash=(), grid_local=(1024,),
-                                     grid_flags=((False, True, True),))
+                                     grid_flags=((False, True, False),), grid_strides=("search",))
 
 
 GPU_CONFIG = MixedBenchConfig()
@@ -56,7 +56,7 @@ CPU_CONFIG = MixedBenchConfig(
     seq_lens=(512, 1024), calib_len=512, recall_len=512, heads=4, kv_heads=4, head_dim=32, frame_tokens=48,
     text_tokens=16, text_keys=None, interpret=True, anchor="xla", dtype="float32",
     space=SearchSpace(ashape=((16, 32), (128, 32)), vertical_slash=(), grid_local=(32,),
-                      grid_flags=((False, True, True),), grid_strides=(32, 48, 64, 96, 128), last_q=16,
+                      grid_flags=((False, True, False),), grid_strides=("search",), grid_stride_space=(32, 48, 64, 96, 128), last_q=16,
                       block_q=32, block_k=16))
 
 

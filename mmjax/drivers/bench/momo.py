@@ -9,8 +9,12 @@ k_trim=128, chi=128, sink 64, local 128):
   and the end-to-end time (one jit of the four stages);
 * captured attention mass vs the oracle block top-k (same number of blocks per row) on
   structured inputs (video-like: spatial stripes across frames with a recency bias;
-  needle-like: a few key blocks every query matches), for each top-k algorithm and for
-  mean-pooled block selection, on 256 random rows of the second half of the sequence;
+  needle-like: a few key blocks every query matches; mixed: grid-structured video frames
+  with text segments, `synthetic.mixed_video_text_qkv`), for each top-k algorithm (union +
+  trim by summed mass, and the mean-score rule of Algorithm 2 as written) and for mean-pooled
+  block selection, on every row of random query blocks of the second half. Two oracles
+  (`metrics.captured_mass`): per row (each row its own best blocks) and per query block (the
+  best shared list, what a block layout can reach); the target is judged on the latter;
 * latency of the three top-k algorithms as k grows (MOMO Fig. 4) at 128k.
 
 Sections run in that order under a time budget and the JSON is rewritten after each, so a
@@ -34,6 +38,7 @@ from mmjax.drivers.args import ArgumentParser, add_result_args, is_pow2, nonneg_
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.sparse.metrics import block_mass, captured_mass, mean_pooled_layout, momo_sparsity
 from mmjax.sparse.patterns.momo import Momo, assemble_layout, delta_correct, union_trim
+from mmjax.sparse.synthetic import GridVideo, mixed_video_text_qkv
 from mmjax.timing import device_name, time_fn
 from pallas_kernels import block_sparse_attention, qsa_topk
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
@@ -72,7 +77,7 @@ class MomoBenchConfig:
 GPU_CONFIG = MomoBenchConfig()
 CPU_CONFIG = MomoBenchConfig(
     seq_lens=(384,), heads=4, kv_heads=2, head_dim=32, dtype="float32", gamma=4, block=16,
-    k=4, k_exact=1, k_trim=4, query_block=32, sink=16, local=16, anchor="xla", mass_rows=32,
+    k=4, k_exact=1, k_trim=4, query_block=32, sink=16, local=16, anchor="xla", mass_rows=64,
     frame=64, needles=3, fig4_len=256, fig4_ks=(2, 4), qsa_tiles=((16, 0), (32, 0)),
     interpret=True, budget_s=600.0, mass_lens=(384,),
 )
@@ -120,10 +125,22 @@ def needle_like(cfg: MomoBenchConfig, s: int, seed: int):
 
 
 # ------------------------------------------------------------------ stages
-def _pattern(cfg: MomoBenchConfig, algorithm: str, k: int | None = None) -> Momo:
+def mixed_like(cfg: MomoBenchConfig, s: int, seed: int):
+    """Grid-structured video frames of about ``cfg.frame`` tokens with 4 text segments of
+    ``s / 32`` tokens (`synthetic.mixed_video_text_qkv`); length close to ``s``."""
+    side = max(1, int(round(cfg.frame ** 0.5)))
+    text = max(16, s // 32)
+    frames = max(2, (s - 4 * text) // (side * side))
+    spec = GridVideo(frames, (side, side), sink_phase=side // 2)
+    q, k, v, _ = mixed_video_text_qkv(jax.random.PRNGKey(seed), spec, text_tokens=text, heads=cfg.heads,
+                                      kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.dtype))
+    return q, k, v
+
+
+def _pattern(cfg: MomoBenchConfig, algorithm: str, k: int | None = None, trim_rule: str = "auto") -> Momo:
     return Momo(gamma=cfg.gamma, block=cfg.block, k=cfg.k if k is None else k,
                 k_exact=min(cfg.k_exact, cfg.k if k is None else k), k_trim=cfg.k_trim,
-                query_block=cfg.query_block, topk=algorithm, sink=cfg.sink, local=cfg.local)
+                query_block=cfg.query_block, topk=algorithm, sink=cfg.sink, local=cfg.local, trim_rule=trim_rule)
 
 
 def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
@@ -140,7 +157,8 @@ def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
     def trim(res, t, s):
         geo = dict(q_len=t, kv_len=s, query_block=pattern.query_block, block=pattern.block,
                    sink_blocks=pattern.sink_blocks, local=pattern.local)
-        ids, _ = union_trim(res.block_idx, res.block_score, gamma=pattern.gamma, k_trim=pattern.trim, **geo)
+        ids, _ = union_trim(res.block_idx, res.block_score, gamma=pattern.gamma, k_trim=pattern.trim,
+                            rule=pattern.rule, lse=res.lse_gamma, **geo)
         return assemble_layout(ids, **geo)
 
     def key_sparse(q, k, v, layout):
@@ -251,34 +269,39 @@ class Runner:
     def mass(self, s: int, tile) -> None:
         cfg = self.cfg
         rng = np.random.default_rng(s)
-        rows = jnp.asarray(np.sort(rng.choice(np.arange(s // 2, s), cfg.mass_rows, replace=False)), jnp.int32)
-        mass_fn = jax.jit(lambda q, k: block_mass(q, k, rows, block=cfg.block))
-        cap_fn = jax.jit(lambda m, lay: captured_mass(m, lay, rows))
-        for kind, make in (("video", video_like), ("needle", needle_like)):
+        for kind, make in (("video", video_like), ("needle", needle_like), ("mixed", mixed_like)):
             if self.left() < 0:
                 self.result["sections_skipped"].append(f"mass S={s} {kind}")
                 continue
             q, k, v = make(cfg, s, seed=s + 1)
-            m = mass_fn(q, k)
+            sk = q.shape[1]
+            nq = sk // cfg.query_block
+            blocks = np.sort(rng.choice(np.arange(nq // 2, nq), max(1, cfg.mass_rows // cfg.query_block),
+                                        replace=False))
+            rows = jnp.asarray((blocks[:, None] * cfg.query_block + np.arange(cfg.query_block)).ravel(), jnp.int32)
+            m = jax.jit(lambda q, k: block_mass(q, k, rows, block=cfg.block))(q, k)
             layouts = {}
-            for alg in cfg.algorithms:
-                pattern = _pattern(cfg, alg)
+            methods = [(alg, rule) for alg in cfg.algorithms for rule in ("mass", "mean")]
+            for alg, rule in methods:
+                pattern = _pattern(cfg, alg, trim_rule=rule)
                 qsa, trim = _stages(cfg, pattern, tile)[:2]
+                name = f"{alg} ({rule} trim)"
                 try:
-                    layouts[alg] = trim(qsa(q, k, v), s, s)
+                    layouts[name] = trim(qsa(q, k, v), sk, sk)
                 except Exception as e:
-                    self.result.setdefault("mass", []).append({"S": s, "input": kind, "method": alg,
+                    self.result.setdefault("mass", []).append({"S": sk, "input": kind, "method": name,
                                                                "error": _err(e)})
             layouts["mean-pooled"] = jax.jit(lambda q, k: mean_pooled_layout(
                 q, k, query_block=cfg.query_block, block=cfg.block, k_trim=cfg.k_trim,
                 sink_blocks=_pattern(cfg, "exact").sink_blocks, local=cfg.local))(q, k)
             for method, lay in layouts.items():
-                c = {name: float(np.mean(np.asarray(x))) for name, x in cap_fn(m, lay).items()}
-                row = {"S": s, "input": kind, "method": method, **c, "gap": c["oracle"] - c["captured"],
+                c = {name: float(np.mean(np.asarray(x))) for name, x in captured_mass(m, lay, rows).items()}
+                row = {"S": sk, "input": kind, "method": method, **c, "gap": c["oracle"] - c["captured"],
+                       "gap_block": c["oracle_block"] - c["captured"],
                        "density": float(np.mean(np.asarray(lay.density())))}
                 self.result.setdefault("mass", []).append(row)
-                self.log(f"  S={s} {kind} {method}: captured {c['captured']:.4f} oracle {c['oracle']:.4f} "
-                         f"gap {row['gap']:.4f} ({c['blocks']:.1f} blocks/row)")
+                self.log(f"  S={sk} {kind} {method}: captured {c['captured']:.4f} oracle per row {c['oracle']:.4f} "
+                         f"per block {c['oracle_block']:.4f} gap {row['gap_block']:.4f} ({c['blocks']:.1f} blocks/row)")
             del q, k, v, m, layouts
             gc.collect()
 
@@ -355,7 +378,8 @@ class Runner:
             log("")
             print_table(sorted(mass, key=lambda r: (r["S"], r["input"])), [
                 ("S", "S", "d"), ("input", "input", "s"), ("method", "method", "s"),
-                ("captured", "captured", ".4f"), ("oracle", "oracle", ".4f"), ("gap", "gap", ".4f"),
+                ("captured", "captured", ".4f"), ("oracle_block", "oracle (block)", ".4f"),
+                ("gap_block", "gap (block)", ".4f"), ("oracle", "oracle (row)", ".4f"), ("gap", "gap (row)", ".4f"),
                 ("blocks", "blocks/row", ".1f"), ("density", "density", ".4f"),
             ])
         fig4 = [r for r in self.result.get("fig4", []) if "ms" in r]
@@ -368,10 +392,10 @@ class Runner:
                 targets.append({"target": f">= 3x faster than {cfg.anchor} at S={r['S']}",
                                 "value": r["speedup"], "met": r["speedup"] >= 3.0})
         for r in mass:
-            if r["method"] in cfg.algorithms:
-                targets.append({"target": f"captured mass within 0.015 of the oracle ({r['input']}, "
-                                          f"S={r['S']}, {r['method']})",
-                                "value": r["gap"], "met": r["gap"] <= 0.015})
+            if r["method"].endswith(" trim)"):
+                targets.append({"target": f"captured mass within 0.015 of the per-query-block oracle "
+                                          f"({r['input']}, S={r['S']}, {r['method']})",
+                                "value": r["gap_block"], "met": r["gap_block"] <= 0.015})
         self.result["targets"] = targets
         log("")
         if cfg.interpret:
@@ -396,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                         "0 = default) instead of sweeping")
     p.add_argument("--algorithms", nargs="*", choices=("exact", "tournament", "estimated"),
                    help="top-k algorithms to run")
+    p.add_argument("--timed-algorithm", choices=("exact", "tournament", "estimated"),
+                   help="top-k algorithm of the timing section (default estimated)")
     args = p.parse_args(argv)
     if args.tile and not ((args.tile[0] == 0 or is_pow2(args.tile[0], 16))
                           and (args.tile[1] == 0 or is_pow2(args.tile[1]))):
@@ -415,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, qsa_tiles=(tuple(args.tile),))
     if args.algorithms:
         cfg = dataclasses.replace(cfg, algorithms=tuple(args.algorithms))
+    if args.timed_algorithm:
+        cfg = dataclasses.replace(cfg, timed_algorithm=args.timed_algorithm)
     if not on_gpu:
         print("no GPU: small interpret-mode run (timings are not kernel speed)")
     runner = Runner(cfg, args.out, name=args.name)

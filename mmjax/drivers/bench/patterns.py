@@ -1,9 +1,16 @@
-"""Pattern benchmark: each intra-modality pattern vs cuDNN causal on video-like inputs.
+"""Pattern benchmark: fidelity per input family, and each intra-modality pattern vs cuDNN.
 
-Per sequence length and pattern: time of online estimation, of layout building and of the
-kernel, end-to-end time (one jit), density, speedup over cuDNN measured in the same run,
-and (at ``recall_len``) the attention recall, i.e. the fraction of softmax mass kept.
-Inputs: `video_inputs.video_qkv` (frames of 16 x 16 tokens, M-RoPE, smooth content).
+Sections (``--sections``; default fidelity + timing on a GPU, fidelity on a CPU):
+
+* fidelity (`fidelity.py`): per input family (needle, video-like, mixed video + text) and
+  pattern, recall and density next to the oracle block mask at the same density; JSON plus
+  a recall-vs-density PNG beside it; ``--plot DIR`` adds one layout picture per pattern and
+  family;
+* timing: per sequence length and pattern, time of online estimation, of layout building
+  and of the kernel, end-to-end time (one jit), density, speedup over cuDNN measured in the
+  same run, and (at ``recall_len``) the recall. Inputs: `synthetic.video_qkv` (frames of
+  16 x 16 tokens, M-RoPE, smooth content);
+* sweep (``--sweep``): recall vs density of a range of settings at ``recall_len``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_int
+from mmjax.drivers.bench.fidelity import FidelityConfig, fidelity_patterns, run_fidelity
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.sparse.attention import attention_recall
 from mmjax.sparse.layouts import attend
@@ -33,7 +41,7 @@ def gpu_patterns() -> dict[str, object]:
         "SFFixed": SFFixed(local=1024, stride=256, summary=16),
         "SFStrided": SFStrided(local=1024, stride=256),
         "VerticalSlash": VerticalSlash(vertical_size=1000, slash_size=4096, last_q=64),
-        "Grid": Grid(local=1024, last_q=64),
+        "Grid": Grid(last_q=64),
     }
 
 
@@ -44,9 +52,9 @@ def gpu_sweep() -> dict[str, object]:
         out[f"AShape(local={local})"] = AShape(sink=128, local=local)
     for vs, ss in ((250, 1024), (500, 2048), (1000, 4096), (2000, 8192)):
         out[f"VerticalSlash({vs},{ss})"] = VerticalSlash(vertical_size=vs, slash_size=ss, last_q=64)
-    for local in (256, 1024, 4096, 16384):
+    for local in (128, 1024, 4096):
         out[f"Grid(local={local})"] = Grid(local=local, last_q=64)
-    out["Grid(local=1024,phases=4)"] = Grid(local=1024, last_q=64, phases=4)
+    out["Grid(local=128,phases=4)"] = Grid(local=128, last_q=64, phases=4)
     for local in (1024, 4096):
         out[f"SFFixed(local={local})"] = SFFixed(local=local, stride=256, summary=16)
     return out
@@ -125,6 +133,10 @@ GPU_CONFIG = PatternBenchConfig()
 CPU_CONFIG = PatternBenchConfig(seq_lens=(512, 1024), baselines_max_len=1024, recall_len=512, heads=4,
                                 kv_heads=2, head_dim=64, frame_hw=(4, 8), interpret=True, anchor="xla",
                                 dtype="float32")
+
+
+GPU_FIDELITY = FidelityConfig(max_len=65536, needle_len=65536)
+CPU_FIDELITY = FidelityConfig(max_len=9216, needle_len=8192, implementation="reference")
 
 
 def _reps(s: int) -> int:
@@ -215,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--patterns", nargs="+", help="subset of pattern names")
     p.add_argument("--sweep", action="store_true",
                    help="recall-vs-density sweep of settings at the recall length instead of the table")
+    p.add_argument("--sections", nargs="+", choices=("fidelity", "timing"),
+                   help="what to run (default: fidelity and timing on a GPU, fidelity on a CPU)")
+    p.add_argument("--plot", metavar="DIR", help="fidelity: one layout picture per pattern and input family")
+    p.add_argument("--max-len", type=positive_int, help="fidelity: video families up to this many tokens")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
     cfg = GPU_CONFIG if on_gpu else CPU_CONFIG
@@ -231,7 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         run_sweep(cfg, gpu_sweep() if on_gpu else cpu_sweep(), args.out, result_name=args.name + "-sweep")
         return 0
-    run_benchmark(cfg, pats, args.out, result_name=args.name)
+    sections = args.sections or (("fidelity", "timing") if on_gpu else ("fidelity",))
+    if "fidelity" in sections:
+        fcfg = GPU_FIDELITY if on_gpu else CPU_FIDELITY
+        if args.max_len:
+            fcfg = dataclasses.replace(fcfg, max_len=args.max_len, needle_len=min(fcfg.needle_len, args.max_len))
+        run_fidelity(fcfg, fidelity_patterns(), args.out, plot_dir=args.plot, result_name=args.name + "-fidelity")
+    if "timing" in sections:
+        run_benchmark(cfg, pats, args.out, result_name=args.name)
     return 0
 
 

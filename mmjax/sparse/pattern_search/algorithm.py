@@ -238,7 +238,7 @@ def search(calibration, modality=None, space: SearchSpace | None = None, budget:
         raise ValueError(f"tie_tolerance: expected a number >= 0; received {tie_tolerance!r}")
     cal = as_calibration(calibration, modality)
     m = cal.modality
-    cands = space.candidates()
+    cands = space.candidates(frame_tokens=None if m is None else m.frame_tokens)
     dense = Dense(block_q=space.block_q, block_k=space.block_k)
     bar = progress_bar(cal.num_layers * cal.num_heads, "mmjax search", progress)
     layers, report = [], []

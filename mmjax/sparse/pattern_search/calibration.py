@@ -10,6 +10,7 @@ File layout (``.npz``, what ``mmjax search --calibration`` reads)::
     q_0, k_0, v_0, q_1, k_1, v_1, ...   one triple per layer, layers 0..L-1
     modality                           int [B, S] token kinds
     modality_names                     optional str [M]: the name of each kind id
+    frame_tokens                       optional int scalar: tokens per video frame (Grid "frame")
 
 `CalibrationRecorder` captures the triples during a dense prefill
 (``mmjax.prefill(model, inputs, attention=recorder)``).
@@ -111,9 +112,9 @@ class Calibration:
             m = _KEY.match(str(key))
             if m:
                 found.setdefault(int(m.group(2)), {})[m.group(1)] = arrays[key]
-            elif key not in ("modality", "modality_names"):
+            elif key not in ("modality", "modality_names", "frame_tokens"):
                 raise ValueError(f"calibration: unexpected key {key!r}; expected q_<layer>, k_<layer>, v_<layer>, "
-                                 f"modality, modality_names")
+                                 f"modality, modality_names, frame_tokens")
         if not found:
             raise ValueError("calibration: expected arrays q_0, k_0, v_0 (one triple per layer); found none")
         layers = []
@@ -133,7 +134,11 @@ class Calibration:
             if names is None:
                 top = int(ids.max(initial=0))
                 names = DEFAULT_NAMES + tuple(f"kind{i}" for i in range(len(DEFAULT_NAMES), top + 1))
-            modality = Modality.from_token_types(ids, names=names)
+            frame = arrays.get("frame_tokens")
+            if frame is not None and (np.ndim(frame) != 0 or not np.issubdtype(np.asarray(frame).dtype, np.integer)):
+                raise ValueError(f"calibration frame_tokens: expected an int scalar; received shape {_shape(frame)}")
+            modality = Modality.from_token_types(ids, names=names,
+                                                 frame_tokens=None if frame is None else int(frame))
         return cls(tuple(layers), modality)
 
     @classmethod
@@ -159,6 +164,8 @@ class Calibration:
         if self.modality is not None:
             out["modality"] = np.asarray(self.modality.ids)
             out["modality_names"] = np.asarray(self.modality.names)
+            if self.modality.frame_tokens is not None:
+                out["frame_tokens"] = np.asarray(self.modality.frame_tokens, np.int64)
         return out
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:

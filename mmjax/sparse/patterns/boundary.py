@@ -86,13 +86,13 @@ def _check_inner(name: str, p) -> None:
         raise ValueError(f"{name}: expected an mmjax.sparse.patterns pattern; received {type(p).__name__}")
 
 
-def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, k_valid=None) -> AnyLayout:
+def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, k_valid=None, frame_tokens=None) -> AnyLayout:
     """The intra layout of one query modality: rows of ``kind`` moved last (stable), the
     pattern estimated from them over the valid keys, query blocks without such rows
     dropped, listed keys restricted to the valid ones (exactly, per key)."""
     rows = _sort_perm((q_kind == kind).astype(jnp.int32))
     b, s = k.shape[0], k.shape[1]
-    pl = Placement(rows=rows, k_group=jnp.zeros((b, s), jnp.int32), k_valid=k_valid)
+    pl = Placement(rows=rows, k_group=jnp.zeros((b, s), jnp.int32), k_valid=k_valid, frame_tokens=frame_tokens)
     layout = pattern.build_placed(q, k, pl)
     parts = [_keep_query_blocks(p, q_kind, kind) for p in block_parts(layout)]
     if k_valid is not None:
@@ -112,7 +112,7 @@ class NoBoundary(Pattern):
         _check_inner("pattern", self.pattern)
 
     def build_layout(self, q, k, *, modality=None) -> AnyLayout:
-        return self.pattern.build_layout(q, k, modality=None)
+        return self.pattern.build_layout(q, k, modality=modality)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +128,7 @@ class KBoundary(Pattern):
         m = _need_modality(modality, "KBoundary", q, k)
         b, t = q.shape[0], q.shape[1]
         pl = Placement(rows=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), k_group=m.ids,
-                       num_groups=m.num_kinds)
+                       num_groups=m.num_kinds, frame_tokens=m.frame_tokens)
         return self.pattern.build_placed(q, k, pl)
 
 
@@ -177,7 +177,7 @@ class QBoundary(Pattern):
             if kind not in _present(m):
                 continue
             pattern = given.get(name, self.default)
-            layout = _query_modality_layout(pattern, q, k, q_kind, kind)
+            layout = _query_modality_layout(pattern, q, k, q_kind, kind, frame_tokens=m.frame_tokens)
             parts.append(layout)
             kinds.append(kind)
         return RowSplit(tuple(parts), q_kind, tuple(kinds))
@@ -245,7 +245,8 @@ class TwoDBoundary(Pattern):
                 continue
             pair_parts = []
             for kk, pattern in mine:
-                layout = _query_modality_layout(pattern, q, k, q_kind, qk, k_valid=m.ids == kk)
+                layout = _query_modality_layout(pattern, q, k, q_kind, qk, k_valid=m.ids == kk,
+                                                frame_tokens=m.frame_tokens)
                 pair_parts += list(block_parts(layout))
             parts.append(LayoutSet(tuple(pair_parts)))
             kinds.append(qk)

@@ -1,22 +1,54 @@
-"""Grid head (MMInference Algorithm 1): lines at a regular stride, permuted into dense blocks.
+"""Grid head (MMInference Algorithm 1 and its Table 3 family): lines at a regular stride,
+permuted into dense blocks.
 
-Estimation: the column mass of A = softmax(Q[-last_q:] K^T) viewed as ``[S / s, s]`` gives
-the mass of every phase p of every candidate stride s. The stride whose best phases carry
-the most concentrated lines (lift = mass * s / phases) is taken down to its smallest divisor
-that keeps 70% of that lift, so neither multiples nor divisors of the true stride are picked.
+The pattern, per head, for a stride ``s`` and line phases ``P`` (``phases`` of them):
 
-Layout: keys at the chosen phases (vertical lines) are moved to the front of the key order,
-queries at those phases (horizontal lines) to the front of the query order; everything
-else keeps its original order. Then
-* vertical lines are the first key blocks, computed by every query block (causal prefix);
-* horizontal-line rows are the first query blocks and compute every key block;
-* the local band along the diagonal (``use_slash``, ``local`` tokens) is one contiguous
-  range of the remaining keys for each remaining query block.
-The horizontal rows go in a second part of a `LayoutSet` (one shared ``arange`` list), so
-no part needs an nq x nk list. Causality is applied on original positions by the kernel.
-Horizontal lines reuse the vertical phases: in video, the token that every frame attends
-to at a spatial position also attends every frame (the grid is symmetric); the last_q rows
-cannot observe other row phases.
+* main diagonal band: the ``local`` nearest keys of every query (always kept; 0 = none);
+* sink: the first ``sink`` keys (e.g. the text before the video), always kept;
+* slash lines (``use_slash``): the diagonals at offsets ``m * s``, ``m >= 1``: a query
+  attends the same phase, i.e. the same spatial position, in every earlier frame;
+* vertical lines (``use_vline``): the keys at a phase in P (e.g. each frame's sink token);
+* horizontal lines (``use_hline``): the queries at a phase in P attend every key (the
+  last_q rows cannot observe other row phases, so rows reuse the key phases: in video the
+  grid is symmetric, as in MMInference's kernels).
+
+Stride (``stride``): ``"search"`` estimates it online from the attention of the last
+``last_q`` queries over the candidates ``stride_space`` up to ``max_stride`` (1024 in the
+paper); ``"frame"`` takes the tokens per frame of the video from `Modality.frame_tokens`
+(from ``video_grid_thw``); an int fixes it. The phases P are then the phases of that stride
+with the most column mass in the last rows.
+
+## The stride permutation
+
+Queries and keys are reordered *phase-major*: by (phase group, position), where the phase
+group of position x is ``i`` if ``x mod s`` is the i-th line phase, else ``|P| + ((x - p0)
+mod s)`` (p0 the first line phase). Every token of one phase (one spatial position in every
+frame) is then contiguous and in frame order, and the line phases come first. In that order
+
+* the slash lines are block diagonal: the pairs at offsets ``m * s`` are exactly the pairs of
+  equal phase, so query group g sees key group g, and a query block whose rows span groups
+  ``[a, b]`` lists the key range of groups ``[a, b]``, a few dense tiles;
+* the vertical lines are the first ``|P|`` key groups: a contiguous prefix of the keys
+  (after the sink keys, which form one group of their own in front when ``sink`` > 0);
+* the horizontal lines are the first ``|P|`` query groups: the first query blocks, which
+  list every key block.
+
+So every line becomes whole ``block_q x block_k`` tiles the kernel computes at full speed;
+it gathers permuted keys through ``kv_perm`` and masks on original positions.
+
+## Layout
+
+A `LayoutSet` of up to three parts whose pairs are disjoint by construction:
+
+1. band: original order, causal ``window = local`` (pairs at distance < local);
+2. lines: permuted, causal ``gap = local`` (distance >= local): per query block the causal
+   prefix of each vertical-line group and the slash range of its groups;
+3. rows: permuted, ``gap = local``: the horizontal-line blocks list every key block
+   (one shared ``arange`` list; part 2 lists nothing for them).
+
+Inside a boundary wrapper (`build_placed`) keys are packed by (invalid, key group, phase
+group, position) and rows by phase group within the wrapper's row order; the rules stay on
+original positions.
 """
 
 from __future__ import annotations
@@ -28,10 +60,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.sparse import placement as plc
-from mmjax.sparse.block_lists import ascending_ranges_to_lists
+from mmjax.sparse.block_lists import query_block_bounds, ranges_to_lists
 from mmjax.sparse.estimate import last_q_scores
 from mmjax.sparse.layouts import LayoutSet
 from mmjax.sparse.patterns.base import Pattern
+from mmjax.sparse.patterns.static import placed_ashape
 from pallas_kernels import BlockLayout
 from pallas_kernels.checks import check_int
 from pallas_kernels.tiling import cdiv
@@ -40,9 +73,8 @@ from pallas_kernels.tiling import cdiv
 # from 64 up: the smallest stride bounds the vertical-line list length (S / stride keys).
 DEFAULT_STRIDES = tuple(sorted(set(range(64, 1025, 16)) | {81, 100, 144, 196, 225, 324, 400,
                                                            484, 576, 676, 784, 900}))
-
-
-LIFT_TOLERANCE = 0.7
+STRIDE_SOURCES = ("search", "frame")
+LIFT_TOLERANCE = 0.6  # a divisor s / m of the true stride keeps ~1/m <= 1/2 of its lift
 
 
 def phase_mass(vertical: jax.Array, stride: int) -> jax.Array:
@@ -53,172 +85,282 @@ def phase_mass(vertical: jax.Array, stride: int) -> jax.Array:
     return v.reshape(v.shape[:2] + (-1, stride)).sum(-2)
 
 
+def multiple_mass(slash: jax.Array, stride: int) -> jax.Array:
+    """slash ``[B,N,S]`` (mass per offset) -> mass at the offsets ``m * stride``, m >= 1, ``[B,N]``."""
+    return slash[..., stride::stride].sum(-1)
+
+
+def phase_groups(pos: jax.Array, stride: jax.Array, phase: jax.Array, sink: int = 0) -> jax.Array:
+    """Phase group of every position (see the module docstring): pos int32 ``[L]`` or
+    ``[B|1, 1, L]``, stride ``[B, N]``, phase ``[B, N, P]`` -> int32 ``[B, N, L]``. With
+    ``sink`` > 0 the positions below it form group 0 and every other group moves up by one."""
+    pos = jnp.asarray(pos, jnp.int32)
+    if pos.ndim == 1:
+        pos = pos[None, None]
+    s = stride[..., None]
+    ph = pos % s  # [B, N, L]
+    n_lines = phase.shape[-1]
+    line = ph[..., None] == phase[..., None, :]  # [B, N, L, P]
+    rest = n_lines + (pos - phase[..., :1]) % s
+    group = jnp.where(line.any(-1), jnp.argmax(line, -1), rest)
+    if sink:
+        group = jnp.where(pos < sink, 0, group + 1)
+    return group.astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Grid(Pattern):
-    """Grid head: vertical / horizontal lines every ``stride`` tokens plus a local band."""
+    """Grid head: band + slash / vertical / horizontal lines at a stride (module docstring).
 
-    stride_space: tuple[int, ...] = DEFAULT_STRIDES
-    max_stride: int = 1024
+    stride: "search" | "frame" | an int; max_stride: largest searched stride;
+    stride_space: searched candidates (None: `DEFAULT_STRIDES`); phases: line phases per
+    head; local: main diagonal band in tokens (0: none); sink: first keys always kept;
+    last_q: estimation rows.
+    """
+
+    stride: int | str = "search"
     use_hline: bool = True
     use_vline: bool = True
     use_slash: bool = True
-    last_q: int = 64
-    local: int = 1024
+    max_stride: int = 1024
+    local: int = 128
     phases: int = 1
+    sink: int = 0
+    last_q: int = 64
+    stride_space: tuple[int, ...] | None = None
     block_q: int = 128
     block_k: int = 64
 
     def validate(self) -> None:
-        if not self.stride_space or any(not isinstance(x, int) or x < 1 for x in self.stride_space):
-            raise ValueError(f"stride_space: expected a non-empty tuple of ints >= 1; received {self.stride_space!r}")
+        if isinstance(self.stride, bool) or not (
+                self.stride in STRIDE_SOURCES or (isinstance(self.stride, int) and self.stride >= 1)):
+            raise ValueError(f"stride: expected one of {STRIDE_SOURCES} or an int >= 1; received {self.stride!r}")
+        if self.stride_space is not None and (not self.stride_space or any(
+                not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in self.stride_space)):
+            raise ValueError(f"stride_space: expected None or a non-empty tuple of ints >= 1; received "
+                             f"{self.stride_space!r}")
+        for name in ("use_hline", "use_vline", "use_slash"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool; received {getattr(self, name)!r}")
         check_int("max_stride", self.max_stride, 1)
         check_int("last_q", self.last_q, 1)
-        check_int("local", self.local, 1)
+        check_int("local", self.local, 0)
         check_int("phases", self.phases, 1)
-        if not (self.use_hline or self.use_vline or self.use_slash):
-            raise ValueError("use_hline / use_vline / use_slash: expected at least one True")
-        if self.phases > min(self.stride_space):
-            raise ValueError(f"phases: expected phases <= the smallest stride {min(self.stride_space)}; "
-                             f"received {self.phases}")
+        check_int("sink", self.sink, 0)
+        if isinstance(self.stride, int) and self.phases > self.stride:
+            raise ValueError(f"phases: expected phases <= stride={self.stride}; received {self.phases}")
+        if not self.local and not self.has_lines:
+            raise ValueError("local: expected a band (local >= 1) when use_hline, use_vline and use_slash are all "
+                             "False; received local=0")
+
+    # -------------------------------------------------------------- stride
+    @property
+    def has_lines(self) -> bool:
+        return self.use_hline or self.use_vline or self.use_slash or self.sink > 0
 
     def candidate_strides(self, s: int) -> tuple[int, ...]:
-        cands = tuple(x for x in self.stride_space if x <= min(self.max_stride, s))
+        space = DEFAULT_STRIDES if self.stride_space is None else self.stride_space
+        cands = tuple(x for x in space if self.phases <= x <= min(self.max_stride, s))
         if not cands:
-            raise ValueError(f"stride_space: expected a stride <= min(max_stride={self.max_stride}, "
-                             f"S={s}); received {self.stride_space!r}")
+            raise ValueError(f"stride_space: expected a stride in [phases={self.phases}, min(max_stride="
+                             f"{self.max_stride}, S={s})]; received {space!r}")
         return cands
 
-    def estimate(self, q, k, *, rows=None, k_valid=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Stride int32 ``[B,N]``, phases int32 ``[B,N,phases]`` and lift float32 ``[B,N]``
-        (mass of the chosen phases per key kept, relative to uniform attention). rows /
-        k_valid: estimation rows and keys as in `last_q_scores`."""
+    def fixed_stride(self, s: int, modality=None) -> int | None:
+        """The static stride ("frame" / int), or None for "search". ValueError when "frame"
+        has no frame size to use."""
+        if self.stride == "search":
+            return None
+        if self.stride == "frame":
+            frame = getattr(modality, "frame_tokens", None)  # a Modality or a Placement
+            if frame is None:
+                raise ValueError("stride: 'frame' needs the tokens per frame: pass a Modality with frame_tokens "
+                                 "(Modality.from_token_types(..., frame_tokens=...) or frame_tokens_from_grid_thw); "
+                                 "received none")
+            stride = int(frame)
+        else:
+            stride = int(self.stride)
+        if not self.phases <= stride <= s:
+            raise ValueError(f"stride: expected phases={self.phases} <= stride <= S={s}; received {stride}")
+        return stride
+
+    def stride_bounds(self, s: int, modality=None) -> tuple[int, int]:
+        """(smallest, largest) stride this head can use at S = s (static)."""
+        fixed = self.fixed_stride(s, modality)
+        if fixed is not None:
+            return fixed, fixed
+        cands = self.candidate_strides(s)
+        return min(cands), max(cands)
+
+    def estimate(self, q, k, *, rows=None, k_valid=None, modality=None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Stride int32 ``[B,N]``, phases int32 ``[B,N,phases]`` and excess lift float32
+        ``[B,N]`` (mass of the variant's lines per fraction of keys they cost, relative to
+        uniform attention, minus 1). rows / k_valid: estimation rows and keys as in `last_q_scores`."""
         t, s = q.shape[1], k.shape[1]
         if self.last_q > t:
             raise ValueError(f"last_q: expected last_q <= T={t} (query length); received {self.last_q}")
-        vertical, _ = last_q_scores(q, k, last_q=self.last_q, rows=rows, k_valid=k_valid)
-        cands = self.candidate_strides(s)
-        lifts, masses, phases = [], [], []
+        vertical, slash = last_q_scores(q, k, last_q=self.last_q, rows=rows, k_valid=k_valid)
+        fixed = self.fixed_stride(s, modality)
+        cands = (fixed,) if fixed is not None else self.candidate_strides(s)
+        lines = self.use_vline or self.use_hline
+        lifts, phases = [], []
         for stride in cands:
             mass, ph = jax.lax.top_k(phase_mass(vertical, stride), self.phases)
-            masses.append(mass.sum(-1))
-            lifts.append(mass.sum(-1) * stride / self.phases)
+            kept = (mass.sum(-1) if lines else 0.0) + (multiple_mass(slash, stride) if self.use_slash else 0.0)
+            cost = (self.phases if lines else 0) + (1 if self.use_slash else 0)
+            # Excess lift over uniform attention (which has lift 1 at every stride).
+            lifts.append(jnp.broadcast_to(kept * stride / max(cost, 1) - 1.0, vertical.shape[:2]))
             phases.append(ph)
         lift = jnp.stack(lifts, -1)  # [B,N,C]
-        # The best-lift stride may be a multiple m * s of the true stride s (its best phase
-        # holds 1/m of the lines on 1/m of the keys: the same lift, and it wins on noise).
-        # Walk down to the smallest divisor of it that keeps LIFT_TOLERANCE of its lift; a
-        # divisor of the true stride s / m keeps only ~1/m and is passed over.
+        # The best-lift stride may be a multiple m * s of the true stride s (the same lift,
+        # and it wins on noise): walk down to the smallest divisor of it that keeps
+        # LIFT_TOLERANCE of its lift; a divisor s / m of the true stride keeps ~1/m. (The max over
+        # more phases of a larger stride is biased upwards: measured 0.68 for the true stride
+        # against 5x it on a sink head, so the tolerance sits between 1/2 and that: 0.6.)
         best = jnp.argmax(lift, axis=-1)
         divides = jnp.asarray(np.array(cands)[None, :] % np.array(cands)[:, None] == 0)  # [i, j]: c_i | c_j
         best_lift = jnp.take_along_axis(lift, best[..., None], -1)
         ok = divides[:, best].transpose(1, 2, 0) & (lift >= LIFT_TOLERANCE * best_lift)
         pick = jnp.argmax(ok, axis=-1)  # candidates ascend: the smallest qualifying divisor
         stride = jnp.asarray(cands, jnp.int32)[pick]
-        phase_all = jnp.stack(phases, -2)  # [B,N,C,phases]
-        phase = jnp.take_along_axis(phase_all, pick[..., None, None], axis=-2)[..., 0, :]
+        phase = jnp.take_along_axis(jnp.stack(phases, -2), pick[..., None, None], axis=-2)[..., 0, :]
         return stride, phase.astype(jnp.int32), jnp.take_along_axis(lift, pick[..., None], -1)[..., 0]
 
-    def layout_from_index(self, stride, phase, t: int, s: int) -> LayoutSet:
-        """stride ``[B,N]``, phase ``[B,N,P]`` -> two-part permuted `LayoutSet`."""
-        bq, bk = self.block_q, self.block_k
-        nq, nk = cdiv(t, bq), cdiv(s, bk)
+    # -------------------------------------------------------------- layouts
+    def build_layout(self, q, k, *, modality=None) -> LayoutSet | BlockLayout:
+        stride, phase, _ = self.estimate(q, k, modality=modality)
+        return self.layout_from_index(stride, phase, q.shape[1], k.shape[1],
+                                      bounds=self.stride_bounds(k.shape[1], modality))
+
+    def _band(self, t: int, s: int) -> BlockLayout:
+        bk = self.block_k
+        qs, qe = query_block_bounds(t, s, self.block_q)
+        lo = jnp.maximum(qs - self.local + 1, 0) // bk
+        blocks, count = ranges_to_lists([(lo[:, None], (qe // bk)[:, None], cdiv(self.local + self.block_q, bk) + 1)],
+                                        cdiv(s, bk))
+        return BlockLayout(kv_blocks=blocks[None, None], kv_block_count=count[None, None], block_q=self.block_q,
+                           block_k=bk, q_len=t, kv_len=s, window=self.local)
+
+    def _widths(self, t: int, s: int, bounds: tuple[int, int]) -> tuple[int, int]:
+        """Static bounds on the keys of one vertical-line group and of one slash range."""
+        s_min, s_max = bounds
+        per_group = cdiv(s, s_min)
+        groups = min(self.block_q, cdiv(self.block_q, max(1, t // s_max)) + 1)
+        return per_group, min(s, groups * per_group)
+
+    def layout_from_index(self, stride, phase, t: int, s: int, *, bounds: tuple[int, int]
+                          ) -> LayoutSet | BlockLayout:
+        """stride ``[B,N]``, phase ``[B,N,P]`` -> the `LayoutSet` of the module docstring.
+        bounds: static (smallest, largest) stride (list widths)."""
         off = s - t
-        k_pos = jnp.arange(s, dtype=jnp.int32)
-        q_pos = jnp.arange(t, dtype=jnp.int32) + off
+        kg = phase_groups(jnp.arange(s), stride, phase, self.sink)  # [B, N, S]
+        qg = phase_groups(jnp.arange(t) + off, stride, phase, self.sink)
+        kv_perm = jnp.argsort(kg, axis=-1, stable=True).astype(jnp.int32)
+        q_perm = jnp.argsort(qg, axis=-1, stable=True).astype(jnp.int32)
+        kg_sorted = jnp.take_along_axis(kg, kv_perm, -1)
+        qg_sorted = jnp.take_along_axis(qg, q_perm, -1)
+        q_pos = q_perm + off
+        return self._assemble(kv_perm, q_perm, kg_sorted, qg_sorted, q_pos, kv_perm, t, s, bounds,
+                              band=self._band(t, s) if self.local else None, n_valid=None)
 
-        def on_line(pos):  # [B,N,L] bool: position at one of the head's phases
-            return (pos[None, None, :, None] % stride[..., None, None] == phase[..., None, :]).any(-1)
-
-        k_line = on_line(k_pos) if self.use_vline else jnp.zeros((1, 1, s), bool)
-        q_line = on_line(q_pos) if self.use_hline else jnp.zeros((1, 1, t), bool)
-        lead = stride.shape
-        k_line = jnp.broadcast_to(k_line, lead + (s,))
-        q_line = jnp.broadcast_to(q_line, lead + (t,))
-        kv_perm = jnp.argsort(jnp.where(k_line, 0, s) + k_pos, axis=-1).astype(jnp.int32)
-        q_perm = jnp.argsort(jnp.where(q_line, 0, t) + jnp.arange(t), axis=-1).astype(jnp.int32)
-        n_kline = k_line.sum(-1)  # [B,N]
-        n_qline = q_line.sum(-1)
-
-        # Query blocks: positions in permuted order (padding rows use the last position).
-        qp = jnp.pad(q_perm + off, ((0, 0), (0, 0), (0, nq * bq - t)), mode="edge").reshape(lead + (nq, bq))
-        q_min, q_max = qp.min(-1), qp.max(-1)  # [B,N,nq]
-        h_rows = jnp.arange(nq) * bq < n_qline[..., None]  # block holds a horizontal row
-
-        # Vertical prefix: line keys (sorted by position) visible to the block.
-        line_pos = jnp.where(jnp.arange(s) < n_kline[..., None], kv_perm, s)  # sorted, then s
-        n_vis = jax.vmap(jax.vmap(lambda lp, qm: jnp.searchsorted(lp, qm, side="right")))(line_pos, q_max)
-        n_vblocks = jnp.where(n_vis > 0, (n_vis - 1) // bk + 1, 0) if self.use_vline else jnp.zeros_like(n_vis)
-        max_line_blocks = cdiv(cdiv(s, min(self.candidate_strides(s))) * self.phases, bk) + 1
-        width = (max_line_blocks if self.use_vline else 0) + (cdiv(self.local + bq, bk) + 2 if self.use_slash else 0)
-        if self.use_slash:
-            rest_pos = jnp.where(jnp.arange(s) >= n_kline[..., None], kv_perm, -1)  # sorted after -1s
-            band_lo_pos = jnp.maximum(q_min - self.local + 1, 0)
-            lo_idx = jax.vmap(jax.vmap(lambda rp, x: jnp.searchsorted(rp, x, side="left")))(rest_pos, band_lo_pos)
-            hi_idx = jax.vmap(jax.vmap(lambda rp, x: jnp.searchsorted(rp, x, side="right")))(rest_pos, q_max) - 1
-            lo_idx = jnp.maximum(lo_idx, n_kline[..., None])
-            b_lo = jnp.maximum(lo_idx // bk, n_vblocks)  # the shared boundary block is listed once
-            n_band = jnp.where(hi_idx >= lo_idx, jnp.maximum(hi_idx // bk - b_lo + 1, 0), 0)
-        else:
-            b_lo, n_band = n_vblocks, jnp.zeros_like(n_vblocks)
-        # [0, n_vblocks) then [b_lo, b_lo + n_band): ascending and distinct, no sort needed.
-        j = jnp.arange(width, dtype=jnp.int32)
-        blocks = jnp.where(j < n_vblocks[..., None], j, b_lo[..., None] + j - n_vblocks[..., None])
-        count = (n_vblocks + n_band).astype(jnp.int32)
-        blocks = jnp.where(j < count[..., None], blocks, 0).astype(jnp.int32)
-        count = jnp.where(h_rows, 0, count)
-        common = dict(q_perm=q_perm, kv_perm=kv_perm, block_q=bq, block_k=bk, q_len=t, kv_len=s)
-        lines = BlockLayout(kv_blocks=blocks, kv_block_count=count, **common)
-        full = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32)[None, None, None],
-                           kv_block_count=jnp.where(h_rows, nk, 0).astype(jnp.int32), **common)
-        return LayoutSet((lines, full))
-
-    def build_layout(self, q, k, *, modality=None) -> LayoutSet:
-        stride, phase, _ = self.estimate(q, k)
-        return self.layout_from_index(stride, phase, q.shape[1], k.shape[1])
-
-    def build_placed(self, q, k, placement) -> LayoutSet:
-        """Grid inside a boundary wrapper: stride and phases estimated from the last rows of
-        the row order over the valid keys; line keys (position % stride at a phase) packed
-        first within each key group, line rows first; lines, band and full rows as in
-        `layout_from_index`, all on original positions."""
-        stride, phase, _ = self.estimate(q, k, rows=placement.est_rows(self.last_q), k_valid=placement.k_valid)
-        return self.placed_from_index(stride, phase, placement, q.shape[1], k.shape[1])
-
-    def placed_from_index(self, stride, phase, placement, t: int, s: int) -> LayoutSet:
+    def _assemble(self, kv_perm, q_perm, kg_sorted, qg_sorted, q_pos, k_pos_sorted, t: int, s: int,
+                  bounds, *, band, n_valid, key_code=None, seg_base=(0,)) -> LayoutSet | BlockLayout:
+        """Lines and rows parts from sorted phase groups. kg_sorted / k_pos_sorted ``[B,N,S]``
+        (group and position of each packed key), qg_sorted / q_pos ``[B,N,T]``; key_code: the
+        packed keys' (segment, group) codes with ``seg_base`` the code offset of each valid
+        key segment (one segment: the groups themselves)."""
         bq, bk = self.block_q, self.block_k
         nq, nk = cdiv(t, bq), cdiv(s, bk)
+        front = 1 if self.sink else 0  # the sink group
+        p_lines = self.phases + front  # groups [0, p_lines): sink, then the line phases
+        code = kg_sorted if key_code is None else key_code
+        gap = self.local
+        parts = [] if band is None else [band]
+        if not self.has_lines:
+            return parts[0]
+        pad = nq * bq - t
+        qg_blk = jnp.pad(qg_sorted, ((0, 0), (0, 0), (0, pad)), mode="edge").reshape(qg_sorted.shape[:2] + (nq, bq))
+        qp_blk = jnp.pad(q_pos, ((0, 0), (0, 0), (0, pad)), mode="edge").reshape(q_pos.shape[:2] + (nq, bq))
+        g_lo, g_hi = qg_blk.min(-1), qg_blk.max(-1)  # [B, N, nq]
+        reach = qp_blk.max(-1) - gap  # keys at positions <= reach can be seen
+        per_group, slash_keys = self._widths(t, s, bounds)
+        search = lambda a, v, side: jax.vmap(jax.vmap(lambda x, y: jnp.searchsorted(x, y, side=side)))(
+            jnp.broadcast_to(a, v.shape[:2] + a.shape[2:]), v).astype(jnp.int32)
+        groups = []
+        kept_groups = [g for g in range(p_lines) if g < front or self.use_vline]
+        if kept_groups:
+            # Line keys by (segment, line group, position), every other key of a segment after
+            # them: ascending in packed order (invalid segments last, beyond every search).
+            n_seg = len(seg_base)
+            seg_of = (code - kg_sorted) if key_code is not None else jnp.zeros_like(code)
+            seg_idx = jnp.full_like(code, n_seg)
+            for i, base in enumerate(seg_base):
+                seg_idx = jnp.where(seg_of == base, i, seg_idx)
+            is_line = kg_sorted < p_lines
+            lcode = ((seg_idx * (p_lines + 1) + jnp.minimum(kg_sorted, p_lines)) * (s + 1)
+                     + jnp.where(is_line, k_pos_sorted, s))
+            for i in range(n_seg):
+                for g in kept_groups:
+                    c0 = (i * (p_lines + 1) + g) * (s + 1)
+                    lo = search(lcode, jnp.full_like(reach, c0), "left")
+                    hi = search(lcode, c0 + jnp.clip(reach, -1, s - 1), "right") - 1
+                    groups.append((lo, jnp.where(reach >= 0, hi, lo - 1), per_group))
+        if self.use_slash:
+            for base in seg_base:
+                lo = search(code, base + g_lo, "left")
+                hi = search(code, base + g_hi, "right") - 1
+                groups.append((lo, hi, slash_keys))
+        cand = [((lo // bk)[..., None], jnp.where(hi >= lo, hi // bk, lo // bk - 1)[..., None], cdiv(width, bk) + 1)
+                for lo, hi, width in groups]
+        if cand:
+            blocks, count = ranges_to_lists(cand, nk)
+        else:
+            blocks, count = jnp.zeros(g_lo.shape + (1,), jnp.int32), jnp.zeros_like(g_lo)
+        common = dict(q_perm=q_perm, kv_perm=kv_perm, block_q=bq, block_k=bk, q_len=t, kv_len=s, gap=gap)
+        if self.use_hline:
+            n_rows = (qg_sorted < p_lines).sum(-1)  # [B, N] (sink rows, the first queries, too)
+            h_rows = jnp.arange(nq) * bq < n_rows[..., None]
+            count = jnp.where(h_rows, 0, count)
+            n_full = nk if n_valid is None else (n_valid + bk - 1) // bk
+            full = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32)[None, None, None],
+                               kv_block_count=jnp.where(h_rows, jnp.broadcast_to(n_full, n_rows.shape)[..., None],
+                                                        0).astype(jnp.int32), **common)
+        if kept_groups or self.use_slash:
+            parts.append(BlockLayout(kv_blocks=blocks, kv_block_count=count.astype(jnp.int32), **common))
+        if self.use_hline:
+            parts.append(full)
+        return LayoutSet(tuple(parts)) if len(parts) > 1 else parts[0]
 
-        def on_line(pos):  # pos [B|1, L] -> bool [B, N, L]
-            return (pos[:, None, :, None] % stride[..., None, None] == phase[..., None, :]).any(-1)
-
-        lead = stride.shape
-        k_line = on_line(jnp.arange(s, dtype=jnp.int32)[None]) if self.use_vline else jnp.zeros((1, 1, s), bool)
-        order = plc.pack_keys(placement, jnp.broadcast_to(jnp.where(k_line, 0, 1), lead + (s,)).astype(jnp.int32), 2)
-        row_pos = placement.rows + (s - t)
-        q_line = on_line(row_pos) if self.use_hline else jnp.zeros(lead + (t,), bool)
-        q_line = jnp.broadcast_to(q_line, lead + (t,))
-        inner_rows = jnp.argsort(jnp.where(q_line, 0, t) + jnp.arange(t), axis=-1).astype(jnp.int32)
-        q_perm, q_pos = plc.q_positions(placement, s, inner_rows)
-        _, q_max = plc.row_bounds(q_pos, bq)
-        h_rows = jnp.arange(nq) * bq < q_line.sum(-1)[..., None]  # [B, N, nq]
-        lo, hi = [], []
-        n_line_keys = cdiv(s, min(self.candidate_strides(s))) * self.phases
-        (w1, w2), band_keys = plc.run_windows(q_pos, bq, self.local)
-        width = 0
-        # Packed order: per key group, line keys then the rest; ranges in that order ascend.
-        for v_rng, b1, b2 in zip(plc.segment_prefix(order, 0, q_max), plc.segment_ranges(order, 1, *w1),
-                                 plc.segment_ranges(order, 1, *w2)):
-            for (a, b), on in ((v_rng, self.use_vline), (b1, self.use_slash), (b2, self.use_slash)):
-                lo.append(a // bk)
-                hi.append(jnp.where((b >= a) & on, b // bk, a // bk - 1))
-            width += (cdiv(n_line_keys, bk) + 1 if self.use_vline else 0) + (
-                2 * (cdiv(band_keys, bk) + 1) if self.use_slash else 0)
-        blocks, count = ascending_ranges_to_lists(jnp.stack(lo, -1), jnp.stack(hi, -1), min(width, nk))
-        common = dict(q_perm=q_perm, kv_perm=order.perm, block_q=bq, block_k=bk, q_len=t, kv_len=s)
-        lines = BlockLayout(kv_blocks=blocks, kv_block_count=jnp.where(h_rows, 0, count), **common)
-        n_valid_blocks = (order.n_valid + bk - 1) // bk
-        full = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32)[None, None, None],
-                           kv_block_count=jnp.where(h_rows, n_valid_blocks[..., None], 0).astype(jnp.int32),
-                           **common)
-        return LayoutSet((lines, full))
-
+    def build_placed(self, q, k, placement) -> LayoutSet | BlockLayout:
+        """Grid inside a boundary wrapper: stride and phases estimated from the last rows of
+        the row order over the valid keys; the band as A-shape windows of each key segment;
+        keys packed by (invalid, key group, phase group, position), rows by phase group
+        within the wrapper's order; lines as in `layout_from_index` on original positions."""
+        t, s = q.shape[1], k.shape[1]
+        stride, phase, _ = self.estimate(q, k, rows=placement.est_rows(self.last_q), k_valid=placement.k_valid,
+                                         modality=placement)
+        bounds = self.stride_bounds(s, placement)
+        b = k.shape[0]
+        kg = phase_groups(jnp.arange(s)[None, None], stride, phase, self.sink)  # [B, N, S]
+        invalid = jnp.zeros((b, s), jnp.int32) if placement.k_valid is None else (~placement.k_valid).astype(jnp.int32)
+        seg = (invalid * placement.num_groups + placement.k_group)[:, None]  # [B, 1, S]
+        n_codes = self.phases + bounds[1] + 1
+        key_code = seg * n_codes + kg  # < 2 * groups * (P + max stride): int32
+        kv_perm = jnp.argsort(key_code, axis=-1, stable=True).astype(jnp.int32)
+        code_sorted = jnp.take_along_axis(key_code, kv_perm, -1)
+        kg_sorted = jnp.take_along_axis(kg, kv_perm, -1)
+        row_pos = placement.rows + (s - t)  # [B, T]
+        qg = phase_groups(row_pos[:, None], stride, phase, self.sink)  # [B, N, T]
+        inner = jnp.argsort(qg, axis=-1, stable=True).astype(jnp.int32)
+        q_perm, q_pos = plc.q_positions(placement, s, inner)
+        qg_sorted = jnp.take_along_axis(qg, inner, -1)
+        band = None
+        if self.local:
+            order = plc.pack_keys(placement)
+            q_perm_band, q_pos_band = plc.q_positions(placement, s)
+            band = placed_ashape(self, 0, self.local, order, q_perm_band, q_pos_band, t, s).replace(window=self.local)
+        n_valid = (seg < placement.num_groups).sum(-1).astype(jnp.int32)  # [B, 1]
+        seg_base = tuple(g * n_codes for g in range(placement.num_groups))
+        return self._assemble(kv_perm, q_perm, kg_sorted, qg_sorted, q_pos, kv_perm, t, s, bounds,
+                              band=band, n_valid=n_valid, key_code=code_sorted, seg_base=seg_base)

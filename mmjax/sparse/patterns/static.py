@@ -64,8 +64,9 @@ def _placed_prefix(p: Pattern, order, q_perm, q_max, t: int, s: int) -> BlockLay
                        block_q=p.block_q, block_k=p.block_k, q_len=t, kv_len=s)
 
 
-def _placed_ashape(p, sink: int, local: int, order, q_perm, q_pos, t: int, s: int) -> BlockLayout:
-    """A-shape in a placement: the first ``sink`` keys of the packed order plus the
+def placed_ashape(p, sink: int, local: int, order, q_perm, q_pos, t: int, s: int) -> BlockLayout:
+    """A-shape in a placement (``p``: the pattern whose block sizes are used; ``order``: the
+    packed `placement.KeyOrder`; ``q_perm`` / ``q_pos``: `placement.q_positions`): the first ``sink`` keys of the packed order plus the
     position windows of each block's row runs, in every key segment."""
     bk = p.block_k
     windows, width = plc.run_windows(q_pos, p.block_q, local)
@@ -115,7 +116,7 @@ class AShape(Pattern):
         t, s = _lens(q, k)
         order = plc.pack_keys(placement)
         q_perm, q_pos = plc.q_positions(placement, s)
-        return _placed_ashape(self, self.sink, self.local, order, q_perm, q_pos, t, s)
+        return placed_ashape(self, self.sink, self.local, order, q_perm, q_pos, t, s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ class TriShape(Pattern):
         q_perm, q_pos = plc.q_positions(placement, s)
         _, q_max = plc.row_bounds(q_pos, self.block_q)
         dense_rows = jnp.arange(cdiv(t, self.block_q)) >= (t - self.last) // self.block_q
-        a = _placed_ashape(self, self.sink, self.local, order, q_perm, q_pos, t, s)
+        a = placed_ashape(self, self.sink, self.local, order, q_perm, q_pos, t, s)
         d = _placed_prefix(self, order, q_perm, q_max, t, s)
         return LayoutSet((a.replace(kv_block_count=jnp.where(dense_rows, 0, a.kv_block_count)),
                           d.replace(kv_block_count=jnp.where(dense_rows, d.kv_block_count, 0))))

@@ -202,3 +202,35 @@ def test_broadcast_lists_and_columns_with_their_own_lead_dims():
     for kw in ({"implementation": "reference"}, {"interpret": True}):
         out, lse = block_sparse_attention(q, k, v, layout, **kw)
         _check(out, lse, ref_out, ref_lse, jnp.float32)
+
+
+@pytest.mark.parametrize("perm,gap", [(False, 1), (True, 7), (False, 40)])
+def test_causal_gap_and_window_split_keys_exactly(perm, gap):
+    """A layout with a causal gap g computes keys <= position - g; merged with a window of
+    the g nearest keys (gap 0) it equals the union layout."""
+    b, t, s, n, kh, d = 1, 70, 100, 4, 2, 32
+    q, k, v = random_qkv(gap, b, t, s, n, kh, d)
+    rng = np.random.default_rng(gap)
+    far = random_layout(rng, b, n, t, s, 32, 16, density=0.7, perm=perm).replace(gap=gap)
+    mask = far.to_dense_mask()
+    pos_q = np.arange(t)[:, None] + s - t
+    assert not np.asarray(mask)[..., (pos_q - np.arange(s)[None, :]) < gap].any()
+    ref_out, ref_lse = masked_dense_attention(q, k, v, mask)
+    for kw in ({"implementation": "reference"}, {"interpret": True}):
+        out, lse = block_sparse_attention(q, k, v, far, **kw)
+        _check(out, lse, ref_out, ref_lse, jnp.float32)
+    # A window of the g nearest keys (any superset of blocks) completes it exactly.
+    near = random_layout(rng, b, n, t, s, 32, 16, density=0.8, perm=not perm).replace(window=gap)
+    near_mask = np.asarray(near.to_dense_mask())
+    assert not near_mask[..., (pos_q - np.arange(s)[None, :]) >= gap].any()
+    assert not (np.asarray(mask) & near_mask).any()
+    for kw in ({"implementation": "reference"}, {"interpret": True}):
+        out_n, lse_n = block_sparse_attention(q, k, v, near, **kw)
+        ref_n, ref_ln = masked_dense_attention(q, k, v, jnp.asarray(near_mask))
+        _check(out_n, lse_n, ref_n, ref_ln, jnp.float32)
+    out_m, lse_m = merge_attention(*block_sparse_attention(q, k, v, far, interpret=True),
+                                   *block_sparse_attention(q, k, v, near, interpret=True))
+    ref_u, _ = masked_dense_attention(q, k, v, mask | jnp.asarray(near_mask))
+    assert rel_err(out_m, ref_u) < 1e-5
+    with pytest.raises(ValueError, match="^causal:"):
+        block_sparse_attention(q, k, v, far, causal=False)

@@ -40,3 +40,13 @@ def test_permuted_layout_with_columns_lowers_for_h100():
                          kv_column_count=z(b, 1, nq), q_perm=z(b, n, t), kv_perm=z(1, n, s),
                          block_q=128, block_k=64, q_len=t, kv_len=s)
     _lower((b, t, n, 128), (b, s, 2, 128), jnp.bfloat16, layout, num_warps=8, num_stages=2)
+
+
+@pytest.mark.parametrize("gap,window", [(192, 0), (0, 192)])
+def test_layout_with_causal_gap_or_window_lowers_for_h100(gap, window):
+    b, t, s, n = 1, 700, 900, 4
+    nq = -(-t // 128)
+    z = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    layout = BlockLayout(kv_blocks=z(b, n, nq, 5), kv_block_count=z(b, n, nq), q_perm=z(b, n, t),
+                         kv_perm=z(1, n, s), block_q=128, block_k=64, q_len=t, kv_len=s, gap=gap, window=window)
+    _lower((b, t, n, 128), (b, s, 2, 128), jnp.bfloat16, layout)
