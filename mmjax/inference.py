@@ -157,8 +157,8 @@ def _chunked_prefill(run, model, p, embeds, attention, max_length, hidden_layers
         end = min(start + chunk, t)
         h, cache, hid = run.prefill_chunk(
             model, cache, embeds[:, start:end], p.position_ids[..., start:end], mask[:, :end],
-            None if p.token_types is None else p.token_types[:, :end], attention=attention, start=start, hidden_layers=hidden_layers,
-            mlp_chunk=mlp_chunk)
+            None if p.token_types is None else p.token_types[:, :end], attention=attention, start=start,
+            hidden_layers=hidden_layers, mlp_chunk=mlp_chunk)
         here = (last >= start) & (last < end)
         pick = jnp.take_along_axis(h, jnp.clip(last - start, 0, end - start - 1)[:, None, None], axis=1)[:, 0]
         h_last = jnp.where(here[:, None], pick, h_last)

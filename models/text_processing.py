@@ -29,10 +29,15 @@ class TextProcessor:
         d = resolve_snapshot(snapshot_dir, marker="tokenizer.json")
         return cls(Tokenizer.from_pretrained(d), templates.load_chat_template(d))
 
-    def __call__(self, text: str | Sequence[str], *, padding: bool | str = False, padding_side: str | None = None,
-                 add_special_tokens: bool = True, return_tensors: str | None = None) -> dict[str, np.ndarray]:
+    def __call__(self, text: str | Sequence[str], images=None, videos=None, *, video_metadata=None,
+                 padding: bool | str = False, padding_side: str | None = None, add_special_tokens: bool = True,
+                 return_tensors: str | None = None) -> dict[str, np.ndarray]:
         """``input_ids`` / ``attention_mask`` int64 [B, L] of one text (B = 1) or a batch, as the HF tokenizer
-        gives them (``add_special_tokens``: e.g. Llama's BOS). ``return_tensors``: None or "np"."""
+        gives them (``add_special_tokens``: e.g. Llama's BOS). ``return_tensors``: None or "np". ``images`` /
+        ``videos`` / ``video_metadata`` (the VLM processors' arguments) must be None: a ValueError otherwise."""
+        for name, value in (("images", images), ("videos", videos), ("video_metadata", video_metadata)):
+            if value is not None:
+                raise ValueError(f"{name}: a text-only model's processor takes text only")
         if return_tensors not in (None, "np"):
             raise ValueError(f"return_tensors: only NumPy outputs (None or 'np'), got {return_tensors!r}")
         texts = [text] if isinstance(text, str) else list(text)

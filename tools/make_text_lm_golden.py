@@ -9,10 +9,10 @@ For each case it writes ``<case>/`` (config.json, bf16 safetensors, generation_c
 chat-template files of tests/models/fixtures/processor/snapshot, so ``mmjax.load`` finds a processor) and
 ``<case>.npz`` with the inputs (two rows, the second left padded), transformers' logits (fp32 and bf16 compute),
 hidden states (``output_hidden_states``), and greedy ``generate`` tokens of row 0 with the smallest top-2 logit
-margin over its steps (the first seed
-whose margin is at least ``MIN_MARGIN``). The fp32 reference runs with ``position_ids = cumsum(attention_mask) - 1`` (0 at padding),
-the rule of transformers' ``generate`` and mmjax's default. Weights are rounded to bf16 before the fp32 reference
-runs, so loading the bf16 checkpoint in fp32 reproduces them exactly.
+margin over its steps (the first seed whose margin is at least ``MIN_MARGIN`` is kept). The fp32 reference runs
+with ``position_ids = cumsum(attention_mask) - 1`` (0 at padding), the rule of transformers' ``generate`` and
+mmjax's default. Weights are rounded to bf16 before the fp32 reference runs, so loading the bf16 checkpoint in
+fp32 reproduces them exactly.
 
 Cases (each a different checkpoint style):
 
@@ -36,7 +36,8 @@ import sys
 import numpy as np
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 VOCAB = 448  # the tokenizer of tests/models/fixtures/processor/snapshot
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.json")

@@ -103,7 +103,8 @@ def text_config_from_hf(hf: Mapping[str, Any], defaults: Mapping[str, Any], *, r
             raise ValueError("config decoder_sparse_step / mlp_only_layers: expected every layer a mixture of experts "
                              f"(decoder_sparse_step 1, no mlp_only_layers), got {hf.get('decoder_sparse_step')} / "
                              f"{hf.get('mlp_only_layers')}")
-        kw.update(num_experts=experts, num_experts_per_tok=_int(hf, "num_experts_per_tok", defaults["num_experts_per_tok"]),
+        kw.update(num_experts=experts,
+                  num_experts_per_tok=_int(hf, "num_experts_per_tok", defaults["num_experts_per_tok"]),
                   moe_intermediate_size=_int(hf, "moe_intermediate_size", defaults["moe_intermediate_size"]),
                   norm_topk_prob=bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])))
     return TextConfig(**kw)

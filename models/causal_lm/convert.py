@@ -85,8 +85,8 @@ def layer_sources(cfg: CausalLMConfig, i: int, fused: bool) -> dict[str, Source]
         return out
     e = p + "mlp.experts.{}."
     gate_up = [e.format(j) + n for j in range(E) for n in ("gate_proj.weight", "up_proj.weight")]
-    out["e_gate_up"] = Source(tuple(gate_up), ((M, H),) * (2 * E),
-                              lambda ws: np.stack([np.concatenate([g.T, u.T], axis=1) for g, u in zip(ws[::2], ws[1::2])]))
+    out["e_gate_up"] = Source(tuple(gate_up), ((M, H),) * (2 * E), lambda ws: np.stack(
+        [np.concatenate([g.T, u.T], axis=1) for g, u in zip(ws[::2], ws[1::2])]))
     out["e_down"] = Source(tuple(e.format(j) + "down_proj.weight" for j in range(E)), ((H, M),) * E,
                            lambda ws: np.stack([w.T for w in ws]))
     return out

@@ -76,7 +76,8 @@ def prepare_inputs(config: CausalLMConfig, *, input_ids, attention_mask=None, po
     else:
         pos = np.asarray(position_ids)
         if pos.shape != ids.shape or not np.issubdtype(pos.dtype, np.integer):
-            raise ValueError(f"position_ids: expected an integer array of shape {ids.shape}, got {pos.dtype} {pos.shape}")
+            raise ValueError(f"position_ids: expected an integer array of shape {ids.shape}, got {pos.dtype} "
+                             f"{pos.shape}")
         deltas = pos.max(axis=-1, initial=-1) + 1 - mask.sum(-1)
     return PreparedInputs(jnp.asarray(ids, jnp.int32), jnp.asarray(mask), jnp.asarray(pos, jnp.int32),
                           jnp.asarray(deltas, jnp.int32))

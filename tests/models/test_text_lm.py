@@ -56,7 +56,8 @@ def test_published_and_transformers5_config_layouts_agree():
     assert c.family == "qwen3_moe" and (c.text.num_experts, c.text.num_experts_per_tok, c.text.norm_topk_prob) == \
         (8, 2, True) and c.text.qk_norm
     tied = llama.config_from_hf(json.load(open(os.path.join(case_dir("llama_tied_bias"), "config.json"))))
-    assert tied.text.qkv_bias and tied.text.o_bias and tied.text.tie_word_embeddings and tied.rope.rope_type == "default"
+    assert tied.text.qkv_bias and tied.text.o_bias and tied.text.tie_word_embeddings
+    assert tied.rope.rope_type == "default"
 
 
 def test_transformers_defaults_when_fields_are_absent():
