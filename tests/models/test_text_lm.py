@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 import mmjax
 from mmjax.inference import decode_step, prefill
 from mmjax.patterns import AShape, Dense, Momo, VerticalSlash
+from mmjax.speculative import TargetDraft
 from models import llama, qwen3, safetensors_io
 from models.causal_lm import CausalLM, CausalLMConfig, forward
 from models.moe import moe_mlp
@@ -234,6 +235,8 @@ def test_inputs_are_checked():
         forward(model, input_ids=np.full((1, 3), 448))
     with pytest.raises(ValueError, match="position_ids"):
         forward(model, input_ids=np.ones((1, 3), np.int64), position_ids=np.zeros((1, 4), np.int64))
+    with pytest.raises(ValueError, match="draft: speculative decoding runs on a Qwen2.5-VL target; got a CausalLM"):
+        mmjax.generate(model, {"input_ids": np.ones((1, 4), np.int64)}, 2, draft=TargetDraft())
 
 
 def test_decode_steps_equal_forward_on_the_extended_padded_batch():
