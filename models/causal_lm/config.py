@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from models.rotary import RopeConfig
+from models.rope_scaling import ROPE_TYPES, RopeConfig
 from models.text_decoder import TextConfig
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe")
@@ -54,25 +54,35 @@ def _int(hf: Mapping[str, Any], key: str, default: Any) -> Any:
     return value
 
 
-def rope_from_hf(hf: Mapping[str, Any], default_theta: float) -> RopeConfig:
+def rope_from_hf(hf: Mapping[str, Any], default_theta: float, context: int) -> RopeConfig:
     """The 1-D rotary settings of a config.json: ``rope_parameters`` (transformers 5) or ``rope_theta`` +
-    ``rope_scaling`` (published checkpoints); types "default" and "llama3"."""
+    ``rope_scaling`` (published checkpoints); types "default", "llama3" and "yarn". ``context``: the config's
+    ``max_position_embeddings`` (transformers' default of ``original_max_position_embeddings``)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, Mapping):
         raise ValueError(f"config rope_parameters: expected an object, got {rope!r}")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    theta = rope.get("rope_theta", hf.get("rope_theta", default_theta))
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
     if kind == "default":
-        return RopeConfig(theta=float(theta))
-    if kind != "llama3":
-        raise ValueError(f"config rope type: expected 'default' or 'llama3', got {kind!r}")
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-               if k not in rope]
-    if missing:
-        raise ValueError(f"config llama3 rope: missing {missing}")
-    return RopeConfig(theta=float(theta), rope_type="llama3", factor=float(rope["factor"]),
-                      low_freq_factor=float(rope["low_freq_factor"]), high_freq_factor=float(rope["high_freq_factor"]),
-                      original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+        return RopeConfig(theta=theta)
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"config rope type: expected one of {ROPE_TYPES}, got {kind!r}")
+    original = int(hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                   or context)
+    if kind == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in rope]
+        if missing:
+            raise ValueError(f"config llama3 rope: missing {missing}")
+        return RopeConfig(theta=theta, rope_type="llama3", factor=float(rope["factor"]),
+                          low_freq_factor=float(rope["low_freq_factor"]),
+                          high_freq_factor=float(rope["high_freq_factor"]), original_max_position_embeddings=original)
+    factor = rope.get("factor")
+    optional = {k: (None if rope.get(k) is None else float(rope[k]))
+                for k in ("attention_factor", "mscale", "mscale_all_dim")}
+    return RopeConfig(theta=theta, rope_type="yarn", factor=float(context / original if factor is None else factor),
+                      original_max_position_embeddings=original, beta_fast=float(rope.get("beta_fast") or 32),
+                      beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)),
+                      **optional)
 
 
 def text_config_from_hf(hf: Mapping[str, Any], defaults: Mapping[str, Any], *, rope: RopeConfig, qk_norm: bool,
@@ -116,3 +126,16 @@ def context_from_hf(hf: Mapping[str, Any], default: int) -> int:
     if value < 1:
         raise ValueError(f"config max_position_embeddings: expected a positive int, got {value}")
     return value
+
+
+def family_config(family: str, hf: Mapping[str, Any], defaults: Mapping[str, Any], *, qk_norm: bool,
+                  moe: bool) -> CausalLMConfig:
+    """The ``CausalLMConfig`` of a config.json of ``family`` (its transformers ``defaults``). With YaRN the
+    context is ``factor * original_max_position_embeddings`` when that exceeds ``max_position_embeddings``
+    (Qwen3's 32k models run 128k so)."""
+    context = context_from_hf(hf, defaults["max_position_embeddings"])
+    rope = rope_from_hf(hf, defaults["rope_theta"], context)
+    text = text_config_from_hf(hf, defaults, rope=rope, qk_norm=qk_norm, moe=moe)
+    if rope.rope_type == "yarn":
+        context = max(context, int(rope.factor * rope.original_max_position_embeddings))
+    return CausalLMConfig(family, text, rope, context)

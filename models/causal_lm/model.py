@@ -94,7 +94,7 @@ def _no_visual(image_feats, video_feats):
 
 
 def _layer_inputs(config: CausalLMConfig, position_ids, q_positions, kv_valid, modality, write_index):
-    cos, sin = rope_cos_sin(position_ids, config.rope.inv_freq(config.text.head_dim))
+    cos, sin = rope_cos_sin(position_ids, config.rope.inv_freq(config.text.head_dim), config.rope.attention_scaling)
     return LayerInputs(cos, sin, q_positions, kv_valid, modality, jnp.asarray(write_index, jnp.int32))
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from models.causal_lm.config import CausalLMConfig, context_from_hf, rope_from_hf, text_config_from_hf
-from models.rotary import RopeConfig
+from models.causal_lm.config import CausalLMConfig, family_config
+from models.rope_scaling import RopeConfig
 from models.text_decoder import TextConfig
 
 DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -14,9 +14,7 @@ DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num
 
 def config_from_hf(hf: Mapping[str, Any]) -> CausalLMConfig:
     """The config of a ``LlamaForCausalLM`` snapshot (GQA, llama3 rope scaling, tied or untied head)."""
-    rope = rope_from_hf(hf, DEFAULTS["rope_theta"])
-    text = text_config_from_hf(hf, DEFAULTS, rope=rope, qk_norm=False, moe=False)
-    return CausalLMConfig("llama", text, rope, context_from_hf(hf, DEFAULTS["max_position_embeddings"]))
+    return family_config("llama", hf, DEFAULTS, qk_norm=False, moe=False)
 
 
 def preset(name: str) -> CausalLMConfig:

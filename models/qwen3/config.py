@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from models.causal_lm.config import CausalLMConfig, context_from_hf, rope_from_hf, text_config_from_hf
-from models.rotary import RopeConfig
+from models.causal_lm.config import CausalLMConfig, family_config
+from models.rope_scaling import RopeConfig
 from models.text_decoder import TextConfig
 
 DENSE_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
@@ -25,13 +25,11 @@ def is_moe(hf: Mapping[str, Any]) -> bool:
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> CausalLMConfig:
-    """The config of a ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` snapshot (q/k RMSNorm; top-k experts)."""
+    """The config of a ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` snapshot (q/k RMSNorm; top-k experts;
+    YaRN rope scaling as Qwen documents it for 128k contexts)."""
     moe = is_moe(hf)
-    defaults = MOE_DEFAULTS if moe else DENSE_DEFAULTS
-    rope = rope_from_hf(hf, defaults["rope_theta"])
-    text = text_config_from_hf(hf, defaults, rope=rope, qk_norm=True, moe=moe)
-    return CausalLMConfig("qwen3_moe" if moe else "qwen3", text, rope,
-                          context_from_hf(hf, defaults["max_position_embeddings"]))
+    return family_config("qwen3_moe" if moe else "qwen3", hf, MOE_DEFAULTS if moe else DENSE_DEFAULTS, qk_norm=True,
+                         moe=moe)
 
 
 def preset(name: str) -> CausalLMConfig:

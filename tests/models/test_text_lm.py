@@ -20,7 +20,7 @@ from models import llama, qwen3, safetensors_io
 from models.causal_lm import CausalLM, CausalLMConfig, forward
 from models.moe import moe_mlp
 from models.qwen2_5_vl import Processor as VLProcessor
-from models.rotary import RopeConfig
+from models.rope_scaling import RopeConfig
 from tests.models.text_lm_cases import case_dir, get_text_model, load_text_case
 
 
@@ -75,7 +75,7 @@ def test_transformers_defaults_when_fields_are_absent():
     ({"mlp_bias": True}, "mlp_bias"),
     ({"use_sliding_window": True}, "sliding"),
     ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "layer_types"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope type.*yarn"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}}, "rope type.*dynamic"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 4.0}}, "missing.*low_freq_factor"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"hidden_act": "gelu"}, "hidden_act"),
@@ -114,6 +114,21 @@ def test_llama3_rope_covers_all_three_bands():
     assert np.all((got[between] < base[between]) & (got[between] > base[between] / 8))
     with pytest.raises(ValueError, match="rope_type"):
         RopeConfig(rope_type="linear")
+
+
+def test_yarn_rope_of_the_qwen3_fixture():
+    """YaRN (Qwen3's 128k setting): extrapolated, blended and interpolated frequencies, tables scaled by
+    0.1 ln(factor) + 1, and the context grows to factor x original_max_position_embeddings."""
+    cfg = qwen3.config_from_hf(json.load(open(os.path.join(case_dir("qwen3"), "config.json"))))
+    assert (cfg.rope.rope_type, cfg.rope.factor, cfg.rope.original_max_position_embeddings) == ("yarn", 4.0, 64)
+    assert cfg.rope.attention_scaling == pytest.approx(0.1 * np.log(4.0) + 1.0)
+    base = RopeConfig(theta=cfg.rope.theta).inv_freq(32)
+    got = cfg.rope.inv_freq(32)
+    kept, divided = np.isclose(got, base, rtol=1e-6), np.isclose(got, base / 4, rtol=1e-6)
+    assert kept[0] and divided[-1] and (~kept & ~divided).any()
+    published = {"max_position_embeddings": 40960, "rope_theta": 1e6,
+                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert qwen3.config_from_hf(published).max_position_embeddings == 131072
 
 
 # ------------------------------------------------------------------------------------------------ MoE
