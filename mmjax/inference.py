@@ -1,4 +1,6 @@
-"""Functional, jit-compiled prefill and decode for the VLM ports in ``models``.
+"""Functional, jit-compiled prefill and decode for the model ports in ``models`` (Qwen2.5-VL; the text LMs
+Llama, Qwen3, Qwen3-MoE). Each model class has a row in ``RUNNERS``: the module of pure functions that runs
+it, all with the same names and arguments.
 
 Attention is chosen per decoder layer (see ``models.attention`` for the full protocol):
 
@@ -33,8 +35,9 @@ from mmjax.progress import progress_bar
 from mmjax.sparse.config import SparseConfig
 from mmjax.sparse.patterns import Dense
 from models.attention import resolve_attention
+from models.causal_lm import model as causal_lm
+from models.kv_cache import KVCache
 from models.qwen2_5_vl import model as qwen_vl
-from models.qwen2_text import KVCache
 
 PROCESSOR_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
                   "video_grid_thw", "second_per_grid_ts")
@@ -44,9 +47,9 @@ PROCESSOR_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw
 class PrefillOutput:
     """logits: float32 [B, V] at each row's last valid token; cache: KVCache preallocated to
     ``max_length`` slots; hidden_states: {HF hidden-state index: [B, T, H]} (0 = embeddings, i = output
-    of layer i-1, L = final normed); token_types: int32 [B, T] (0 text, 1 image, 2 video);
-    rope_deltas: int32 [B]; input_ids: int32 [B, T]; position_ids: int32 [3, B, T] (M-RoPE ids);
-    attention_mask: bool [B, T]."""
+    of layer i-1, L = final normed); token_types: int32 [B, T] (0 text, 1 image, 2 video), None for a
+    text LM; rope_deltas: int32 [B]; input_ids: int32 [B, T]; position_ids: int32 [3, B, T] (M-RoPE
+    ids), [B, T] for a text LM; attention_mask: bool [B, T]."""
 
     logits: jax.Array
     cache: KVCache
@@ -58,10 +61,23 @@ class PrefillOutput:
     attention_mask: jax.Array
 
 
+# model class -> the module that runs it: prepare_inputs, visual_inputs, prefill_language_model, prompt_embeddings,
+# prefill_chunk, final_logits, init_cache, decode_step (same names and arguments in every module)
+RUNNERS = ((qwen_vl.Qwen2_5_VL, qwen_vl), (causal_lm.CausalLM, causal_lm))
+
+
+def runner(model):
+    """The module of ``RUNNERS`` that runs ``model``; ValueError for anything else."""
+    for cls, module in RUNNERS:
+        if isinstance(model, cls):
+            return module
+    names = " or ".join(f"{cls.__module__.rsplit('.', 1)[0]}.{cls.__name__}" for cls, _ in RUNNERS)
+    raise ValueError(f"model: expected {names}, got {type(model).__name__}")
+
+
 def check_model(model) -> None:
     """Raise ValueError unless ``model`` is a model these entry points run."""
-    if not isinstance(model, qwen_vl.Qwen2_5_VL):
-        raise ValueError(f"model: expected models.qwen2_5_vl.Qwen2_5_VL, got {type(model).__name__}")
+    runner(model)
 
 
 def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidden_layers: Sequence[int] = (),
@@ -82,10 +98,10 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
     model's; ``jnp.float8_e4m3fn`` stores k / v in 8 bits with a per-vector scale). progress: a bar
     on stderr over the chunks.
     """
-    check_model(model)
+    run = runner(model)
     if "input_ids" not in inputs:
         raise ValueError("inputs: expected an 'input_ids' entry")
-    p = qwen_vl.prepare_inputs(model.config, **{k: inputs[k] for k in PROCESSOR_KEYS if k in inputs})
+    p = run.prepare_inputs(model.config, **{k: inputs[k] for k in PROCESSOR_KEYS if k in inputs})
     b, t = p.input_ids.shape
     max_length = t + 256 if max_length is None else int(max_length)
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool)
@@ -99,17 +115,18 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
             raise ValueError("attention_mask: 'cudnn' attention needs right padding (each row a prefix of valid "
                              "tokens); use 'dense' for left-padded batches")
     hidden_layers = tuple(int(i) for i in hidden_layers)
-    image_feats, video_feats = qwen_vl.visual_inputs(model, p, frames_per_chunk)
-    p = dataclasses.replace(p, pixel_values=None, pixel_values_videos=None)  # free the pixels on the device
+    image_feats, video_feats = run.visual_inputs(model, p, frames_per_chunk)
+    if image_feats is not None or video_feats is not None:
+        p = dataclasses.replace(p, pixel_values=None, pixel_values_videos=None)  # free the pixels on the device
     if chunk_tokens is None or chunk_tokens >= t:
-        logits, cache, hidden = qwen_vl.prefill_language_model(
+        logits, cache, hidden = run.prefill_language_model(
             model, p.input_ids, image_feats, video_feats, p.position_ids, p.attention_mask, p.token_types,
             p.rope_deltas, attention=resolve_attention(attention), max_length=max_length,
             hidden_layers=hidden_layers, mlp_chunk=mlp_chunk, kv_dtype=kv_dtype)
     else:
-        embeds = qwen_vl.prompt_embeddings(model, p.input_ids, p.token_types, image_feats, video_feats)
+        embeds = run.prompt_embeddings(model, p.input_ids, p.token_types, image_feats, video_feats)
         del image_feats, video_feats
-        logits, cache, hidden = _chunked_prefill(model, p, embeds, _chunk_attention(model, attention), max_length,
+        logits, cache, hidden = _chunked_prefill(run, model, p, embeds, _chunk_attention(model, attention), max_length,
                                                  hidden_layers, mlp_chunk, chunk_tokens, kv_dtype, progress)
     return PrefillOutput(logits, cache, {i: hidden[j] for j, i in enumerate(hidden_layers)}, p.token_types,
                          p.rope_deltas, p.input_ids, p.position_ids, p.attention_mask)
@@ -124,10 +141,12 @@ def _chunk_attention(model, attention):
     return resolve_attention(attention)
 
 
-def _chunked_prefill(model, p, embeds, attention, max_length, hidden_layers, mlp_chunk, chunk, kv_dtype, progress):
-    """Prefill in chunks of ``chunk`` tokens: (logits [B, V], KVCache, hidden [n, B, T, H])."""
+def _chunked_prefill(run, model, p, embeds, attention, max_length, hidden_layers, mlp_chunk, chunk, kv_dtype,
+                     progress):
+    """Prefill in chunks of ``chunk`` tokens (``run``: the model's row of ``RUNNERS``): (logits [B, V],
+    KVCache, hidden [n, B, T, H])."""
     b, t = p.input_ids.shape
-    cache = qwen_vl.init_cache(model.config, b, max_length, embeds.dtype, kv_dtype)
+    cache = run.init_cache(model.config, b, max_length, embeds.dtype, kv_dtype)
     mask = p.attention_mask
     last = t - 1 - jnp.argmax(mask[:, ::-1], axis=-1)  # each row's last valid token
     h_last = jnp.zeros((b, embeds.shape[-1]), embeds.dtype)
@@ -136,10 +155,10 @@ def _chunked_prefill(model, p, embeds, attention, max_length, hidden_layers, mlp
     bar = progress_bar(len(starts), "prefill chunks", progress)
     for start in starts:
         end = min(start + chunk, t)
-        h, cache, hid = qwen_vl.prefill_chunk(
-            model, cache, embeds[:, start:end], p.position_ids[:, :, start:end], mask[:, :end],
-            p.token_types[:, :end], attention=attention, start=start, hidden_layers=hidden_layers,
-            mlp_chunk=mlp_chunk)
+        h, cache, hid = run.prefill_chunk(
+            model, cache, embeds[:, start:end], p.position_ids[..., start:end], mask[:, :end],
+            None if p.token_types is None else p.token_types[:, :end], attention=attention, start=start,
+            hidden_layers=hidden_layers, mlp_chunk=mlp_chunk)
         here = (last >= start) & (last < end)
         pick = jnp.take_along_axis(h, jnp.clip(last - start, 0, end - start - 1)[:, None, None], axis=1)[:, 0]
         h_last = jnp.where(here[:, None], pick, h_last)
@@ -149,7 +168,7 @@ def _chunked_prefill(model, p, embeds, attention, max_length, hidden_layers, mlp
     n_valid = jnp.sum(mask, axis=-1).astype(jnp.int32)
     cache = dataclasses.replace(cache, valid=jnp.zeros((b, max_length), bool).at[:, :t].set(mask),
                                 length=jnp.asarray(t, jnp.int32), next_position=n_valid + p.rope_deltas)
-    return qwen_vl.final_logits(model, h_last), cache, jnp.concatenate(hidden, axis=2)
+    return run.final_logits(model, h_last), cache, jnp.concatenate(hidden, axis=2)
 
 
 def enable_compilation_cache(directory: str | os.PathLike, *, min_compile_time_s: float = 1.0) -> None:
@@ -166,15 +185,15 @@ def enable_compilation_cache(directory: str | os.PathLike, *, min_compile_time_s
 def decode_step(model, cache: KVCache, tokens: jax.Array, attention: Any = "dense"):
     """One jit-compiled decode step: tokens int [B] -> (logits float32 [B, V], new cache).
 
-    The cache argument is donated (do not reuse it). Positions continue the multimodal RoPE ids:
+    The cache argument is donated (do not reuse it). Positions continue the rotary ids (M-RoPE or 1-D):
     ``n_valid_tokens + rope_delta``.
     """
-    check_model(model)
+    run = runner(model)
     if tokens.ndim not in (1, 2) or tokens.shape[0] != cache.valid.shape[0] or tokens.size != cache.valid.shape[0]:
         raise ValueError(f"tokens: expected shape [{cache.valid.shape[0]}] (one token per row), got {tokens.shape}")
     if isinstance(attention, str) and attention == "cudnn":
         raise ValueError("attention: 'cudnn' is prefill-only; decode with 'dense' or a callable")
-    return qwen_vl.decode_step(model, cache, tokens, resolve_attention(attention))
+    return run.decode_step(model, cache, tokens, resolve_attention(attention))
 
 
 jax.tree_util.register_dataclass(PrefillOutput, data_fields=[f.name for f in dataclasses.fields(PrefillOutput)],

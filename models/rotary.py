@@ -1,4 +1,5 @@
-"""Rotary position embeddings: 1D/multimodal (M-RoPE) for the decoder and 2D for the vision tower."""
+"""Rotary position embeddings: 1D and multimodal (M-RoPE) tables for the decoder, 2D for the vision tower
+(the 1-D frequencies of the text LMs, scaled or not, come from ``models.rope_scaling``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ import jax.numpy as jnp
 def inv_freq(dim: int, theta: float) -> jax.Array:
     """Inverse frequencies ``theta ** (-2i / dim)`` for i < dim / 2 -> float32 [dim // 2]."""
     return 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+
+
+def rope_cos_sin(position_ids: jax.Array, inv_freq: jax.Array, scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """1-D rotary tables. position_ids: int [B, T]; inv_freq: float32 [D / 2]; ``scaling`` multiplies both
+    tables (YaRN's attention factor) -> cos, sin float32 [B, T, D]."""
+    if position_ids.ndim != 2:
+        raise ValueError(f"position_ids: expected shape [B, T], got {position_ids.shape}")
+    f = position_ids.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    emb = jnp.concatenate([f, f], axis=-1)
+    return jnp.cos(emb) * jnp.float32(scaling), jnp.sin(emb) * jnp.float32(scaling)
 
 
 def mrope_cos_sin(position_ids: jax.Array, head_dim: int, theta: float,

@@ -13,6 +13,7 @@ from flax import nnx
 
 import mmjax
 from mmjax.load import ARCHITECTURES, architecture, eos_token_ids, supported
+from models.causal_lm import CausalLM
 from models.qwen2_5_vl import Processor, from_hf
 from models.safetensors_io import read_header
 from models.snapshot import resolve_snapshot
@@ -21,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GENERATE = os.path.join(HERE, "models", "fixtures", "generate")
 SNAPSHOT = os.path.join(GENERATE, "snapshot")
 VL_NESTED = os.path.join(HERE, "models", "fixtures", "vl_nested")
+TEXT_LM = os.path.join(HERE, "models", "fixtures", "text_lm")
 
 
 def _params(model) -> dict:
@@ -140,10 +142,39 @@ def test_hub_cache_tree_of_a_sharded_checkpoint(tmp_path):
     _assert_same_params(from_hf(str(root), dtype=jnp.float32), from_hf(VL_NESTED, dtype=jnp.float32))
 
 
+@pytest.mark.parametrize("case,family", [("llama", "llama"), ("llama_tied_bias", "llama"), ("qwen3", "qwen3"),
+                                         ("qwen3_moe", "qwen3_moe")])
+def test_text_lm_snapshots(case, family):
+    d = os.path.join(TEXT_LM, case)
+    model, processor = mmjax.load(d)
+    assert isinstance(model, CausalLM) and model.config.family == family
+    assert model.language_model.embed[...].dtype == jnp.bfloat16
+    assert processor(processor.apply_chat_template([{"role": "user", "content": "hi"}]))["input_ids"].shape[0] == 1
+    assert eos_token_ids(d, processor) == (2,)
+
+
+def test_text_lm_single_file_sharded_and_hub_tree_load_identically(tmp_path):
+    single = os.path.join(TEXT_LM, "llama_tied_bias")  # one model.safetensors
+    reference, _ = mmjax.load(single, dtype=jnp.float32)
+    _sharded_copy(single, tmp_path / "sharded")
+    _assert_same_params(mmjax.load(tmp_path / "sharded", dtype=jnp.float32)[0], reference)
+    _hub_tree(str(tmp_path / "sharded"), tmp_path / "models--tiny--llama")
+    _assert_same_params(mmjax.load(tmp_path / "models--tiny--llama", dtype=jnp.float32)[0], reference)
+    moe = os.path.join(TEXT_LM, "qwen3_moe")  # sharded, one tensor per expert
+    _hub_tree(moe, tmp_path / "models--tiny--qwen3_moe")
+    _assert_same_params(mmjax.load(tmp_path / "models--tiny--qwen3_moe", dtype=jnp.float32)[0],
+                        mmjax.load(moe, dtype=jnp.float32)[0])
+
+
 def test_architecture_table():
     assert architecture({"architectures": ["Qwen2_5_VLForConditionalGeneration"]}) is ARCHITECTURES[0]
     assert architecture({"model_type": "qwen2_5_vl"}) is ARCHITECTURES[0]
-    assert supported() == ["Qwen2_5_VLForConditionalGeneration (qwen2_5_vl)"]
+    for names, model_type in ((["LlamaForCausalLM"], "llama"), (["Qwen3ForCausalLM"], "qwen3"),
+                              (["Qwen3MoeForCausalLM"], "qwen3_moe")):
+        assert architecture({"architectures": names}).model_type == model_type
+        assert architecture({"model_type": model_type}).model_type == model_type
+    assert supported() == ["Qwen2_5_VLForConditionalGeneration (qwen2_5_vl)", "LlamaForCausalLM (llama)",
+                           "Qwen3ForCausalLM (qwen3)", "Qwen3MoeForCausalLM (qwen3_moe)"]
     with pytest.raises(ValueError, match=r"unsupported architecture \(architectures \['LlavaForConditionalGenera"
                                          r"tion'\], model_type 'llava'\); supported: Qwen2_5_VLForConditionalGen"):
         architecture({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"})
@@ -155,12 +186,12 @@ def test_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no config.json in"):
         mmjax.load(tmp_path / "empty")
-    d = tmp_path / "llama"
+    d = tmp_path / "mistral"
     shutil.copytree(SNAPSHOT, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported architecture.*MistralForCausalLM"):
         mmjax.load(d)
     os.remove(d / "model.safetensors")
     cfg.update(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl")

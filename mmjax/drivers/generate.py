@@ -146,6 +146,9 @@ def _read_media(args) -> tuple[list, list, list]:
 
 
 def _inputs(processor, prompt: str, videos, metas, images) -> dict:
+    if not videos and not images:  # text only: string content, which every chat template renders (text LMs too)
+        text = processor.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return processor(text=[text])
     content = [{"type": "video"} for _ in videos] + [{"type": "image"} for _ in images]
     content.append({"type": "text", "text": prompt})
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
@@ -197,7 +200,7 @@ def _summary(args, metas, inputs, out, ttft, tps, model_s) -> str:
         lines.append(f"video {os.path.basename(path)}: {len(meta.indices)} frames of {meta.total_frames} "
                      f"({meta.sample_fps:.2f} fps sampled), {meta.width}x{meta.height}")
     n = int(inputs["input_ids"].shape[1])
-    visual = int(np.sum(inputs["mm_token_type_ids"] > 0))
+    visual = int(np.sum(inputs.get("mm_token_type_ids", np.zeros(1)) > 0))  # text-only processors give none
     lines.append(f"prompt: {n} tokens, {visual} visual; model loaded in {model_s:.2f} s")
     lines.append(f"time to first token: {ttft:.2f} s (reading, processor, vision encoding + prefill, compilation "
                  "included)")

@@ -18,6 +18,7 @@ from mmjax.speculative.draft import kept_positions
 from mmjax.speculative.sampling import Sampling, sample
 from mmjax.speculative.step import speculative_step
 from mmjax.speculative.tree import TreeConfig
+from models.qwen2_5_vl.model import Qwen2_5_VL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,7 @@ def _eos_ids(eos_token_id) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
-def _check(max_new_tokens, sampling, draft, tree):
+def _check(model, max_new_tokens, sampling, draft, tree):
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if not isinstance(sampling, Sampling):
@@ -62,6 +63,9 @@ def _check(max_new_tokens, sampling, draft, tree):
         raise ValueError(f"tree: expected mmjax.speculative.TreeConfig, got {type(tree).__name__}")
     if draft is not None and not all(hasattr(draft, m) for m in ("begin", "extend", "expand", "feature_layer")):
         raise ValueError("draft: expected None, a SparrowDraft or a TargetDraft (begin / extend / expand)")
+    if draft is not None and not isinstance(model, Qwen2_5_VL):
+        raise ValueError(f"draft: speculative decoding runs on a Qwen2.5-VL target; got a {type(model).__name__} "
+                         "(use draft=None)")
 
 
 def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sampling = Sampling(), draft=None,
@@ -80,7 +84,7 @@ def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sa
     arrays, row r's newly emitted tokens (empty once the row has finished), e.g. to stream text.
     """
     check_model(model)
-    _check(max_new_tokens, sampling, draft, tree)
+    _check(model, max_new_tokens, sampling, draft, tree)
     if on_tokens is not None and not callable(on_tokens):
         raise ValueError(f"on_tokens: expected None or a callable, got {type(on_tokens).__name__}")
     eos = _eos_ids(eos_token_id)

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from models.files import read_json
-from models.qwen2_text import TextConfig
+from models.text_decoder import TextConfig
 
 
 @dataclasses.dataclass(frozen=True)

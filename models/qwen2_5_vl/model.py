@@ -19,19 +19,20 @@ from models.attention import LayerAttention, resolve_attention
 from models.qwen2_5_vl import vision as vision_lib
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from models.qwen2_5_vl.rope_index import get_rope_index, token_types
-from models.qwen2_text import KVCache, LayerInputs, Qwen2Text, embed_tokens, lm_logits, run_decoder
+from models.kv_cache import KVCache
+from models.text_decoder import LayerInputs, TextDecoder, embed_tokens, lm_logits, run_decoder
 from models.rotary import mrope_cos_sin
 
 
 class Qwen2_5_VL(nnx.Module):
-    """Parameters of Qwen2.5-VL: ``visual`` (VisionTower) and ``language_model`` (Qwen2Text)."""
+    """Parameters of Qwen2.5-VL: ``visual`` (VisionTower) and ``language_model`` (TextDecoder)."""
 
     def __init__(self, config: Qwen2_5_VLConfig, *, dtype=jnp.float32, key: jax.Array | None = None):
         key = jax.random.key(0) if key is None else key
         kv, kt = jax.random.split(key)
         self.config = config
         self.visual = vision_lib.VisionTower(config.vision, dtype=dtype, key=kv)
-        self.language_model = Qwen2Text(config.text, dtype=dtype, key=kt)
+        self.language_model = TextDecoder(config.text, dtype=dtype, key=kt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,7 @@ def forward(model: Qwen2_5_VL, *, input_ids, attention_mask=None, pixel_values=N
 
 
 def init_cache(config: Qwen2_5_VLConfig, batch: int, max_length: int, dtype, kv_dtype=None) -> KVCache:
-    """An empty KV cache (see ``models.qwen2_text.KVCache.empty``)."""
+    """An empty KV cache (see ``models.kv_cache.KVCache.empty``)."""
     return KVCache.empty(config.text, batch, max_length, dtype, kv_dtype)
 
 

@@ -205,9 +205,9 @@ BAD = {
     "model without config.json": (lambda t: _replace(FLAGS, "--model", str(t)),
                                   "--model: snapshot_dir: no config.json"),
     "unknown architecture": (lambda t: _replace(FLAGS, "--model", _snapshot_copy(
-        t, architectures=["LlamaForCausalLM"], model_type="llama")),
-        "unsupported architecture (architectures ['LlamaForCausalLM'], model_type 'llama'); supported: "
-        "Qwen2_5_VLForConditionalGeneration (qwen2_5_vl)"),
+        t, architectures=["MistralForCausalLM"], model_type="mistral")),
+        "unsupported architecture (architectures ['MistralForCausalLM'], model_type 'mistral'); supported: "
+        "Qwen2_5_VLForConditionalGeneration (qwen2_5_vl), LlamaForCausalLM (llama)"),
     "prompt longer than the context": (lambda t: _replace(FLAGS, "--model", _snapshot_copy(
         t, text_config={"max_position_embeddings": 40})),
         "prompt: 63 tokens (12 visual) + --max-new-tokens 8 exceed the model's context of 40 tokens"),
