@@ -141,6 +141,15 @@ def render(template: str, messages, *, add_generation_prompt: bool = False, tool
         raise ValueError(f"chat_template: {e}") from None
 
 
+def render_batch(template: str, messages, *, add_generation_prompt: bool, tools=None, documents=None,
+                 **variables) -> tuple[list[str], bool]:
+    """Render one conversation or a batch (a list of conversations): (rendered texts, batched)."""
+    batched = isinstance(messages, (list, tuple)) and len(messages) > 0 and isinstance(messages[0], (list, tuple))
+    conversations = list(messages) if batched else [messages]
+    return [render(template, c, add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
+                   **variables) for c in conversations], batched
+
+
 def load_chat_template(snapshot_dir: str | os.PathLike) -> str | dict[str, str] | None:
     """The chat template(s) of a snapshot, looked up as transformers 5 does for a processor:
     ``chat_template.json`` (legacy, ``{"chat_template": ...}``), else ``chat_template.jinja`` plus any

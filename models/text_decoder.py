@@ -135,6 +135,13 @@ def lm_logits(model: TextDecoder, h: jax.Array) -> jax.Array:
     return jnp.einsum("bth,vh->btv", h, w, preferred_element_type=jnp.float32)
 
 
+def last_token_logits(model: TextDecoder, h: jax.Array, mask: jax.Array) -> jax.Array:
+    """Logits float32 [B, V] at each row's last valid token (h [B, T, H] final-normed, mask bool [B, T])."""
+    t = mask.shape[1]
+    last = t - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
+    return lm_logits(model, jnp.take_along_axis(h, last[:, None, None], axis=1))[:, 0]
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerInputs:
     """Per-call arrays shared by all layers (a pytree).

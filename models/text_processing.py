@@ -54,11 +54,9 @@ class TextProcessor:
         ``tokenize=True`` returns the ids (int64 [L], or [B, L] padded for a batch) without adding special
         tokens again, as transformers' ``apply_chat_template(tokenize=True)``."""
         template = templates.resolve(self.chat_template, chat_template)
-        batched = isinstance(messages, (list, tuple)) and len(messages) > 0 and isinstance(messages[0], (list, tuple))
-        conversations = list(messages) if batched else [messages]
-        env = {**self.tokenizer.special_tokens_map, **variables}
-        rendered = [templates.render(template, c, add_generation_prompt=add_generation_prompt, tools=tools,
-                                     documents=documents, **env) for c in conversations]
+        rendered, batched = templates.render_batch(template, messages, add_generation_prompt=add_generation_prompt,
+                                                   tools=tools, documents=documents,
+                                                   **{**self.tokenizer.special_tokens_map, **variables})
         if not tokenize:
             return rendered if batched else rendered[0]
         ids = self.tokenizer.encode(rendered, padding=batched, add_special_tokens=False)["input_ids"]

@@ -25,7 +25,7 @@ from models.attention import LayerAttention, resolve_attention
 from models.causal_lm.config import CausalLMConfig
 from models.kv_cache import KVCache
 from models.rotary import rope_cos_sin
-from models.text_decoder import LayerInputs, TextDecoder, embed_tokens, lm_logits, run_decoder
+from models.text_decoder import LayerInputs, TextDecoder, embed_tokens, last_token_logits, lm_logits, run_decoder
 
 VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -121,14 +121,6 @@ def init_cache(config: CausalLMConfig, batch: int, max_length: int, dtype, kv_dt
     return KVCache.empty(config.text, batch, max_length, dtype, kv_dtype)
 
 
-def _last_logits(model: CausalLM, h: jax.Array, mask: jax.Array) -> jax.Array:
-    """Logits float32 [B, V] at each row's last valid token (h [B, T, H], mask bool [B, T])."""
-    t = mask.shape[1]
-    last = t - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
-    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
-    return lm_logits(model.language_model, h_last)[:, 0]
-
-
 @functools.partial(jax.jit, static_argnames=("attention", "max_length", "hidden_layers", "mlp_chunk", "kv_dtype"))
 def prefill_language_model(model: CausalLM, input_ids, image_feats, video_feats, position_ids, mask, types,
                            rope_deltas, *, attention: LayerAttention, max_length: int, hidden_layers: tuple = (),
@@ -153,7 +145,7 @@ def prefill_language_model(model: CausalLM, input_ids, image_feats, video_feats,
     valid = jnp.zeros((b, max_length), bool).at[:, :t].set(mask)
     cache = dataclasses.replace(cache, valid=valid, length=jnp.asarray(t, jnp.int32),
                                 next_position=n_valid + rope_deltas)
-    return _last_logits(model, h, mask), cache, hidden
+    return last_token_logits(model.language_model, h, mask), cache, hidden
 
 
 @jax.jit

@@ -20,7 +20,7 @@ from models.qwen2_5_vl import vision as vision_lib
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from models.qwen2_5_vl.rope_index import get_rope_index, token_types
 from models.kv_cache import KVCache
-from models.text_decoder import LayerInputs, TextDecoder, embed_tokens, lm_logits, run_decoder
+from models.text_decoder import LayerInputs, TextDecoder, embed_tokens, last_token_logits, lm_logits, run_decoder
 from models.rotary import mrope_cos_sin
 
 
@@ -186,14 +186,6 @@ def init_cache(config: Qwen2_5_VLConfig, batch: int, max_length: int, dtype, kv_
     return KVCache.empty(config.text, batch, max_length, dtype, kv_dtype)
 
 
-def _last_logits(model: Qwen2_5_VL, h: jax.Array, mask: jax.Array) -> jax.Array:
-    """Logits float32 [B, V] at each row's last valid token (h [B, T, H], mask bool [B, T])."""
-    t = mask.shape[1]
-    last = t - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
-    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
-    return lm_logits(model.language_model, h_last)[:, 0]
-
-
 @functools.partial(jax.jit, static_argnames=("attention", "max_length", "hidden_layers", "mlp_chunk", "kv_dtype"))
 def prefill_language_model(model: Qwen2_5_VL, input_ids, image_feats, video_feats, position_ids, mask, types,
                            rope_deltas, *, attention: LayerAttention, max_length: int, hidden_layers: tuple = (),
@@ -218,7 +210,7 @@ def prefill_language_model(model: Qwen2_5_VL, input_ids, image_feats, video_feat
     valid = jnp.zeros((b, max_length), bool).at[:, :t].set(mask)
     cache = dataclasses.replace(cache, valid=valid, length=jnp.asarray(t, jnp.int32),
                                 next_position=n_valid + rope_deltas)
-    return _last_logits(model, h, mask), cache, hidden
+    return last_token_logits(model.language_model, h, mask), cache, hidden
 
 
 @jax.jit

@@ -245,11 +245,9 @@ class Processor:
         prompts to answer them. ``tokenize=True`` returns the token ids of text-only conversations (int64 [L], or
         [B, L] for a batch, padded); with images or videos call the processor on the rendered text instead."""
         template = templates.resolve(self.chat_template, chat_template)
-        batched = isinstance(messages, (list, tuple)) and len(messages) > 0 and isinstance(messages[0], (list, tuple))
-        conversations = list(messages) if batched else [messages]
-        env = {**self.tokenizer.special_tokens_map, **variables}
-        rendered = [templates.render(template, c, add_generation_prompt=add_generation_prompt, tools=tools,
-                                     documents=documents, **env) for c in conversations]
+        rendered, batched = templates.render_batch(template, messages, add_generation_prompt=add_generation_prompt,
+                                                   tools=tools, documents=documents,
+                                                   **{**self.tokenizer.special_tokens_map, **variables})
         if not tokenize:
             return rendered if batched else rendered[0]
         if any(IMAGE_TOKEN in r or VIDEO_TOKEN in r for r in rendered):

@@ -126,5 +126,5 @@ def test_checkpoint_save_interrupted_at_every_step(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"expected config.json \(written by models.qwen2_5_vl.save\)"):
         qwen2_5_vl.load(str(tmp_path / "nowhere"))
     (ckpt / "config.json").write_text(json.dumps({"text": {}}))
-    with pytest.raises(ValueError, match=r"ckpt/config.json: not a config written by save"):
+    with pytest.raises(ValueError, match=r"ckpt/config.json: not a config written by models.qwen2_5_vl.save"):
         qwen2_5_vl.load(str(ckpt))
