@@ -11,7 +11,7 @@ compiles) or unrolled (per-layer attention functions). Attention is injected thr
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -274,3 +274,26 @@ def run_decoder(model: TextDecoder, x: jax.Array, li: LayerInputs, attention: La
     x = rms_norm(x, model.final_norm[...], c.rms_norm_eps)
     buf = capture(buf, L, x)
     return x, (None if cache is None else dataclasses.replace(cache, **kv)), buf
+
+
+def decode_token(model: TextDecoder, cache: KVCache, tokens: jax.Array, attention: LayerAttention,
+                 layer_inputs: Callable[[jax.Array, jax.Array, jax.Array], LayerInputs]):
+    """One decoding step of the decoder over its cache, shared by the ports.
+
+    tokens: int [B]; the token is written at slot ``cache.length`` (rotary position
+    ``cache.next_position``). ``layer_inputs(slots int32 [B, 1], kv_valid bool [B, S], slot)`` builds
+    the port's `LayerInputs` (its rotary tables). Past the cache's end the logits are NaN, the length
+    stops growing and the last slot is overwritten. Returns (logits float32 [B, V], updated cache).
+    """
+    b = cache.valid.shape[0]
+    tokens = tokens.reshape(b, 1).astype(jnp.int32)
+    s = cache.max_length
+    full = cache.length >= s
+    slot = jnp.minimum(cache.length, s - 1)
+    x = embed_tokens(model, tokens)
+    valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, jnp.ones((b, 1), bool), slot, axis=1)
+    li = layer_inputs(jnp.full((b, 1), slot, jnp.int32), valid, slot)
+    h, cache, _ = run_decoder(model, x, li, attention, cache=cache, kv_len=s, unroll=True)
+    logits = jnp.where(full, jnp.nan, lm_logits(model, h)[:, 0])
+    return logits, dataclasses.replace(cache, valid=valid, length=cache.length + (~full),
+                                       next_position=cache.next_position + (~full))

@@ -25,7 +25,8 @@ from models.attention import LayerAttention, resolve_attention
 from models.causal_lm.config import CausalLMConfig
 from models.kv_cache import KVCache
 from models.rotary import rope_cos_sin
-from models.text_decoder import LayerInputs, TextDecoder, embed_tokens, last_token_logits, lm_logits, run_decoder
+from models.text_decoder import (LayerInputs, TextDecoder, decode_token, embed_tokens, last_token_logits, lm_logits,
+                                 run_decoder)
 
 VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -191,17 +192,6 @@ def decode_step(model: CausalLM, cache: KVCache, tokens: jax.Array, attention: L
     the cache's end the logits are NaN, the length stops growing and the last slot is overwritten.
     """
     attention = resolve_attention("dense") if attention is None else attention
-    b = cache.valid.shape[0]
-    tokens = tokens.reshape(b, 1).astype(jnp.int32)
-    s = cache.max_length
-    full = cache.length >= s
-    slot = jnp.minimum(cache.length, s - 1)
-    x = embed_tokens(model.language_model, tokens)
-    valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, jnp.ones((b, 1), bool), slot, axis=1)
-    li = _layer_inputs(model.config, cache.next_position[:, None], jnp.full((b, 1), slot, jnp.int32), valid, None,
-                       slot)
-    h, cache, _ = run_decoder(model.language_model, x, li, attention, cache=cache, kv_len=s, unroll=True)
-    logits = jnp.where(full, jnp.nan, lm_logits(model.language_model, h)[:, 0])
-    new = dataclasses.replace(cache, valid=valid, length=cache.length + (~full),
-                              next_position=cache.next_position + (~full))
-    return logits, new
+    return decode_token(model.language_model, cache, tokens, attention,
+                        lambda slots, valid, slot: _layer_inputs(model.config, cache.next_position[:, None], slots,
+                                                                 valid, None, slot))

@@ -20,7 +20,8 @@ from models.qwen2_5_vl import vision as vision_lib
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from models.qwen2_5_vl.rope_index import get_rope_index, token_types
 from models.kv_cache import KVCache
-from models.text_decoder import LayerInputs, TextDecoder, embed_tokens, last_token_logits, lm_logits, run_decoder
+from models.text_decoder import (LayerInputs, TextDecoder, decode_token, embed_tokens, last_token_logits, lm_logits,
+                                 run_decoder)
 from models.rotary import mrope_cos_sin
 
 
@@ -259,21 +260,9 @@ def decode_step(model: Qwen2_5_VL, cache: KVCache, tokens: jax.Array, attention:
     is overwritten.
     """
     attention = resolve_attention("dense") if attention is None else attention
-    b = cache.valid.shape[0]
-    tokens = tokens.reshape(b, 1).astype(jnp.int32)
-    s = cache.max_length
-    full = cache.length >= s
-    slot = jnp.minimum(cache.length, s - 1)
-    x = embed_tokens(model.language_model, tokens)
-    pos = jnp.broadcast_to(cache.next_position[None, :, None], (3, b, 1))
-    valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, jnp.ones((b, 1), bool), slot, axis=1)
-    li = _layer_inputs(model.config, pos, jnp.full((b, 1), slot, jnp.int32), valid, None, slot)
-    h, cache, _ = run_decoder(model.language_model, x, li, attention, cache=cache, kv_len=s, unroll=True)
-    logits = lm_logits(model.language_model, h)[:, 0]
-    logits = jnp.where(full, jnp.nan, logits)
-    new = dataclasses.replace(cache, valid=valid, length=cache.length + (~full),
-                              next_position=cache.next_position + (~full))
-    return logits, new
+    pos = jnp.broadcast_to(cache.next_position[None, :, None], (3,) + cache.next_position.shape + (1,))
+    return decode_token(model.language_model, cache, tokens, attention,
+                        lambda slots, valid, slot: _layer_inputs(model.config, pos, slots, valid, None, slot))
 
 
 @functools.partial(jax.jit, static_argnames=("hidden_layers", "tree_attn"), donate_argnames=("cache",))
