@@ -31,8 +31,8 @@ from flax import nnx
 from mmjax.files import atomic_directory, atomic_write, read_json, require_artifact
 from models.attention import dense_attention
 from models.common import rms_norm
-from models.qwen2_text import TextConfig, embed_tokens, lm_logits
 from models.rotary import apply_rotary, mrope_cos_sin
+from models.text_decoder import TextConfig, embed_tokens, lm_logits
 
 LAYER_PARAMS = ("input_norm", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "post_norm", "w_gate", "w_up", "w_down")
 

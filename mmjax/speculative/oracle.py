@@ -13,8 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from models.kv_cache import compact_cache
 from models.qwen2_5_vl.model import cached_forward
-from models.qwen2_text import compact_cache
 from pallas_kernels.tree_decode import tree_decode_attention
 
 

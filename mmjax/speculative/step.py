@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from mmjax.speculative.sampling import Sampling
 from mmjax.speculative.tree import Tree, TreeConfig, add_level, empty_pool, level_offset, select_tree
 from mmjax.speculative.verify import accept_greedy, accept_sampling
+from models.kv_cache import KVCache, compact_cache
 from models.qwen2_5_vl.model import cached_forward
-from models.qwen2_text import KVCache, compact_cache
 from pallas_kernels.tree_decode import tree_decode_attention
 
 

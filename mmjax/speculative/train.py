@@ -43,7 +43,7 @@ from flax import nnx
 from mmjax.speculative.data import Batch
 from mmjax.speculative.draft import SparrowDraft, attend, draft_logits, fuse, project
 from models.qwen2_5_vl.model import Qwen2_5_VL
-from models.qwen2_text import lm_logits
+from models.text_decoder import lm_logits
 
 
 @dataclasses.dataclass(frozen=True)

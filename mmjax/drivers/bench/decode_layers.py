@@ -17,9 +17,9 @@ from mmjax.drivers.args import ArgumentParser, add_result_args, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.timing import device_name, time_fn
 from models.attention import LayerAttention, dense_attention, resolve_attention
+from models.kv_cache import KVCache
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.config import preset
-from models.qwen2_text import KVCache
 
 
 def _unrolled(layer):

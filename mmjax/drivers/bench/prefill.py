@@ -40,10 +40,10 @@ from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, 
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.patterns import AShape, Grid, VerticalSlash
 from mmjax.timing import device_name
-from models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, VisionConfig, from_hf, preset
 from models.attention import resolve_attention
+from models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, VisionConfig, from_hf, preset
 from models.qwen2_5_vl import model as qwen_vl
-from models.qwen2_text import TextConfig
+from models.text_decoder import TextConfig
 
 FRAME_PX = 448  # video frames of 448 x 448 pixels: 32 x 32 patches, 256 tokens per temporal patch
 PATTERNS = {

@@ -37,9 +37,10 @@ from mmjax.speculative.step import draft_tree, speculative_step, verify_tree
 from mmjax.speculative.tree import Tree, TreeConfig
 from mmjax.speculative.verify import accept_greedy
 from mmjax.timing import device_name, time_fn
+from models.kv_cache import KVCache, compact_cache
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, VisionConfig, preset
-from models.qwen2_text import KVCache, TextConfig, compact_cache
+from models.text_decoder import TextConfig
 from pallas_kernels.tree_decode import tree_decode_attention
 
 
