@@ -73,22 +73,24 @@ class SparseModelAttention:
         plans, table = group_plans(self.layers, int(k.shape[2]))
         row = jnp.asarray(table, jnp.int32)[layer]  # [K]
 
-        def sparse():
-            return self._by_group(q, k, v, plans, row, modality)
-
-        def dense():
+        def dense(q, k, v):
             return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid).astype(q.dtype)
 
         if t > s:
-            return dense()
+            return dense(q, k, v)
         suffix = jnp.all(kv_valid) & jnp.all(q_positions == (s - t) + jnp.arange(t, dtype=q_positions.dtype)[None])
-        return jax.lax.cond(suffix, sparse, dense)
+        return self._by_group(q, k, v, plans, row, modality, suffix, dense)
 
-    def _by_group(self, q, k, v, plans, row, modality):
-        """Each key head's group of query heads in turn (``lax.scan``), its plan picked by ``row``."""
+    def _by_group(self, q, k, v, plans, row, modality, suffix, dense):
+        """Each key head's group of query heads in turn (``lax.scan``), its plan picked by ``row``;
+        a group runs ``dense`` instead where ``suffix`` is false (so the exact fallback, too, holds
+        one group's temporaries at a time: a fallback over all heads at once would set the peak)."""
         kh = k.shape[2]
         g = q.shape[2] // kh
-        branches = [functools.partial(self._group, plan) for plan in plans]
+        branches = [functools.partial(self._group, plan, modality=modality) for plan in plans]
+
+        def sparse(h, qg, kg, vg):
+            return branches[0](qg, kg, vg) if len(branches) == 1 else jax.lax.switch(row[h], branches, qg, kg, vg)
 
         def body(buf, h):
             # buf holds the outputs of the groups before h and the queries of the others: group h
@@ -96,13 +98,12 @@ class SparseModelAttention:
             qg = jax.lax.dynamic_slice_in_dim(buf, h * g, g, axis=2)
             kg = jax.lax.dynamic_slice_in_dim(k, h, 1, axis=2)
             vg = jax.lax.dynamic_slice_in_dim(v, h, 1, axis=2)
-            og = branches[0](qg, kg, vg, modality) if len(branches) == 1 else jax.lax.switch(
-                row[h], branches, qg, kg, vg, modality)
+            og = jax.lax.cond(suffix, sparse, lambda h, qg, kg, vg: dense(qg, kg, vg), h, qg, kg, vg)
             return jax.lax.dynamic_update_slice_in_dim(buf, og.astype(buf.dtype), h * g, axis=2), None
 
         out, _ = jax.lax.scan(body, q, jnp.arange(kh, dtype=jnp.int32))
         return out
 
-    def _group(self, plan, q, k, v, modality):
+    def _group(self, plan, q, k, v, *, modality):
         out, _ = attend_heads(q, k, v, plan, modality, options=self.options)
         return out
