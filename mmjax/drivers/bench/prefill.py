@@ -3,11 +3,13 @@ public `mmjax.prefill`, dense (cuDNN) against sparse configs.
 
     mmjax bench prefill [--preset 7b | --model DIR] [--tokens 131072 262144 524288 1048576]
                         [--configs cudnn grid ashape ...] [--out bench/results] [--plot]
+    mmjax bench prefill --preset llama3.1-8b | qwen3-8b | qwen3-30b-a3b --tokens 131072 --configs cudnn momo vs
 
 Each (video length, attention) row runs in its own process, so its peak GPU memory
 (``memory_stats()["peak_bytes_in_use"]``) is its own: the model (random bf16 weights of the
 preset, or a checkpoint directory), one 448 x 448 video of the given number of visual tokens
-between two short text segments, then ``mmjax.prefill`` twice: the first call (compile + run) and
+between two short text segments (for a text LM preset or checkpoint: that many random text
+tokens), then ``mmjax.prefill`` twice: the first call (compile + run) and
 a warm call (the time to first token of a compiled program: host preparation, vision tower,
 decoder, last-token logits). When the first call takes longer than ``--warm-budget-s`` the warm
 call is not repeated: the two programs are compiled once more ahead of time and the warm time is
@@ -17,7 +19,8 @@ are written to the JSON as they finish; ``--plot`` draws TTFT and memory against
 
 Attention names: ``cudnn`` (dense cuDNN flash attention), ``dense`` (exact XLA attention, slow),
 ``grid`` (``Grid(local=1024)`` on every head), ``ashape`` (``AShape(sink=1024, local=4096)``, the
-MMInference budget), ``vs`` (``VerticalSlash(1000, 4096)``), or the path of a SparseConfig JSON.
+MMInference budget), ``vs`` (``VerticalSlash(1000, 4096)``), ``momo`` (``Momo()``, its default budget), or
+the path of a SparseConfig JSON.
 On a CPU the same table runs on a tiny model (timings only show that everything runs).
 """
 
@@ -38,10 +41,13 @@ import numpy as np
 import mmjax
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
-from mmjax.patterns import AShape, Grid, VerticalSlash
+from mmjax.inference import runner
+from mmjax.patterns import AShape, Grid, Momo, VerticalSlash
 from mmjax.timing import device_name
+from models import llama, qwen3
 from models.attention import resolve_attention
-from models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, VisionConfig, from_hf, preset
+from models.causal_lm import CausalLM, CausalLMConfig
+from models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, VisionConfig, preset
 from models.qwen2_5_vl import model as qwen_vl
 from models.text_decoder import TextConfig
 
@@ -50,7 +56,11 @@ PATTERNS = {
     "grid": Grid(local=1024),
     "ashape": AShape(sink=1024, local=4096),
     "vs": VerticalSlash(vertical_size=1000, slash_size=4096),
+    "momo": Momo(),
 }
+VLM_PRESETS = ("3b", "7b")  # Qwen2.5-VL
+TEXT_PRESETS = {"llama3.1-8b": lambda: llama.preset("8b"), "qwen3-8b": lambda: qwen3.preset("8b"),
+                "qwen3-30b-a3b": lambda: qwen3.preset("30b-a3b")}
 
 
 def tiny_config() -> Qwen2_5_VLConfig:
@@ -61,6 +71,20 @@ def tiny_config() -> Qwen2_5_VLConfig:
                           fullatt_block_indexes=(1,), window_size=112)
     return Qwen2_5_VLConfig(text=text, vision=vision, image_token_id=500, video_token_id=501, vision_start_token_id=502,
                             vision_end_token_id=503)
+
+
+def tiny_text_config(moe: bool) -> CausalLMConfig:
+    """A small text LM (a Qwen3-MoE one for ``moe``) for CPU runs of this benchmark."""
+    text = TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, qk_norm=True,
+                      **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64) if moe else {}))
+    return CausalLMConfig("qwen3_moe" if moe else "qwen3", text)
+
+
+def text_inputs(config: CausalLMConfig, n_tokens: int, seed: int = 0) -> dict:
+    """Tokenizer-style NumPy inputs: ``n_tokens`` random token ids, no padding."""
+    ids = np.random.default_rng(seed).integers(0, config.text.vocab_size, (1, n_tokens), dtype=np.int32)
+    return dict(input_ids=ids, attention_mask=np.ones_like(ids))
 
 
 def video_inputs(config: Qwen2_5_VLConfig, n_tokens: int, seed: int = 0) -> dict:
@@ -100,24 +124,33 @@ def config_name(text: str) -> str:
                                      f"file; received {text!r}")
 
 
-def load_model(args) -> Qwen2_5_VL:
+def load_model(args) -> Qwen2_5_VL | CausalLM:
+    """The checkpoint of ``--model`` (any architecture ``mmjax.load`` reads) or random bf16 weights of ``--preset``."""
     if args.model:
-        return from_hf(args.model, dtype=jnp.bfloat16)
-    cfg = preset(args.preset) if jax.default_backend() == "gpu" else tiny_config()
+        return mmjax.load(args.model, dtype=jnp.bfloat16)[0]
+    on_gpu = jax.default_backend() == "gpu"
+    if args.preset in TEXT_PRESETS:
+        cfg = TEXT_PRESETS[args.preset]() if on_gpu else tiny_text_config("a3b" in args.preset)
+    else:
+        cfg = preset(args.preset) if on_gpu else tiny_config()
     if args.layers:
         cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, num_hidden_layers=args.layers))
-    return Qwen2_5_VL(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
+    cls = CausalLM if isinstance(cfg, CausalLMConfig) else Qwen2_5_VL
+    return cls(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
 
 
 def _compile_seconds(model, inputs, attention, kwargs) -> float:
-    """Compile time of the two programs a prefill runs (vision tower, decoder), ahead of time."""
-    p = qwen_vl.prepare_inputs(model.config, **inputs)
+    """Compile time of the programs a prefill runs (vision tower for a VLM, decoder), ahead of time."""
+    run = runner(model)
+    p = run.prepare_inputs(model.config, **inputs)
     t0 = time.perf_counter()
-    qwen_vl.vision_features.lower(model, p.pixel_values_videos, p.video_grids,
-                                  kwargs.get("frames_per_chunk")).compile()
-    feats = jax.ShapeDtypeStruct((int(np.prod(p.video_grids[0])) // model.config.vision.merge_unit,
-                                  model.config.text.hidden_size), jnp.bfloat16)
-    qwen_vl.prefill_language_model.lower(
+    feats = None
+    if run is qwen_vl:
+        qwen_vl.vision_features.lower(model, p.pixel_values_videos, p.video_grids,
+                                      kwargs.get("frames_per_chunk")).compile()
+        feats = jax.ShapeDtypeStruct((int(np.prod(p.video_grids[0])) // model.config.vision.merge_unit,
+                                      model.config.text.hidden_size), jnp.bfloat16)
+    run.prefill_language_model.lower(
         model, p.input_ids, None, feats, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas,
         attention=resolve_attention(attention), max_length=p.input_ids.shape[1] + 256,
         mlp_chunk=kwargs.get("mlp_chunk"), kv_dtype=kwargs.get("kv_dtype")).compile()
@@ -130,11 +163,13 @@ def run_row(args, tokens: int, name: str) -> dict:
     model = load_model(args)
     jax.block_until_ready(jax.tree.leaves(model))
     init_s = time.perf_counter() - t0
-    inputs = video_inputs(model.config, tokens)
+    text_lm = isinstance(model, CausalLM)
+    inputs = text_inputs(model.config, tokens) if text_lm else video_inputs(model.config, tokens)
     attention = attention_spec(name, model.config)
     kwargs = dict(mlp_chunk=args.mlp_chunk, frames_per_chunk=args.frames_per_chunk, chunk_tokens=args.chunk_tokens,
                   kv_dtype=jnp.float8_e4m3fn if args.kv_dtype == "fp8" else None)
-    row = {"tokens": int(inputs["input_ids"].shape[1]), "visual_tokens": int(inputs["input_ids"].shape[1]) - 18,
+    n = int(inputs["input_ids"].shape[1])
+    row = {"tokens": n, "visual_tokens": 0 if text_lm else n - 18,
            "attention": name, "init_s": init_s, **{k: (str(v) if k == "kv_dtype" else v) for k, v in kwargs.items()}}
 
     def call():
@@ -224,10 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="mmjax bench prefill", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
     add_result_args(p, "prefill")
-    p.add_argument("--preset", default="7b", choices=("3b", "7b"), help="random weights of this shape (GPU)")
+    p.add_argument("--preset", default="7b", choices=VLM_PRESETS + tuple(TEXT_PRESETS),
+                   help="random weights of this shape (GPU): Qwen2.5-VL 3b / 7b or a text LM")
     p.add_argument("--model", help="a checkpoint directory instead of random weights")
     p.add_argument("--layers", type=positive_int, help="decoder layers (default: the model's)")
-    p.add_argument("--tokens", type=positive_int, nargs="+", help="visual tokens per row (default 128k-1M on a GPU)")
+    p.add_argument("--tokens", type=positive_int, nargs="+",
+                   help="visual tokens (text tokens for a text LM) per row (default 128k-1M on a GPU)")
     p.add_argument("--configs", type=config_name, nargs="+", default=["cudnn", "grid", "ashape"],
                    help="attention per row")
     p.add_argument("--mlp-chunk", type=positive_int, default=16384, help="tokens per chunk of norms / projections / MLP")
@@ -258,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                         for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     args.passthrough += ["--preset", args.preset, "--kv-dtype", args.kv_dtype]
     rows: list[dict] = []
-    result = {"benchmark": "prefill", "model": args.model or f"Qwen2.5-VL-{args.preset} shape, random bf16",
+    shape = args.preset if args.preset in TEXT_PRESETS else f"Qwen2.5-VL-{args.preset}"
+    result = {"benchmark": "prefill", "model": args.model or f"{shape} shape, random bf16",
               "frame": f"{FRAME_PX}x{FRAME_PX}", "args": {k: v for k, v in vars(args).items() if k != "row"},
               "rows": rows}
     path = None
