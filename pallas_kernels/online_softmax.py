@@ -19,13 +19,15 @@ from pallas_kernels.nonfinite import score_poison
 
 def masked_tile(s: jax.Array, ok: jax.Array) -> tuple[jax.Array, jax.Array]:
     """s ``[R, bk]`` float32 scaled scores, ok bool broadcastable to ``[R, bk]`` -> (scores
-    with masked pairs -inf, poison ``[R, bk]``: NaN at visible non-finite scores, else 0)."""
-    return jnp.where(ok, s, -jnp.inf), score_poison(s, ok)
+    with masked pairs -inf, poison ``[R]``: NaN for a row with a visible non-finite score, else 0).
+    The poison is reduced to one value per row here: a second ``[R, bk]`` tensor carried out of
+    the tile's condition costs registers the matrix products need."""
+    return jnp.where(ok, s, -jnp.inf), jnp.sum(score_poison(s, ok), axis=1)
 
 
 def unmasked_tile(s: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Every pair visible: (s, poison) as in `masked_tile`."""
-    return s, score_poison(s)
+    """Every pair visible: (s, poison ``[R]``) as in `masked_tile`."""
+    return s, jnp.sum(score_poison(s), axis=1)
 
 
 def softmax_update(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, poison: jax.Array,
@@ -33,7 +35,7 @@ def softmax_update(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, 
     """Fold one key tile into the running (max, sum, accumulator) of a row tile.
 
     carry: m ``[R]``, l ``[R]``, acc ``[R, D]`` float32; s ``[R, bk]`` float32 scores already
-    scaled by ``sm_scale * log2(e)`` and masked (-inf); poison ``[R, bk]`` from `masked_tile`;
+    scaled by ``sm_scale * log2(e)`` and masked (-inf); poison ``[R]`` from `masked_tile`;
     v ``[bk, D]`` (masked keys' values must be finite: zero them or `poison_keys` them first).
     Rows that have seen no key keep m = -inf, l = 0, acc = 0. Returns the new carry.
     """
@@ -42,7 +44,7 @@ def softmax_update(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, 
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m_prev - m_safe)
     p = jnp.exp2(s - m_safe[:, None])
-    l_new = l_prev * alpha + jnp.sum(p + poison, axis=1)
+    l_new = l_prev * alpha + jnp.sum(p, axis=1) + poison
     acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
     return m_new, l_new, acc
 

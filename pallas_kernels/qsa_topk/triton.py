@@ -88,7 +88,7 @@ def _kernel(q_ref, k_ref, v_ref, vp_ref, o_ref, lse_ref, *topk_refs, sm_scale, g
         mb = jnp.max(s, axis=1)
         mb_safe = jnp.where(mb == -jnp.inf, 0.0, mb)
         p = jnp.exp2(s - mb_safe[:, None])
-        lb = jnp.sum(p + poison, axis=1)  # NaN for a block with a visible non-finite score
+        lb = jnp.sum(p, axis=1) + poison  # NaN for a block with a visible non-finite score
         empty = lb == 0.0
         score = topk_lib.rank_value(
             jnp.where(empty, -jnp.inf, (mb_safe + jnp.log2(jnp.where(empty, 1.0, lb))) * LN2))
