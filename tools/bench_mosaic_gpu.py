@@ -4,8 +4,9 @@ Run on an sm90 GPU: ``python tools/bench_mosaic_gpu.py --out DIR [--lens 32768,1
 Checks the dense causal layout through the Mosaic kernel against cuDNN at 4k and 32k and a
 random 10% layout against the Triton kernel at 32k, then times (median of device-synchronised
 runs after a warm-up) cuDNN causal, Triton (128x64 tiles) and Mosaic (block_k 64 and 128) on
-the dense causal layout, and Triton / Mosaic on a random 10% layout; B=1, N=28, K=4, D=128,
-bf16. Writes ``mosaic_gpu.json`` into ``--out`` and prints a table.
+the dense causal layout, and Triton / Mosaic on a random 10% layout (with ``--variants`` also
+permuted and column layouts); B=1, N=28, K=4, D=128, bf16. The density of a random layout
+counts its computed tiles plus its columns. Writes ``mosaic_gpu.json`` into ``--out`` and prints a table.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--lens", default="32768,131072,524288")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time block_k 128, permuted (shared / per head) and column layouts")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     lens = [int(x) for x in args.lens.split(",")]
@@ -104,9 +107,23 @@ def main() -> None:
                 rows.append(("triton", "dense bk64", kernel_fn("triton"), (q, k, v, lay)))
             rows.append(("mosaic_gpu", f"dense bk{bk}", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
         sparse = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.1, block_q=128, block_k=64, heads=N)
-        dens = float(sparse.density().mean())
         rows.append(("triton", "random 10% bk64", kernel_fn("triton"), (q, k, v, sparse)))
         rows.append(("mosaic_gpu", "random 10% bk64", kernel_fn("mosaic_gpu"), (q, k, v, sparse)))
+        if args.variants:
+            sparse128 = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.1, block_q=128,
+                                                  block_k=128, heads=N)
+            rows.append(("mosaic_gpu", "random 10% bk128", kernel_fn("mosaic_gpu"), (q, k, v, sparse128)))
+            for heads in (1, N):  # one permutation for all heads / one per query head
+                perms = jnp.stack([jax.random.permutation(jax.random.PRNGKey(10 + h), s) for h in range(heads)])
+                perms = perms.astype(jnp.int32)[None]
+                lay = sparse.replace(q_perm=perms, kv_perm=perms)
+                for impl in ("triton", "mosaic_gpu"):
+                    rows.append((impl, f"random 10% perm{heads}", kernel_fn(impl), (q, k, v, lay)))
+            nq = s // 128
+            cols = jax.random.randint(jax.random.PRNGKey(5), (1, N, nq, 64), 0, s, jnp.int32)
+            lay = sparse.replace(kv_columns=cols, kv_column_count=jnp.full((1, N, nq), 64, jnp.int32))
+            for impl in ("triton", "mosaic_gpu"):
+                rows.append((impl, "random 10% +64 cols", kernel_fn(impl), (q, k, v, lay)))
         base = None
         for impl, what, fn, fargs in rows:
             try:
@@ -116,11 +133,12 @@ def main() -> None:
                 result["timings"].append({"len": s, "impl": impl, "layout": what, "error": str(e)[:2000]})
                 dump()
                 continue
-            work = flops * (dens if what.startswith("random") else 1.0)
+            dens = float(fargs[3].density().mean()) if what.startswith("random") else 1.0
+            work = flops * dens
             base = t if impl == "cudnn" else base
             rec = {"len": s, "impl": impl, "layout": what, "ms": t * 1e3, "tflops": work / t / 1e12,
                    "cudnn_ratio": (base / t) if (base and not what.startswith("random")) else None,
-                   "density": dens if what.startswith("random") else 1.0}
+                   "density": dens}
             result["timings"].append(rec)
             dump()
             ratio = f"{rec['cudnn_ratio']:.2f}x cudnn" if rec["cudnn_ratio"] else ""

@@ -11,10 +11,11 @@ from pallas_kernels.block_sparse.mosaic_gpu import (
     block_sparse_attention_mosaic_gpu,
     check_supported,
 )
+from pallas_kernels.block_sparse.mosaic_gpu import preferred as mosaic_preferred
 from pallas_kernels.block_sparse.reference import block_sparse_attention_reference
 from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
 from pallas_kernels.checks import check_qkv, check_sm_scale
-from pallas_kernels.platform import default_implementation
+from pallas_kernels.platform import default_implementation, is_sm90
 
 IMPLEMENTATIONS = ("reference", "triton", "mosaic_gpu")
 
@@ -45,8 +46,9 @@ def block_sparse_attention(
         ``layout.window``, keys too near / too far; those need ``causal=True``).
       implementation: ``"reference"`` (pure JAX), ``"triton"`` (Pallas Triton) or
         ``"mosaic_gpu"`` (Pallas Mosaic GPU, Hopper only: bf16 / fp16, ``block_q == 128``,
-        ``block_k`` 64 or 128, D <= 256); None picks triton on a GPU, reference on CPU unless
-        ``interpret``.
+        ``block_k`` 64 or 128, D <= 256); None picks mosaic_gpu on an sm90 GPU where it
+        supports the inputs and the layout has no single key columns (and no Triton launch
+        parameter is given), triton on other GPUs, reference on CPU unless ``interpret``.
       interpret: run the Pallas Triton kernel in interpret mode (CPU); not for mosaic_gpu.
       num_warps, num_stages: Triton launch parameters (defaults by head dim); for mosaic_gpu
         ``num_stages`` is the K/V shared-memory stages (default: as many as fit, <= 4) and
@@ -71,6 +73,9 @@ def block_sparse_attention(
                          f"{layout.gap}, layout.window={layout.window}); received False")
     if implementation is None:
         implementation = default_implementation(interpret)
+        if (implementation == "triton" and not interpret and num_warps is None and num_stages is None
+                and is_sm90() and mosaic_preferred(q, layout)):
+            implementation = "mosaic_gpu"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}"

@@ -61,6 +61,45 @@ def test_mosaic_matches_dense(dtype, b, t, s, n, kh, d, bk, perm, columns):
 
 
 @needs_hopper
+@pytest.mark.parametrize("gap,window,perm", [(192, 0, False), (0, 192, False), (0, 100, True), (64, 0, True)])
+def test_mosaic_causal_gap_and_window(gap, window, perm):
+    b, t, s, n, kh, d = 1, 700, 900, 4, 2, 64
+    rng = np.random.default_rng(gap + window + perm)
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)
+    layout = random_layout(rng, b, n, t, s, 128, 64, density=0.6, perm=perm).replace(gap=gap, window=window)
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)
+
+
+@needs_hopper
+@pytest.mark.parametrize("perm", [False, True])
+def test_mosaic_non_causal(perm):
+    b, t, s, n, kh, d = 2, 256, 640, 4, 1, 128
+    rng = np.random.default_rng(11 + perm)
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.float16)
+    layout = random_layout(rng, b, n, t, s, 128, 128, density=0.5, perm=perm, lead_b=1)
+    out, lse = block_sparse_attention(q, k, v, layout, causal=False, implementation="mosaic_gpu")
+    ref_out, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask(causal=False))
+    assert rel_err(out, ref_out) < TOL[jnp.float16]
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=3e-2)
+
+
+@needs_hopper
+def test_default_on_sm90_is_mosaic_where_supported():
+    q, k, v = random_qkv(4, 1, 512, 512, 4, 2, 128, jnp.bfloat16)
+    layout = BlockLayout.dense_causal(512, 512, block_q=128, block_k=64)
+    out, lse = block_sparse_attention(q, k, v, layout)
+    out_m, lse_m = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_m))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_m))
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))  # fp32: Triton
+    out32, _ = block_sparse_attention(q32, k32, v32, layout)
+    out_t, _ = block_sparse_attention(q32, k32, v32, layout, implementation="triton")
+    np.testing.assert_array_equal(np.asarray(out32), np.asarray(out_t))
+
+
+@needs_hopper
 @pytest.mark.parametrize("bk,stages", [(64, None), (128, None), (128, 2)])
 def test_mosaic_dense_layout_matches_cudnn(bk, stages):
     q, k, v = random_qkv(3, 1, 4096, 4096, 28, 4, 128, jnp.bfloat16)
