@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels.platform import is_sm90
 from tests.pallas_kernels.helpers import (
     masked_dense_attention,
     random_layout,
@@ -20,13 +21,7 @@ from tests.pallas_kernels.helpers import (
 pytestmark = pytest.mark.gpu
 
 
-def _is_hopper() -> bool:
-    if jax.default_backend() != "gpu":
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
-
-
-needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm90 (Hopper) GPU")
+needs_hopper = pytest.mark.skipif(not is_sm90(), reason="needs an sm90 (Hopper) GPU")
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 
 
