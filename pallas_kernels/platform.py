@@ -15,6 +15,13 @@ def default_implementation(interpret: bool = False) -> str:
     return "reference"
 
 
+def is_sm90() -> bool:
+    """The first device is a Hopper GPU (compute capability 9.x: H100 / H200)."""
+    if jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 def num_cores() -> int:
     """Streaming multiprocessors of the first GPU (``DEFAULT_CORES`` when unknown or not on a GPU)."""
     if jax.default_backend() == "gpu":

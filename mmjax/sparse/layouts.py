@@ -29,14 +29,14 @@ class KernelOptions:
     """How the block-sparse kernel is run (static). ``check_finite``: raise instead of
     propagating a NaN / inf input (see `pallas_kernels.block_sparse_attention`)."""
 
-    implementation: str | None = None  # None: triton on GPU, reference on CPU
+    implementation: str | None = None  # None: mosaic_gpu / triton on GPU (see block_sparse_attention), reference on CPU
     interpret: bool = False
     sm_scale: float | None = None
     check_finite: bool = False
 
     def __post_init__(self) -> None:
-        if self.implementation not in (None, "reference", "triton"):
-            raise ValueError(f"implementation: expected None, 'reference' or 'triton'; received "
+        if self.implementation not in (None, "reference", "triton", "mosaic_gpu"):
+            raise ValueError(f"implementation: expected None, 'reference', 'triton' or 'mosaic_gpu'; received "
                              f"{self.implementation!r}")
         for name in ("interpret", "check_finite"):
             if not isinstance(getattr(self, name), bool):

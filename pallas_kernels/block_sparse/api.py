@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels import nonfinite
 from pallas_kernels.block_sparse import validation
 from pallas_kernels.block_sparse.layout import BlockLayout
+from pallas_kernels.block_sparse.mosaic_gpu import (
+    block_sparse_attention_mosaic_gpu,
+    check_supported,
+)
+from pallas_kernels.block_sparse.mosaic_gpu import preferred as mosaic_preferred
 from pallas_kernels.block_sparse.reference import block_sparse_attention_reference
 from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
-from pallas_kernels import nonfinite
 from pallas_kernels.checks import check_qkv, check_sm_scale
-from pallas_kernels.platform import default_implementation
+from pallas_kernels.platform import default_implementation, is_sm90
 
-IMPLEMENTATIONS = ("reference", "triton")
+IMPLEMENTATIONS = ("reference", "triton", "mosaic_gpu")
 
 
 def block_sparse_attention(
@@ -39,10 +44,15 @@ def block_sparse_attention(
       sm_scale: softmax scale, a finite float > 0; default ``D ** -0.5``.
       causal: mask keys after the query's original position (and, per ``layout.gap`` /
         ``layout.window``, keys too near / too far; those need ``causal=True``).
-      implementation: ``"reference"`` (pure JAX) or ``"triton"`` (Pallas Triton); None picks
-        triton on a GPU, reference on CPU unless ``interpret``.
-      interpret: run the Pallas kernel in interpret mode (CPU).
-      num_warps, num_stages: Triton launch parameters (defaults by head dim).
+      implementation: ``"reference"`` (pure JAX), ``"triton"`` (Pallas Triton) or
+        ``"mosaic_gpu"`` (Pallas Mosaic GPU, Hopper only: bf16 / fp16, ``block_q == 128``,
+        ``block_k`` 64 or 128, D <= 128); None picks mosaic_gpu on an sm90 GPU where it
+        supports the inputs and the layout has no single key columns (and no Triton launch
+        parameter is given), triton on other GPUs, reference on CPU unless ``interpret``.
+      interpret: run the Pallas Triton kernel in interpret mode (CPU); not for mosaic_gpu.
+      num_warps, num_stages: Triton launch parameters (defaults by head dim); for mosaic_gpu
+        ``num_stages`` is the K/V shared-memory stages (default: as many as fit, <= 4) and
+        ``num_warps`` must be None.
       check_finite: raise `NonFiniteError` (or, under ``jax.jit``, a ``checkify`` error) when
         q, k or v holds a NaN or an inf, instead of propagating it.
 
@@ -63,15 +73,29 @@ def block_sparse_attention(
                          f"{layout.gap}, layout.window={layout.window}); received False")
     if implementation is None:
         implementation = default_implementation(interpret)
+        if (implementation == "triton" and not interpret and num_warps is None and num_stages is None
+                and is_sm90() and mosaic_preferred(q, layout)):
+            implementation = "mosaic_gpu"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}"
         )
+    if implementation == "mosaic_gpu":
+        check_supported(q, layout, num_stages)
+        if num_warps is not None:
+            raise ValueError(f"num_warps: expected None for implementation='mosaic_gpu' (three fixed "
+                             f"warpgroups); received {num_warps!r}")
+        if interpret:
+            raise ValueError("interpret: expected False for implementation='mosaic_gpu' (Mosaic GPU's "
+                             "interpret mode cannot run this kernel); received True")
     sm_scale = check_sm_scale(sm_scale, d)
     if check_finite:
         nonfinite.check_finite(q=q, k=k, v=v)
     if implementation == "reference":
         return block_sparse_attention_reference(q, k, v, layout, sm_scale=sm_scale, causal=causal)
+    if implementation == "mosaic_gpu":
+        return block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=sm_scale, causal=causal,
+                                                 num_stages=num_stages)
     return block_sparse_attention_triton(
         q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
         num_warps=num_warps, num_stages=num_stages,

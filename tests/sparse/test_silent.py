@@ -68,7 +68,7 @@ def test_estimation_drops_a_non_finite_query_row_and_never_returns_nan():
     (lambda: Dense(block_q=2**40), r"block_q: expected a power of two <= 1073741824"),
     (lambda: KernelOptions(sm_scale="abc"), r"sm_scale: expected a finite positive float; received 'abc'"),
     (lambda: KernelOptions(sm_scale=float("nan")), r"sm_scale: expected a finite positive float; received nan"),
-    (lambda: KernelOptions(implementation="cuda"), r"implementation: expected None, 'reference' or 'triton'"),
+    (lambda: KernelOptions(implementation="cuda"), r"implementation: expected None, 'reference', 'triton' or 'mosaic_gpu'"),
 ])
 def test_hyper_parameters_are_bounded_and_named(make, match):
     with pytest.raises(ValueError, match=match):

@@ -1,0 +1,504 @@
+"""Block-sparse flash attention forward for Hopper (sm90) in Pallas Mosaic GPU.
+
+One CTA per (query block of 128 rows, query head, batch), three warpgroups:
+
+* a producer warpgroup walks the layout's key-block list and brings each listed K and V
+  tile into a ring of shared-memory stages with TMA, waiting for a stage to be released
+  before refilling it;
+* two consumer warpgroups own 64 query rows each (their Q tile stays in shared memory).
+  For every listed block they issue ``S = Q K^T`` with wgmma, mask it when the block can
+  hold a masked pair, update the online softmax (base 2, float32 statistics in registers),
+  and issue ``O += P V`` with P from registers. A shared "schedule" barrier makes the two
+  consumers alternate (one runs its softmax while the other's matrix products run), as
+  in FlashAttention-3.
+
+Causality is decided on original positions. Without permutations a row's position is
+``row + q_offset`` and a key's its index, and the mask is only computed for blocks whose
+last key can be past a row of the warpgroup (or that hold padding / an id out of range).
+With permutations the wrapper gathers q (and k / v) into permuted order once, the kernel
+reads the original positions from int32 vectors and masks every block. Single key columns
+run as a second pass of the same kernel over key tiles gathered per query block, merged
+with `merge_attention`.
+
+Limits: bf16 / fp16 only; ``block_q == 128``; ``block_k`` 64 or 128; head dims are
+zero-padded to a multiple of 64, at most 128. Out: ``[B, T, N, D]`` in q's dtype, lse
+``[B, N, T]`` float32 (natural log); empty rows give 0 / -inf; non-finite inputs follow
+`pallas_kernels.nonfinite` (a visible NaN / inf key or value makes the row NaN).
+
+CPU: Mosaic GPU's interpret mode in jax 0.11.2 cannot run this kernel (its interpreter
+has no rule for ``run_state`` with a wgmma accumulator, and its wgmma takes the A operand
+only from shared memory, not from registers as ``P V`` needs); tests of the kernel
+itself run on a Hopper GPU (tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.block_sparse.layout import BlockLayout
+from pallas_kernels.block_sparse.merge import merge_attention
+from pallas_kernels.nonfinite import poison_keys
+from pallas_kernels.tiling import LN2, LOG2E, inverse_permutation
+from pallas_kernels.tiling import pad_to as _pad_to
+
+BLOCK_Q = 128  # two consumer warpgroups of 64 rows
+WG_ROWS = 64
+BLOCK_KS = (64, 128)
+MAX_HEAD_DIM = 128  # larger D (acc registers, fewer stages) is not measured on a GPU yet
+DTYPES = (jnp.bfloat16, jnp.float16)
+# Shared memory per CTA on sm90 is 227 KB; the Q/O tiles and the K/V ring must fit.
+_SMEM_BUDGET = 220 * 1024
+_MAX_STAGES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Static parameters of one kernel launch.
+
+    Attributes:
+      block_k: key rows per tile (64 or 128).
+      head_dim: padded head dim (64 or 128).
+      stages: K/V shared-memory stages the producer runs ahead (>= 2).
+      groups: query heads per key/value head of the kernel's k / v operands.
+      num_kv_blocks: key tiles in the padded k / v (ids outside ``[0, num_kv_blocks)`` count nothing).
+      kv_len: keys at or past this position are padding and never visible.
+      q_offset: original position of query row 0 (without permutations).
+      causal, gap, window: as in `BlockLayout` (positions original).
+      sm_scale: softmax scale.
+      leads: which of (batch, head, query block) dims each layout operand has (size > 1).
+      has_pos: the kernel reads original positions from ``q_pos`` / ``k_pos`` operands.
+    """
+
+    block_k: int
+    head_dim: int
+    stages: int
+    groups: int
+    num_kv_blocks: int
+    kv_len: int
+    q_offset: int
+    causal: bool
+    gap: int
+    window: int
+    sm_scale: float
+    leads: tuple[tuple[str, tuple[bool, bool, bool]], ...]
+    has_pos: bool
+
+
+def _smem_bytes(block_k: int, head_dim: int, stages: int) -> int:
+    """Shared memory of the two Q/O tiles and ``stages`` K/V stages (2-byte elements)."""
+    return 2 * WG_ROWS * head_dim * 2 + stages * 2 * block_k * head_dim * 2
+
+
+def default_stages(block_k: int, head_dim: int) -> int:
+    """K/V stages that fit next to the two Q/O tiles, in [2, 4]."""
+    stage_bytes = 2 * block_k * head_dim * 2
+    return max(2, min(_MAX_STAGES, (_SMEM_BUDGET - _smem_bytes(block_k, head_dim, 0)) // stage_bytes))
+
+
+def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> None:
+    """The Mosaic GPU kernel's own limits (raised before anything is traced)."""
+    if jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES):
+        raise ValueError(f"q: expected dtype bfloat16 or float16 for implementation='mosaic_gpu'; "
+                         f"received {q.dtype}")
+    if layout.block_q != BLOCK_Q:
+        raise ValueError(f"layout.block_q: expected {BLOCK_Q} for implementation='mosaic_gpu' "
+                         f"(two warpgroups of {WG_ROWS} rows); received {layout.block_q}")
+    if layout.block_k not in BLOCK_KS:
+        raise ValueError(f"layout.block_k: expected one of {BLOCK_KS} for implementation='mosaic_gpu'; "
+                         f"received {layout.block_k}")
+    d = q.shape[-1]
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; "
+                         f"received shape {tuple(q.shape)}")
+    d_pad = _round_up(max(d, 64), 64)
+    if stages is not None:
+        fit = default_stages(layout.block_k, d_pad)
+        if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= max(2, fit):
+            raise ValueError(f"num_stages: expected an int in [2, {max(2, fit)}] (K/V stages in shared "
+                             f"memory for block_k={layout.block_k}, D={d_pad}); received {stages!r}")
+
+
+def preferred(q: jax.Array, layout: BlockLayout) -> bool:
+    """The kernel supports these inputs and is the faster choice on an sm90 GPU: measured on
+    an H200 (2026-11-23, tools/bench_mosaic_gpu.py) at 1.0-1.1x cuDNN on dense causal layouts
+    and about 2x Triton on random 10% layouts. Layouts with single key columns stay on
+    Triton (the column pass here materialises ``nq * max_cols`` gathered keys per head)."""
+    try:
+        check_supported(q, layout, None)
+    except ValueError:
+        return False
+    return layout.kv_columns is None
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig):
+    refs = list(refs)
+    qpos_ref, kpos_ref = (refs.pop(0), refs.pop(0)) if cfg.has_pos else (None, None)
+    out_ref, lse_ref = refs
+    leads = dict(cfg.leads)
+    bk, dp, stages = cfg.block_k, cfg.head_dim, cfg.stages
+    dtype = q_ref.dtype
+    nq = q_ref.shape[1] // BLOCK_Q
+
+    qi = nq - 1 - lax.axis_index("q")  # longest causal rows start first
+    head = lax.axis_index("heads")
+    batch = lax.axis_index("batch")
+
+    def lead(name):
+        has_b, has_n, has_q = leads[name]
+        return (batch if has_b else 0, head if has_n else 0, qi if has_q else 0)
+
+    count = count_ref[lead("kv_block_count")]
+
+    def block_id(j):
+        """(clamped id to load, id in range) of list entry j."""
+        blk = blocks_ref[*lead("kv_blocks"), j]
+        ok = (blk >= 0) & (blk < cfg.num_kv_blocks)
+        return jnp.where(ok, blk, 0), ok
+
+    def body(scoped):
+        (qo_smem, k_smem, v_smem, lse_smem, qp_smem, kp_smem), (k_bar, v_bar, q_bar, p_bar), \
+            (k_free, v_free), sched = scoped
+        wg = lax.axis_index("wg")
+
+        def schedule():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, l_smem = qo_smem.at[wg], lse_smem.at[wg]
+            row0 = qi * BLOCK_Q + wg * WG_ROWS
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, WG_ROWS), head], q_smem, q_bar.at[wg])
+            if cfg.has_pos:  # the rows' original positions, through shared memory
+                plgpu.copy_gmem_to_smem(qpos_ref.at[*lead("q_pos")[:2], pl.ds(row0, WG_ROWS)],
+                                        qp_smem.at[wg], q_bar.at[wg + 2])
+                plgpu.barrier_wait(q_bar.at[wg + 2])
+                q_vec = plgpu.load(qp_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            plgpu.barrier_wait(q_bar.at[wg])
+            scale = cfg.sm_scale * LOG2E
+            q_first = row0 + cfg.q_offset
+
+            def mask_by_index(s, start, limit):
+                """Positions are indices: row r at q_first + r, key c at start + c."""
+                rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                ok = cols < limit - start
+                if cfg.causal:
+                    rel = cols - rows  # key pos - query pos = rel + start - q_first
+                    ok = ok & (rel <= q_first - start - cfg.gap)
+                    if cfg.window:
+                        ok = ok & (rel > q_first - start - cfg.window)
+                return jnp.where(ok, s, -jnp.inf)
+
+            def mask_by_position(s, slot, limit):
+                plgpu.barrier_wait(p_bar.at[slot])
+                k_vec = plgpu.load(kp_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                kp = lax.broadcast_in_dim(k_vec, s.shape, [1])
+                qp = lax.broadcast_in_dim(q_vec, s.shape, [0])
+                ok = kp < limit
+                if cfg.causal:
+                    ok = ok & (kp + cfg.gap <= qp)
+                    if cfg.window:
+                        ok = ok & (kp + cfg.window > qp)
+                return jnp.where(ok, s, -jnp.inf)
+
+            def step(j, carry):
+                acc, m, l = carry
+                slot = lax.rem(j, stages)
+                blk, in_range = block_id(j)
+                start = blk * bk
+                limit = jnp.where(in_range, cfg.kv_len, 0)  # an id out of range shows nothing
+
+                def qk_scope(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    schedule()
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if cfg.has_pos:
+                    s = mask_by_position(s, slot, limit)
+                else:
+                    need = (start + bk > limit)
+                    if cfg.causal:
+                        need = need | (start + bk - 1 + cfg.gap > q_first)
+                        if cfg.window:
+                            need = need | (start + cfg.window <= q_first + WG_ROWS - 1)
+                    s = lax.cond(need, lambda x: mask_by_index(x, start, limit), lambda x: x, s)
+                m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(sched)  # softmax done
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)  # the tensor cores are ours
+
+                def pv_scope(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    @pl.when(j + 1 < count)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[lax.rem(j + 1, stages)])
+
+                acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            row = plgpu.Layout.WGMMA.reduce(1)
+            m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), row)
+            l = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), row)
+            acc = plgpu.layout_cast(jnp.full((WG_ROWS, dp), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0])
+
+            pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
+            acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+            pl.when(wg == 0)(schedule)
+
+            inv = jnp.where(l == 0.0, 0.0, 1.0 / l)  # empty rows: out 0 (a NaN l stays NaN)
+            q_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+            l_smem[...] = (m + jnp.log2(l)) * LN2  # -inf for empty rows
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(row0, WG_ROWS), head])
+            plgpu.copy_smem_to_gmem(l_smem, lse_ref.at[batch, head, pl.ds(row0, WG_ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.array(cfg.groups, head.dtype))
+
+            def fetch_v(blk, slot):
+                """V tile (and, with positions, the keys' positions: both freed after P V)."""
+                plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(blk * bk, bk), kv_head], v_smem.at[slot],
+                                        v_bar.at[slot])
+                if cfg.has_pos:
+                    plgpu.copy_gmem_to_smem(kpos_ref.at[*lead("k_pos")[:2], pl.ds(blk * bk, bk)],
+                                            kp_smem.at[slot], p_bar.at[slot])
+
+            def fetch(j, slot):
+                blk, _ = block_id(j)
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(blk * bk, bk), kv_head], k_smem.at[slot],
+                                        k_bar.at[slot])
+                fetch_v(blk, slot)
+
+            for i in range(stages):
+                pl.when(i < count)(functools.partial(fetch, i, i))
+
+            @pl.loop(stages, jnp.maximum(count, stages))
+            def _(j):
+                slot = lax.rem(j, stages)
+                blk, _ = block_id(j)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(blk * bk, bk), kv_head], k_smem.at[slot],
+                                        k_bar.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                fetch_v(blk, slot)
+
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    pl.run_scoped(
+        lambda *scoped: body(scoped),
+        (
+            plgpu.SMEM((2, WG_ROWS, dp), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
+            plgpu.SMEM((2, WG_ROWS), jnp.float32),
+            plgpu.SMEM((2, WG_ROWS), jnp.int32) if cfg.has_pos else None,
+            plgpu.SMEM((stages, bk), jnp.int32) if cfg.has_pos else None,
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=4),  # q tiles, q positions
+            plgpu.Barrier(num_barriers=stages) if cfg.has_pos else None,
+        ),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+
+def _lead_flags(x: jax.Array) -> tuple[bool, bool, bool]:
+    return (x.shape[0] > 1, x.shape[1] > 1, x.shape[2] > 1)
+
+
+def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv_blocks: int,
+           kv_len: int, q_offset: int, block_k: int, causal: bool, gap: int, window: int,
+           sm_scale: float, stages: int) -> tuple[jax.Array, jax.Array]:
+    """The kernel on prepared operands.
+
+    Args:
+      q_in: ``[B, Tp, N, Dp]`` (Tp a multiple of 128, Dp of 64), rows in the layout's order.
+      k_in, v_in: ``[B, Sp, H, Dp]`` with N == H * groups, Sp >= num_kv_blocks * block_k.
+      blocks: int32 ``[B|1, N|1, nq|1, max_blocks]``; count: int32 ``[B|1, N|1, nq]`` in
+        ``[0, max_blocks]``.
+      q_pos, k_pos: None, or int32 ``[B|1, N|1, Tp]`` / ``[B|1, N|1, Sp]`` original positions
+        (keys at positions >= kv_len are never visible).
+
+    Returns:
+      out ``[B, Tp, N, Dp]`` in q's dtype and lse ``[B, N, Tp]`` float32, in row order of q_in.
+    """
+    b, tp, n, dp = q_in.shape
+    names = {"kv_blocks": blocks, "kv_block_count": count[..., None]}
+    operands = [q_in, k_in, v_in, blocks, count]
+    has_pos = q_pos is not None
+    if has_pos:
+        names.update(q_pos=q_pos[..., None], k_pos=k_pos[..., None])
+        operands += [q_pos, k_pos]
+    cfg = MosaicConfig(
+        block_k=block_k, head_dim=dp, stages=stages, groups=groups, num_kv_blocks=num_kv_blocks,
+        kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
+        leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
+    )
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg),
+        out_type=(jax.ShapeDtypeStruct(q_in.shape, q_in.dtype),
+                  jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
+        grid=(tp // BLOCK_Q, n, b),
+        grid_names=("q", "heads", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    return kernel(*operands)
+
+
+def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x ``[B, L, H, D]``, idx int32 ``[B|1, H|1, M]`` -> ``[B, M, H', D]`` with
+    ``out[b, m, h] = x[b, idx[b, h, m], h]`` (H' = H, or idx's head count when H == 1)."""
+    xh = jnp.einsum("blhd->bhld", x)
+    heads = max(xh.shape[1], idx.shape[1])
+    xh = jnp.broadcast_to(xh, (xh.shape[0], heads) + xh.shape[2:])
+    idx = jnp.broadcast_to(idx, (xh.shape[0], heads, idx.shape[2]))
+    return jnp.einsum("bhld->blhd", jnp.take_along_axis(xh, idx[..., None], axis=2))
+
+
+def _positions_or_iota(perm, length: int, padded: int, offset: int) -> jax.Array:
+    """int32 ``[B|1, N|1, padded]`` original positions (+ offset) of permuted rows; padding
+    rows get positions >= length + offset."""
+    if perm is None:
+        return (jnp.arange(padded, dtype=jnp.int32) + offset)[None, None]
+    perm = jnp.clip(perm, 0, length - 1)
+    tail = jnp.broadcast_to(jnp.arange(length, padded, dtype=jnp.int32), perm.shape[:2] + (padded - length,))
+    return jnp.concatenate([perm, tail], axis=-1) + offset
+
+
+def _expand_heads(x: jax.Array, groups: int) -> jax.Array:
+    """``[B, S, K, D]`` -> ``[B, S, K * groups, D]`` (query head n reads key head n // groups)."""
+    return jnp.repeat(x, groups, axis=2) if groups > 1 else x
+
+
+def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad):
+    """The layout's key blocks; q_in is padded and in the layout's row order."""
+    s, kh = k.shape[1], k.shape[2]
+    n = q_in.shape[2]
+    groups = n // kh
+    bk, nk = layout.block_k, layout.num_kv_blocks
+    s_pad = nk * bk
+    has_pos = layout.q_perm is not None or layout.kv_perm is not None
+    if layout.kv_perm is not None:
+        kv_perm = jnp.clip(layout.kv_perm, 0, s - 1)
+        if kv_perm.shape[1] > 1 and groups > 1:  # a permutation per query head: one copy per head
+            k, v, groups = _expand_heads(k, groups), _expand_heads(v, groups), 1
+        k, v = _gather_rows(k, kv_perm), _gather_rows(v, kv_perm)
+    k_in = _pad_to(_pad_to(k, 3, d_pad), 1, s_pad)
+    v_in = _pad_to(_pad_to(v, 3, d_pad), 1, s_pad)
+    q_pos = k_pos = None
+    if has_pos:
+        q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
+        k_pos = _positions_or_iota(layout.kv_perm, s, s_pad, 0)
+    count = jnp.clip(layout.kv_block_count, 0, layout.max_blocks)
+    return launch(q_in, k_in, v_in, layout.kv_blocks, count, q_pos, k_pos, groups=groups,
+                  num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
+                  causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages)
+
+
+def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad):
+    """The layout's single key columns: for each (batch, head, query block) its columns are
+    gathered into dense ``block_k`` tiles of one key array (``nq * ceil(max_cols / block_k)``
+    tiles per query head), and the kernel runs over the tiles of its query block with the
+    original position of every gathered key (unused slots get a position no query sees)."""
+    b, s, kh, _ = k.shape
+    n = q_in.shape[2]
+    groups = n // kh
+    bk, nq = layout.block_k, layout.num_q_blocks
+    mc = layout.max_columns
+    tiles = -(-mc // bk)
+    mcp = tiles * bk
+    cols = jnp.broadcast_to(_pad_to(layout.kv_columns, 3, mcp), (b, n, nq, mcp))
+    ccount = jnp.broadcast_to(jnp.clip(layout.kv_column_count, 0, mc), (b, n, nq))
+    used = (jnp.arange(mcp) < ccount[..., None]) & (cols >= 0) & (cols < s)
+    perm_idx = jnp.where(used, cols, 0).reshape(b, n, nq * mcp)
+    if layout.kv_perm is not None:
+        kv_perm = jnp.broadcast_to(jnp.clip(layout.kv_perm, 0, s - 1), (b, n, s))
+        orig = jnp.take_along_axis(kv_perm, perm_idx, axis=-1)
+    else:
+        orig = perm_idx
+    k_c = _pad_to(_gather_rows(_expand_heads(k, groups), orig), 3, d_pad)  # [B, nq*mcp, N, Dp]
+    v_c = _pad_to(_gather_rows(_expand_heads(v, groups), orig), 3, d_pad)
+    blocks = (jnp.arange(nq, dtype=jnp.int32)[:, None] * tiles + jnp.arange(tiles, dtype=jnp.int32))[None, None]
+    count = ((ccount + bk - 1) // bk).astype(jnp.int32)
+    k_pos = jnp.where(used.reshape(b, n, nq * mcp), orig, layout.kv_len).astype(jnp.int32)
+    q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
+    return launch(q_in, k_c, v_c, blocks, count, q_pos, k_pos, groups=1, num_kv_blocks=nq * tiles,
+                  kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
+                  gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages"))
+def block_sparse_attention_mosaic_gpu(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layout: BlockLayout,
+    *,
+    sm_scale: float,
+    causal: bool = True,
+    num_stages: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
+
+    Inputs are assumed validated (see `api.block_sparse_attention` and `check_supported`).
+    Traced layouts cannot make the kernel read out of bounds: ids out of range are loaded
+    as block 0 and masked entirely, counts and permutation entries are clamped, columns out
+    of range contribute nothing.
+    """
+    t, d = q.shape[1], q.shape[3]
+    d_pad = _round_up(max(d, 64), 64)
+    stages = num_stages or default_stages(layout.block_k, d_pad)
+    t_pad = layout.num_q_blocks * BLOCK_Q
+    k, v = poison_keys(k, v)  # a non-finite value row becomes a NaN key
+    if layout.q_perm is not None:
+        q_perm = jnp.clip(layout.q_perm, 0, t - 1)
+        q = _gather_rows(q, q_perm)  # [B, T, N, D] in permuted row order per head
+    q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
+    kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad}
+    out, lse = _block_pass(q_in, k, v, layout, **kw)
+    out, lse = out[:, :t, :, :d], lse[:, :, :t]
+    if layout.kv_columns is not None:
+        out_c, lse_c = _column_pass(q_in, k, v, layout, **kw)
+        out, lse = merge_attention(out, lse, out_c[:, :t, :, :d], lse_c[:, :, :t])
+    if layout.q_perm is not None:
+        inv = inverse_permutation(jnp.clip(layout.q_perm, 0, t - 1))  # [B|1, N|1, T]
+        out = _gather_rows(out, inv)
+        lse = jnp.take_along_axis(lse, jnp.broadcast_to(inv, lse.shape), axis=2)
+    return out, lse
+

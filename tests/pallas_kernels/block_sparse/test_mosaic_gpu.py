@@ -1,0 +1,74 @@
+"""The Mosaic GPU kernel on a CPU machine: its argument checks, and its lowering to a Mosaic
+GPU module for CUDA (catches Pallas / Mosaic lowering errors in CI). Running it needs an sm90
+GPU: Mosaic GPU's interpret mode cannot run it (tests in test_mosaic_gpu_gpu.py)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels.block_sparse.mosaic_gpu import default_stages
+from tests.pallas_kernels.helpers import random_qkv
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _lower(q_shape, k_shape, dtype, layout, **kw):
+    f = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation="mosaic_gpu", **kw))
+    args = (jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(k_shape, dtype),
+            jax.ShapeDtypeStruct(k_shape, dtype), jax.tree.map(_abstract, layout))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return text
+
+
+def _zeros_layout(b, t, s, n, bk, **kw):
+    nq = -(-t // 128)
+    z = lambda *shape: jnp.zeros(shape, jnp.int32)
+    return BlockLayout(kv_blocks=z(b, n, nq, 5), kv_block_count=z(b, n, nq), block_q=128, block_k=bk,
+                       q_len=t, kv_len=s, **kw)
+
+
+@pytest.mark.parametrize("dtype,d,bk,causal", [(jnp.bfloat16, 128, 64, True), (jnp.float16, 80, 128, False)])
+def test_block_layout_lowers_for_cuda(dtype, d, bk, causal):
+    layout = BlockLayout.dense_causal(1000, 1500, block_q=128, block_k=bk)
+    _lower((1, 1000, 28, d), (1, 1500, 4, d), dtype, layout, causal=causal)
+
+
+def test_permuted_layout_with_columns_and_window_lowers_for_cuda():
+    b, t, s, n = 2, 300, 700, 8
+    nq = -(-t // 128)
+    z = lambda *shape: jnp.zeros(shape, jnp.int32)
+    layout = _zeros_layout(b, t, s, n, 64, kv_columns=z(b, 1, nq, 70), kv_column_count=z(b, 1, nq),
+                           q_perm=z(b, n, t), kv_perm=z(1, n, s), window=192)
+    _lower((b, t, n, 64), (b, s, 2, 64), jnp.bfloat16, layout, num_stages=2)
+
+
+@pytest.mark.parametrize("change,kw,match", [
+    ("f32", {}, r"q: expected dtype bfloat16 or float16"),
+    ("bq64", {}, r"layout.block_q: expected 128"),
+    ("bk32", {}, r"layout.block_k: expected one of \(64, 128\)"),
+    ("d192", {}, r"head dim D <= 128"),
+    (None, {"num_warps": 4}, r"num_warps: expected None"),
+    (None, {"interpret": True}, r"interpret: expected False"),
+    (None, {"num_stages": 1}, r"num_stages: expected an int in \[2, "),
+    (None, {"num_stages": 9}, r"num_stages: expected an int in \[2, "),
+])
+def test_mosaic_rejects_unsupported_input_before_launch(change, kw, match):
+    d = 192 if change == "d192" else 64
+    dtype = jnp.float32 if change == "f32" else jnp.bfloat16
+    q, k, v = random_qkv(0, 1, 200, 200, 2, 1, d, dtype)
+    bq = 64 if change == "bq64" else 128
+    bk = 32 if change == "bk32" else 64
+    layout = BlockLayout.dense_causal(200, 200, block_q=bq, block_k=bk)
+    with pytest.raises(ValueError, match=match):
+        block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu", **kw)
+
+
+def test_default_stages_fit_shared_memory():
+    assert default_stages(64, 128) == 4 and default_stages(128, 128) == 2
+    for bk, d in ((64, 64), (64, 128), (128, 64), (128, 128)):
+        st = default_stages(bk, d)
+        assert 2 <= st <= 4 and 2 * 64 * d * 2 + st * 2 * bk * d * 2 <= 227 * 1024

@@ -1,0 +1,146 @@
+"""GPU checks of the Mosaic GPU (Hopper) kernel against the masked dense reference: `pytest -m gpu`.
+
+Mosaic GPU's interpret mode cannot run this kernel on a CPU (see `mosaic_gpu.py`), so every
+kernel-vs-reference check lives here and needs an sm90 GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels.platform import is_sm90
+from tests.pallas_kernels.helpers import (
+    masked_dense_attention,
+    random_layout,
+    random_qkv,
+    rel_err,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+needs_hopper = pytest.mark.skipif(not is_sm90(), reason="needs an sm90 (Hopper) GPU")
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
+
+
+def _check(out, lse, q, k, v, layout, dtype):
+    ref_out, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    out32 = np.asarray(out, np.float32)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == ref_lse.shape
+    assert not np.isnan(out32).any(), "NaN in output"
+    assert rel_err(out32, ref_out) < TOL[dtype], rel_err(out32, ref_out)
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    np.testing.assert_array_equal(lse[~fin], -np.inf)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=3e-2)
+    np.testing.assert_array_equal(np.einsum("btnd->bntd", out32)[~fin], 0.0)  # empty rows are 0
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("b,t,s,n,kh,d,bk", [
+    (1, 1000, 1000, 28, 4, 128, 64),   # ragged T = S, GQA 7
+    (2, 300, 777, 8, 2, 64, 128),      # suffix queries, ragged
+    (1, 513, 1024, 4, 4, 80, 64),      # D padded to 128
+])
+@pytest.mark.parametrize("perm,columns", [(False, 0), (True, 0), (False, 24), (True, 24)])
+def test_mosaic_matches_dense(dtype, b, t, s, n, kh, d, bk, perm, columns):
+    rng = np.random.default_rng(t + s + d + 7 * columns + perm)
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, dtype)
+    layout = random_layout(rng, b, n, t, s, 128, bk, density=0.3, perm=perm, columns=columns)
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    _check(out, lse, q, k, v, layout, dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("gap,window,perm", [(192, 0, False), (0, 192, False), (0, 100, True), (64, 0, True)])
+def test_mosaic_causal_gap_and_window(gap, window, perm):
+    b, t, s, n, kh, d = 1, 700, 900, 4, 2, 64
+    rng = np.random.default_rng(gap + window + perm)
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)
+    layout = random_layout(rng, b, n, t, s, 128, 64, density=0.6, perm=perm).replace(gap=gap, window=window)
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)
+
+
+@needs_hopper
+@pytest.mark.parametrize("perm", [False, True])
+def test_mosaic_non_causal(perm):
+    b, t, s, n, kh, d = 2, 256, 640, 4, 1, 128
+    rng = np.random.default_rng(11 + perm)
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.float16)
+    layout = random_layout(rng, b, n, t, s, 128, 128, density=0.5, perm=perm, lead_b=1)
+    out, lse = block_sparse_attention(q, k, v, layout, causal=False, implementation="mosaic_gpu")
+    ref_out, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask(causal=False))
+    assert rel_err(out, ref_out) < TOL[jnp.float16]
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=3e-2)
+
+
+@needs_hopper
+def test_default_on_sm90_is_mosaic_where_supported():
+    q, k, v = random_qkv(4, 1, 512, 512, 4, 2, 128, jnp.bfloat16)
+    layout = BlockLayout.dense_causal(512, 512, block_q=128, block_k=64)
+    out, lse = block_sparse_attention(q, k, v, layout)
+    out_m, lse_m = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_m))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_m))
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))  # fp32: Triton
+    out32, _ = block_sparse_attention(q32, k32, v32, layout)
+    out_t, _ = block_sparse_attention(q32, k32, v32, layout, implementation="triton")
+    np.testing.assert_array_equal(np.asarray(out32), np.asarray(out_t))
+
+
+@needs_hopper
+@pytest.mark.parametrize("bk,stages", [(64, None), (128, None), (128, 2)])
+def test_mosaic_dense_layout_matches_cudnn(bk, stages):
+    q, k, v = random_qkv(3, 1, 4096, 4096, 28, 4, 128, jnp.bfloat16)
+    layout = BlockLayout.dense_causal(4096, 4096, block_q=128, block_k=bk)
+    out, _ = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu", num_stages=stages)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    assert rel_err(out, ref) < 2e-2
+
+
+@needs_hopper
+def test_mosaic_empty_rows_and_ids_out_of_range():
+    b, t, s, n, kh, d = 1, 384, 384, 2, 1, 64
+    q, k, v = random_qkv(5, b, t, s, n, kh, d, jnp.bfloat16)
+    layout = BlockLayout.dense_causal(t, s, block_q=128, block_k=64, heads=n)
+    counts = np.array(layout.kv_block_count)
+    counts[:, 0, 1] = 0  # head 0, query block 1 computes nothing
+    layout = layout.replace(kv_block_count=jnp.asarray(counts))
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)
+    # An id out of range under jit (not checkable there) contributes nothing.
+    bad = layout.replace(kv_blocks=layout.kv_blocks.at[..., 0].set(99))
+    f = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation="mosaic_gpu"))
+    out_bad, lse_bad = f(q, k, v, bad)
+    ref_layout = BlockLayout.from_block_mask(  # the same lists with block 0 left out
+        jnp.asarray(_block_mask(layout) & (np.arange(layout.num_kv_blocks) != 0)),
+        q_len=t, kv_len=s, block_q=128, block_k=64)
+    _check(out_bad, lse_bad, q, k, v, ref_layout, jnp.bfloat16)
+
+
+def _block_mask(layout):
+    nk = layout.num_kv_blocks
+    blocks = np.broadcast_to(np.asarray(layout.kv_blocks), layout.kv_block_count.shape + (layout.max_blocks,))
+    count = np.asarray(layout.kv_block_count)
+    mask = np.zeros(count.shape + (nk,), bool)
+    for idx in np.ndindex(*count.shape):
+        mask[idx][blocks[idx][: count[idx]]] = True
+    return mask
+
+
+@needs_hopper
+def test_mosaic_nonfinite_value_poisons_its_rows():
+    b, t, s, n, kh, d = 1, 256, 256, 2, 1, 64
+    q, k, v = random_qkv(9, b, t, s, n, kh, d, jnp.bfloat16)
+    v = v.at[0, 100, 0, 3].set(jnp.nan)
+    layout = BlockLayout.dense_causal(t, s, block_q=128, block_k=64)
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    out32 = np.asarray(out, np.float32)
+    assert np.isnan(out32[0, 100:]).all() and np.isnan(np.asarray(lse)[0, :, 100:]).all()
+    assert np.isfinite(out32[0, :100]).all() and np.isfinite(np.asarray(lse)[0, :, :100]).all()
