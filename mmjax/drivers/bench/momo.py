@@ -148,7 +148,7 @@ def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
     rows, warps = tile
     kw = dict(gamma=pattern.gamma, block_kv=pattern.block, top_k=pattern.k, k_exact=pattern.k_exact,
               topk=pattern.topk, sink_blocks=pattern.sink_blocks, local=pattern.local,
-              implementation="triton", interpret=cfg.interpret, rows=rows,
+              scan=pattern.scan, implementation="triton", interpret=cfg.interpret, rows=rows,
               num_warps=warps or None)
 
     def qsa(q, k, v):

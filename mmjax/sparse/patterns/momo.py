@@ -58,6 +58,7 @@ from mmjax.sparse.layouts import KernelOptions
 from mmjax.sparse.patterns.base import Pattern
 from pallas_kernels import BlockLayout, QSATopKResult, block_sparse_attention, qsa_topk
 from pallas_kernels.checks import check_int, check_pow2
+from pallas_kernels.qsa_topk.common import SCAN_ORDERS
 from pallas_kernels.tiling import cdiv
 
 TOPK_ALGORITHMS = ("exact", "tournament", "estimated")
@@ -217,6 +218,9 @@ class Momo(Pattern):
       trim_rule: how union + trim ranks the sampled rows' blocks: "mass" (summed softmax
         mass), "mean" (mean score, Algorithm 2 as written) or "auto" (default: "mass" for
         the exact / tournament top-k, "mean" for "estimated"); see the module docstring.
+      scan: order in which the "estimated" top-k is offered the key blocks: "golden"
+        (default: a golden-ratio permutation of most candidates per kernel tile) or
+        "natural" (id order, oldest first); see the module docstring.
     """
 
     gamma: int = 16
@@ -229,6 +233,7 @@ class Momo(Pattern):
     sink: int = 64
     local: int = 128
     trim_rule: str = "auto"
+    scan: str = "golden"
 
     def __post_init__(self) -> None:
         self.validate()  # names block / query_block (the base class would say block_q / block_k)
@@ -251,7 +256,7 @@ class Momo(Pattern):
         """The trim rule in use ("auto" resolved)."""
         if self.trim_rule != "auto":
             return self.trim_rule
-        return "mean" if self.topk == "estimated" else "mass"
+        return "mean" if (self.topk, self.scan) == ("estimated", "natural") else "mass"
 
     @property
     def sink_blocks(self) -> int:
@@ -274,6 +279,8 @@ class Momo(Pattern):
             raise ValueError(f"topk: expected one of {TOPK_ALGORITHMS}; received {self.topk!r}")
         check_int("sink", self.sink, 0)
         check_int("local", self.local, 0)
+        if self.scan not in SCAN_ORDERS:
+            raise ValueError(f"scan: expected one of {SCAN_ORDERS}; received {self.scan!r}")
         if self.trim_rule not in MOMO_TRIM_RULES:
             raise ValueError(f"trim_rule: expected one of {MOMO_TRIM_RULES}; received {self.trim_rule!r}")
 
@@ -290,7 +297,7 @@ class Momo(Pattern):
         t, s = q.shape[1], k.shape[1]
         res = qsa_topk(q, k, v, gamma=self.gamma, block_kv=self.block, top_k=self.k,
                        k_exact=self.k_exact, topk=self.topk, sink_blocks=self.sink_blocks,
-                       local=self.local, sm_scale=options.sm_scale,
+                       local=self.local, scan=self.scan, sm_scale=options.sm_scale,
                        implementation=options.implementation, interpret=options.interpret,
                        check_finite=options.check_finite)
         geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,
