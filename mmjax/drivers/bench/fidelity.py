@@ -62,7 +62,7 @@ def fidelity_patterns() -> dict[str, Pattern]:
         for flags in ((True, True, True), (False, True, True), (True, True, False), (False, False, True)):
             name = "Grid(" + stride + "," + "".join(c for c, on in zip("hvs", flags) if on) + ")"
             out[name] = Grid(stride=stride, use_hline=flags[0], use_vline=flags[1], use_slash=flags[2])
-    for local in (512, 1024, 2048):  # wider bands for large frames (the 2-D neighbourhood spans rows)
+    for local in (512, 1024, 2048, 8192):  # wider bands for large frames (the 2-D neighbourhood spans rows)
         out[f"Grid(frame,hvs,local={local})"] = Grid(stride="frame", local=local)
     out["Momo"] = Momo()
     out["Momo(k=16)"] = Momo(k=16)  # the default's share of the key blocks at 128k, at 16k
