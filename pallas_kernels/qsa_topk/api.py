@@ -7,7 +7,7 @@ import jax
 from pallas_kernels import nonfinite
 from pallas_kernels.checks import check_int, check_pow2, check_qkv, check_sm_scale
 from pallas_kernels.platform import default_implementation
-from pallas_kernels.qsa_topk.common import QSATopKResult
+from pallas_kernels.qsa_topk.common import SCAN_ORDERS, QSATopKResult
 from pallas_kernels.qsa_topk.reference import qsa_topk_reference
 from pallas_kernels.qsa_topk.topk import ALGORITHMS
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
@@ -28,6 +28,7 @@ def qsa_topk(
     topk: str = "exact",
     sink_blocks: int = 0,
     local: int = 0,
+    scan: str = "natural",
     sm_scale: float | None = None,
     implementation: str | None = None,
     interpret: bool = False,
@@ -51,9 +52,16 @@ def qsa_topk(
       sink_blocks: leading key blocks forced in (never candidates).
       local: local window in tokens forced in; with the diagonal block, never candidates.
         A row at position p offers blocks ``sink_blocks <= j < max(0, p - local) // block_kv``.
+      scan: the order in which the "estimated" top-k is offered the blocks: "natural" (id
+        order) or "golden" (per tile of ``rows`` sampled rows, most candidates in a
+        golden-ratio order, so the running quantile sees a sample of the whole row early
+        instead of the oldest blocks first; see `common.py`). Ignored by "exact" and
+        "tournament", whose selection does not depend on the order. With "golden" the
+        selection depends on ``rows``; the reference takes the same ``rows``.
       sm_scale: a finite float > 0; default ``D ** -0.5``.
       implementation: "reference" | "triton" | None (triton on a GPU or when ``interpret``).
-      rows, num_warps, num_stages: Triton tile (sampled rows per program) and launch.
+      rows, num_warps, num_stages: Triton tile (sampled rows per program; also the tile of
+        the "golden" scan order in both implementations) and launch.
       check_finite: raise `NonFiniteError` (under ``jax.jit`` a ``checkify`` error) when q, k
         or v holds a NaN or an inf, instead of propagating it.
 
@@ -80,6 +88,8 @@ def qsa_topk(
     check_int("sink_blocks", sink_blocks, 0)
     check_int("local", local, 0)
     check_pow2("rows", rows)
+    if scan not in SCAN_ORDERS:
+        raise ValueError(f"scan: expected one of {SCAN_ORDERS}; received {scan!r}")
     if implementation is None:
         implementation = default_implementation(bool(interpret))
     if implementation not in IMPLEMENTATIONS:
@@ -89,8 +99,8 @@ def qsa_topk(
     if check_finite:
         nonfinite.check_finite(q=q, k=k, v=v)
     kw = dict(gamma=gamma, block_kv=block_kv, top_k=top_k, k_exact=k_exact, topk=topk,
-              sink_blocks=sink_blocks, local=local, sm_scale=sm_scale)
+              sink_blocks=sink_blocks, local=local, sm_scale=sm_scale, scan=scan, rows=rows)
     if implementation == "reference":
         return qsa_topk_reference(q, k, v, **kw)
-    return qsa_topk_triton(q, k, v, rows=rows, interpret=interpret, num_warps=num_warps,
+    return qsa_topk_triton(q, k, v, interpret=interpret, num_warps=num_warps,
                            num_stages=num_stages, **kw)

@@ -11,14 +11,30 @@ the result type.
   are *forced* (the layout adds them); only candidates compete for the k slots, and all of
   them are fully visible to the row, so their scores are finite.
 * Block score: ``S(j) = logsumexp_{c in block j} (q . k_c * sm_scale)`` (natural log).
+* Scan order (what the "estimated" top-k sees; the exact algorithms' results do not depend
+  on it, so they always scan in id order). A tile of ``rows`` consecutive sampled rows (one
+  kernel program) scans one key block per step ``i = 0 .. n_blocks - 1``. "natural": block
+  ``j = i``. "golden": the tile's first ``n`` candidate blocks after the sink are offered in
+  a golden-ratio order, ``j = sink_blocks + (i - sink_blocks) * a mod n`` for
+  ``sink_blocks <= i < sink_blocks + n``, the rest in id order (`scan_table` gives ``n`` and
+  ``a``). ``n`` is the first row's candidate count rounded down to 4 significant bits, so
+  every row of the tile has all ``n`` as candidates, the tail left in id order is under
+  1/8 of them, and the tiles whose first rows round to the same ``n`` share one order (they
+  read the same key block at the same step, as all tiles do in id order; at 1M tokens with
+  beta 64, 16 blocks per 64-row tile and ``n`` rounded to multiples of 512 or 1024, runs of
+  32-64 consecutive tiles). Either way the row
+  offers are exactly its candidates, at steps ``sink_blocks <= i < lo(p)``, so the offers
+  still to come at step i are ``lo(p) - i`` in closed form.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.tiling import cdiv
 
@@ -49,3 +65,46 @@ def sampled_positions(q_len: int, kv_len: int, gamma: int) -> jax.Array:
 def candidate_end(pos: jax.Array, *, block_kv: int, local: int) -> jax.Array:
     """``lo(p)``: candidates of the row at ``pos`` are ``sink_blocks <= j < lo(p)``."""
     return jnp.maximum(pos - local, 0) // block_kv
+
+
+SCAN_ORDERS = ("natural", "golden")
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+SCAN_BITS = 4  # significant bits kept of the permuted span (tail in id order < 1 / 2^(bits-1))
+
+
+def golden_multiplier(n: int) -> int:
+    """The integer nearest ``n * 0.618...`` that is coprime to ``n`` (searching upwards), so
+    ``i -> i * a mod n`` is a permutation of ``0 .. n-1`` that visits the range evenly (a
+    Fibonacci-lattice / Kronecker order)."""
+    a = max(1, round(n * GOLDEN))
+    while math.gcd(a, n) != 1:
+        a += 1
+    return a
+
+
+def scan_table(q_len: int, kv_len: int, *, gamma: int, block_kv: int, local: int,
+               sink_blocks: int, rows: int, order: str) -> np.ndarray:
+    """int32 ``[num_tiles, 2]``: (n, a) of each tile of ``rows`` sampled rows (see the
+    module docstring); ``n = 0`` means id order. Static (geometry only)."""
+    num_tiles = cdiv(cdiv(q_len, gamma), rows)
+    table = np.zeros((num_tiles, 2), np.int32)
+    if order == "natural":
+        return table
+    for tile in range(num_tiles):
+        first = tile * rows * gamma + kv_len - q_len
+        n0 = max(0, first - local) // block_kv - sink_blocks
+        if n0 < 3:
+            continue
+        shift = max(0, n0.bit_length() - SCAN_BITS)
+        n = (n0 >> shift) << shift
+        table[tile] = (n, golden_multiplier(n))
+    return table
+
+
+def scan_block_ids(table: np.ndarray, *, sink_blocks: int, n_steps: int) -> np.ndarray:
+    """int32 ``[num_tiles, n_steps]``: the key block each tile scans at each step."""
+    ids = np.tile(np.arange(n_steps, dtype=np.int64), (table.shape[0], 1))
+    for tile, (n, a) in enumerate(table):
+        if n:
+            ids[tile, sink_blocks: sink_blocks + n] = sink_blocks + (np.arange(n, dtype=np.int64) * a) % n
+    return ids.astype(np.int32)

@@ -3,7 +3,8 @@
 Dense causal attention of the sampled rows (a scan over key blocks, online softmax in
 float32) and the score S(j) of every key block per row; the selection is `lax.top_k` over
 the candidate blocks for "exact" and "tournament" (both are exact algorithms), and the
-sequential estimated algorithm of `topk.py` run as a `lax.scan` for "estimated".
+sequential estimated algorithm of `topk.py` run as a `lax.scan` for "estimated", offering
+the blocks in the kernel's scan order (`common.py`: id order or the tile's golden order).
 Memory is O(B * N * Tg * (block_kv + nk)).
 """
 
@@ -13,11 +14,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.nonfinite import finish, score_poison, value_poison
-from pallas_kernels.qsa_topk.common import QSATopKResult, candidate_end, sampled_positions
+from pallas_kernels.qsa_topk import topk as topk_lib
+from pallas_kernels.qsa_topk.common import (
+    QSATopKResult,
+    candidate_end,
+    sampled_positions,
+    scan_block_ids,
+    scan_table,
+)
 from pallas_kernels.tiling import cdiv
 
 
@@ -105,8 +113,13 @@ def candidates(tg_pos: jax.Array, nk: int, *, block_kv: int, sink_blocks: int, l
 
 
 def select_blocks(scores: jax.Array, active: jax.Array, remaining: jax.Array, *, algorithm: str,
-                  top_k: int, k_exact: int) -> tuple[jax.Array, jax.Array]:
-    """scores ``[..., nk]`` -> (block_score, block_idx) ``[..., top_k]`` (see `QSATopKResult`)."""
+                  top_k: int, k_exact: int, order: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """scores ``[..., nk]`` -> (block_score, block_idx) ``[..., top_k]`` (see `QSATopKResult`).
+
+    ``order`` (int32, broadcastable to scores): the block the "estimated" scan offers at each
+    step (`common.scan_block_ids`; default id order). ``active`` / ``remaining`` are given per
+    step; they are the same functions of the step as of the id in id order (`candidates`)."""
     lead, nk = scores.shape[:-1], scores.shape[-1]
     active = jnp.broadcast_to(active, scores.shape)
     if algorithm in ("exact", "tournament"):
@@ -122,23 +135,37 @@ def select_blocks(scores: jax.Array, active: jax.Array, remaining: jax.Array, *,
             ids = jnp.pad(ids, fill, constant_values=-1)
         return vals, ids.astype(jnp.int32)
     rem = jnp.broadcast_to(remaining, scores.shape).reshape(-1, nk)
+    block_ids = None
+    if order is not None:
+        order = jnp.broadcast_to(jnp.asarray(order, jnp.int32), scores.shape)
+        scores = jnp.take_along_axis(scores, order, axis=-1)
+        block_ids = order.reshape(-1, nk)
     vals, ids = topk_lib.run_scan(algorithm, scores.reshape(-1, nk), active.reshape(-1, nk), rem,
-                                  k=top_k, k_exact=k_exact)
+                                  k=top_k, k_exact=k_exact, block_ids=block_ids)
     return vals.reshape(lead + (top_k,)), ids.reshape(lead + (top_k,))
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "gamma", "block_kv", "top_k", "k_exact", "topk", "sink_blocks", "local", "sm_scale"))
+    "gamma", "block_kv", "top_k", "k_exact", "topk", "sink_blocks", "local", "sm_scale", "scan",
+    "rows"))
 def qsa_topk_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, block_kv: int,
                        top_k: int, k_exact: int, topk: str, sink_blocks: int, local: int,
-                       sm_scale: float) -> QSATopKResult:
-    """See `api.qsa_topk`; inputs are assumed validated."""
-    s = k.shape[1]
+                       sm_scale: float, scan: str = "natural", rows: int = 64) -> QSATopKResult:
+    """See `api.qsa_topk`; inputs are assumed validated. ``scan`` / ``rows``: the scan order
+    of the "estimated" top-k and the tile it is defined on (`common.py`)."""
+    t, s = q.shape[1], k.shape[1]
+    nk = cdiv(s, block_kv)
     out, lse, scores = sampled_block_scores(q, k, v, gamma=gamma, block_kv=block_kv,
                                             sm_scale=sm_scale)
-    pos = sampled_positions(q.shape[1], s, gamma)
-    active, remaining = candidates(pos, cdiv(s, block_kv), block_kv=block_kv,
-                                   sink_blocks=sink_blocks, local=local)
+    pos = sampled_positions(t, s, gamma)
+    active, remaining = candidates(pos, nk, block_kv=block_kv, sink_blocks=sink_blocks, local=local)
+    order = None
+    if topk == "estimated" and scan != "natural":
+        table = scan_table(t, s, gamma=gamma, block_kv=block_kv, local=local,
+                           sink_blocks=sink_blocks, rows=rows, order=scan)
+        tiles = scan_block_ids(table, sink_blocks=sink_blocks, n_steps=nk)
+        # The barrier keeps XLA from constant-folding the [Tg, nk] gather indices (seconds).
+        order = lax.optimization_barrier(jnp.asarray(tiles))[np.arange(cdiv(t, gamma)) // rows]  # [Tg, nk]
     vals, ids = select_blocks(scores, active, remaining, algorithm=topk, top_k=top_k,
-                              k_exact=k_exact)
+                              k_exact=k_exact, order=order)
     return QSATopKResult(out.astype(q.dtype), lse, ids, vals)

@@ -335,18 +335,23 @@ def finalize(vals: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, jax.Ar
 
 
 def run_scan(algorithm: str, scores: jax.Array, active: jax.Array, remaining: jax.Array,
-             *, k: int, k_exact: int = 0) -> tuple[jax.Array, jax.Array]:
+             *, k: int, k_exact: int = 0, block_ids: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
     """Run a structure over scores ``[R, nb]`` left to right (``active``/``remaining``
     ``[R, nb]``) -> finalized (scores, ids) ``[R, k]``. The scan the kernel performs, as a
-    `lax.scan`: used by the reference and the tests."""
+    `lax.scan`: used by the reference and the tests. ``block_ids`` (int32 ``[R, nb]``): the
+    id of the block offered at each step (default: the step, id order); scores, active and
+    remaining are then per step."""
     rows, nb = scores.shape
+    if block_ids is None:
+        block_ids = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (rows, nb))
 
     def step(state, xs):
         x, a, rem, j = xs
         return offer(algorithm, state, x, j, a, rem, k=k, k_exact=k_exact), None
 
     state, _ = lax.scan(step, init(algorithm, rows, k, k_exact),
-                        (scores.T, active.T, remaining.T, jnp.arange(nb, dtype=jnp.int32)))
+                        (scores.T, active.T, remaining.T, jnp.asarray(block_ids, jnp.int32).T))
     ps = parts(algorithm, state, k_exact)
     vals = jnp.concatenate([v for v, _ in ps], axis=1)
     ids = jnp.concatenate([i for _, i in ps], axis=1)

@@ -15,7 +15,9 @@ and offers ``S(j)`` to the row's top-k structure (`topk.py`: exact buffer, tourn
 or estimated hybrid), held in registers for the whole scan; the estimated hybrid keeps only
 its k_exact slots there and stores accepted items straight to the output. Only candidate
 blocks are offered (see `common.py`); the causal mask is computed only for tiles that need
-it. Non-finite inputs follow `pallas_kernels.nonfinite`: a block with a visible non-finite
+it. With ``scan="golden"`` (the "estimated" top-k only) step ``i`` loads block ``j(i)``, a
+permutation of the tile's first candidates (two scalar ops per step, from a per-tile (n, a)
+table): the same blocks, the same work, another order. Non-finite inputs follow `pallas_kernels.nonfinite`: a block with a visible non-finite
 score has a NaN score (ranked first, see `topk.py`), a non-finite value row poisons the rows
 that see it (a per-key flag next to v, whose bad rows are zeroed once by the wrapper).
 
@@ -41,7 +43,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.nonfinite import finish, value_poison
 from pallas_kernels.online_softmax import masked_tile, unmasked_tile
 from pallas_kernels.qsa_topk import topk as topk_lib
-from pallas_kernels.qsa_topk.common import QSATopKResult
+from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table
 from pallas_kernels.tiling import LN2, LOG2E, cdiv
 from pallas_kernels.tiling import pad_to as _pad_to
 
@@ -53,9 +55,12 @@ def default_launch(rows: int, register_slots: int, d_pad: int) -> tuple[int, int
     return (8 if regs > 64 * 192 else 4), 2
 
 
-def _kernel(q_ref, k_ref, v_ref, vp_ref, o_ref, lse_ref, *topk_refs, sm_scale, gamma, rows,
-            block_kv, num_tiles, tg, kv_len, q_offset, algorithm, top_k, k_exact,
-            sink_blocks, local):
+def _kernel(q_ref, k_ref, v_ref, vp_ref, *refs, sm_scale, gamma, rows, block_kv, num_tiles, tg,
+            kv_len, q_offset, algorithm, top_k, k_exact, sink_blocks, local, golden):
+    if golden:
+        scan_ref, o_ref, lse_ref, *topk_refs = refs
+    else:
+        o_ref, lse_ref, *topk_refs = refs
     tile = num_tiles - 1 - pl.program_id(0)  # longest causal rows start first
     q = q_ref[...]
     scale = sm_scale * LOG2E
@@ -67,8 +72,20 @@ def _kernel(q_ref, k_ref, v_ref, vp_ref, o_ref, lse_ref, *topk_refs, sm_scale, g
     last_row = jnp.minimum((tile + 1) * rows, tg) - 1
     n_blocks = jnp.minimum(cdiv(kv_len, block_kv), (last_row * gamma + q_offset) // block_kv + 1)
 
-    def body(j, carry):
-        m, l, acc, state = carry
+    if golden:
+        # Steps sink_blocks .. sink_blocks + span - 1 visit sink_blocks + r with r = (step -
+        # sink_blocks) * mult mod span, kept incrementally (no overflow); other steps j = i.
+        span, mult = scan_ref[tile, 0], scan_ref[tile, 1]
+
+    def body(i, carry):
+        m, l, acc, state, r = carry
+        if golden:
+            permuted = (i >= sink_blocks) & (i < sink_blocks + span)
+            j = jnp.where(permuted, sink_blocks + r, i)
+            r_next = r + mult
+            r = jnp.where(permuted, jnp.where(r_next >= span, r_next - span, r_next), r)
+        else:
+            j = i
         start = j * block_kv
         k = k_ref[pl.ds(start, block_kv), :]
         v = v_ref[pl.ds(start, block_kv), :]
@@ -98,12 +115,13 @@ def _kernel(q_ref, k_ref, v_ref, vp_ref, o_ref, lse_ref, *topk_refs, sm_scale, g
         w = jnp.exp2(mb_safe - m_safe)
         l = l * alpha + lb * w + v_poison
         acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v) * w[:, None]
-        active = (j >= sink_blocks) & (j < lo)
+        # A row's candidates are offered at steps sink_blocks <= i < lo (common.py).
+        active = (i >= sink_blocks) & (i < lo)
         if algorithm == "estimated":
             # Accepted items go straight to the output: the estimated slots never live in
             # registers. Each row writes its own slot ``count`` (distinct addresses).
             state, (accept, sv, si, slot) = topk_lib.estimated_step(
-                state, score, j, active, lo - j, k=top_k, k_exact=k_exact)
+                state, score, j, active, lo - i, k=top_k, k_exact=k_exact)
             est_v_ref, est_i_ref = topk_refs[2], topk_refs[3]
             pltriton.store(est_v_ref.at[row_iota, slot], sv, mask=accept)
             pltriton.store(est_i_ref.at[row_iota, slot], si, mask=accept)
@@ -122,7 +140,7 @@ def _kernel(q_ref, k_ref, v_ref, vp_ref, o_ref, lse_ref, *topk_refs, sm_scale, g
         elif algorithm == "tournament":
             state = topk_lib.offer(algorithm, state, score, j, active, lo - j, k=top_k,
                                    k_exact=k_exact)
-        return m_new, l, acc, state
+        return m_new, l, acc, state, r
 
     row_iota = lax.broadcasted_iota(jnp.int32, (rows,), 0)
     if algorithm == "estimated":
@@ -134,8 +152,9 @@ def _kernel(q_ref, k_ref, v_ref, vp_ref, o_ref, lse_ref, *topk_refs, sm_scale, g
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, q.shape[-1]), jnp.float32),
         state0,
+        jnp.int32(0),
     )
-    m, l, acc, state = lax.fori_loop(0, n_blocks, body, carry)
+    m, l, acc, state, _ = lax.fori_loop(0, n_blocks, body, carry)
     out, lse = finish(m, l, acc, base2=True)
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
@@ -166,14 +185,17 @@ def _part_sizes(algorithm: str, top_k: int, k_exact: int) -> tuple[int, ...]:
 
 @functools.partial(jax.jit, static_argnames=(
     "gamma", "block_kv", "top_k", "k_exact", "topk", "sink_blocks", "local", "sm_scale",
-    "rows", "interpret", "num_warps", "num_stages"))
+    "rows", "interpret", "num_warps", "num_stages", "scan"))
 def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, block_kv: int,
                     top_k: int, k_exact: int, topk: str, sink_blocks: int, local: int,
                     sm_scale: float, rows: int = 64, interpret: bool = False,
-                    num_warps: int | None = None, num_stages: int | None = None) -> QSATopKResult:
+                    num_warps: int | None = None, num_stages: int | None = None,
+                    scan: str = "natural") -> QSATopKResult:
     """See `api.qsa_topk`; inputs are assumed validated. ``rows``: sampled rows per program
     (a power of two >= 16). ``topk="none"`` (benchmarks only, not accepted by the API) runs
-    the attention and block scores without any top-k structure and selects nothing."""
+    the attention and block scores without any top-k structure and selects nothing.
+    ``scan="golden"`` changes the block order of the "estimated" scan only (a scalar
+    permutation of the loop index, the same blocks and work; `common.py`)."""
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
@@ -188,6 +210,7 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
     vp_in = _pad_to(vp, 1, nk * block_kv)
     tgp = num_tiles * rows
     sizes = _part_sizes(topk, top_k, k_exact)
+    golden = topk == "estimated" and scan == "golden"
     q_spec = pl.BlockSpec((None, rows, None, d_pad), lambda i, h, z: (z, num_tiles - 1 - i, h, 0))
     kv_spec = pl.BlockSpec((None, nk * block_kv, None, d_pad), lambda i, h, z: (z, 0, h // groups, 0))
     vp_spec = pl.BlockSpec((None, nk * block_kv, None), lambda i, h, z: (z, 0, h // groups))
@@ -206,19 +229,23 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, gamma=gamma, rows=rows, block_kv=block_kv,
         num_tiles=num_tiles, tg=tg, kv_len=s, q_offset=s - t, algorithm=topk, top_k=top_k,
-        k_exact=k_exact, sink_blocks=sink_blocks, local=local,
+        k_exact=k_exact, sink_blocks=sink_blocks, local=local, golden=golden,
     )
+    extra = []
+    if golden:
+        extra = [jnp.asarray(scan_table(t, s, gamma=gamma, block_kv=block_kv, local=local,
+                                        sink_blocks=sink_blocks, rows=rows, order=scan))]
     out, lse, *parts = pl.pallas_call(
         kernel,
         grid=(num_tiles, n, b),
-        in_specs=[q_spec, kv_spec, kv_spec, vp_spec],
+        in_specs=[q_spec, kv_spec, kv_spec, vp_spec] + [pl.no_block_spec] * len(extra),
         out_specs=[q_spec, lse_spec] + part_specs,
         out_shape=[jax.ShapeDtypeStruct(qg.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, n, tgp), jnp.float32)] + part_shapes,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="qsa_topk",
-    )(qg, k_in, v_in, vp_in)
+    )(qg, k_in, v_in, vp_in, *extra)
     if not parts:
         vals = jnp.full((b, n, tg, top_k), -jnp.inf, jnp.float32)
         ids = jnp.full((b, n, tg, top_k), -1, jnp.int32)

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from mmjax.sparse.layouts import KernelOptions
-from mmjax.sparse.patterns.momo import Momo, assemble_layout, delta_correct, forced_blocks, union_trim
+from mmjax.sparse.patterns.momo import (
+    Momo,
+    assemble_layout,
+    delta_correct,
+    forced_blocks,
+    union_trim,
+)
+from pallas_kernels.qsa_topk.common import SCAN_ORDERS
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
 
 
@@ -164,7 +171,7 @@ def test_end_to_end_equals_masked_dense_plus_correction(case, options):
     (dict(gamma=0), "gamma"), (dict(gamma=3), "gamma"), (dict(block=48), "block"),
     (dict(query_block=100), "query_block"), (dict(k=0), "k"), (dict(k_exact=200), "k_exact"), (dict(k_exact=-1, topk="exact"), "k_exact"),
     (dict(k_trim=0), "k_trim"), (dict(topk="heap"), "topk"), (dict(sink=-1), "sink"),
-    (dict(trim_rule="max"), "trim_rule"),
+    (dict(trim_rule="max"), "trim_rule"), (dict(scan="reverse"), "scan"),
     (dict(local=1.5), "local"),
 ])
 def test_bad_hyper_parameters_raise_value_error_naming_them(kw, name):
@@ -186,3 +193,22 @@ def test_k_larger_than_number_of_blocks_raises():
     q, k, v = random_qkv(0, 1, 64, 64, 2, 1, 16)
     with pytest.raises(ValueError, match="^k:"):
         Momo(k=5, k_exact=2, block=16, query_block=16).attend(q, k, v, options=KernelOptions(implementation="reference"))
+
+
+def test_auto_trim_rule_is_mass_unless_the_estimated_scan_runs_in_id_order():
+    assert Momo().rule == "mass"  # estimated, golden scan
+    assert Momo(scan="natural").rule == "mean"
+    assert Momo(topk="exact", scan="natural").rule == "mass"
+    assert Momo(trim_rule="mean").rule == "mean"
+
+
+def test_golden_scan_changes_only_the_estimated_selection():
+    q, k, v = random_qkv(7, 1, 512, 1024, 2, 1, 32)
+    opts = KernelOptions(implementation="reference")
+    kw = {"gamma": 4, "block": 16, "k": 8, "k_exact": 2, "query_block": 32, "sink": 16, "local": 16}
+    ids = {}
+    for topk in ("exact", "estimated"):
+        for scan in SCAN_ORDERS:
+            ids[topk, scan] = np.asarray(Momo(topk=topk, scan=scan, **kw).plan(q, k, v, options=opts).qsa.block_idx)
+    np.testing.assert_array_equal(ids["exact", "golden"], ids["exact", "natural"])
+    assert (ids["estimated", "golden"] != ids["estimated", "natural"]).any()

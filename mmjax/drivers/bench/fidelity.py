@@ -38,6 +38,8 @@ DENSITY_GRID = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.45, 0.6, 0.
 @dataclasses.dataclass(frozen=True)
 class FidelityConfig:
     max_len: int = 16384  # video families up to this many tokens
+    min_len: int = 0  # ... and from this many
+    kinds: tuple[str, ...] = ("needle", "video", "mixed")  # input kinds to run
     needle_len: int = 16384
     mixed_family: int = 1  # index into VIDEO_FAMILIES
     heads: int = 4
@@ -60,7 +62,8 @@ def fidelity_patterns() -> dict[str, Pattern]:
         for flags in ((True, True, True), (False, True, True), (True, True, False), (False, False, True)):
             name = "Grid(" + stride + "," + "".join(c for c, on in zip("hvs", flags) if on) + ")"
             out[name] = Grid(stride=stride, use_hline=flags[0], use_vline=flags[1], use_slash=flags[2])
-    out["Grid(frame,hvs,local=512)"] = Grid(stride="frame", local=512)
+    for local in (512, 1024, 2048, 8192):  # wider bands for large frames (the 2-D neighbourhood spans rows)
+        out[f"Grid(frame,hvs,local={local})"] = Grid(stride="frame", local=local)
     out["Momo"] = Momo()
     out["Momo(k=16)"] = Momo(k=16)  # the default's share of the key blocks at 128k, at 16k
     return out
@@ -69,10 +72,10 @@ def fidelity_patterns() -> dict[str, Pattern]:
 def families(cfg: FidelityConfig) -> list[tuple[str, str, object]]:
     """(family kind, name, spec) for the inputs of the run."""
     out = [("needle", f"needle-{cfg.needle_len}", cfg.needle_len)]
-    out += [("video", f.name, f) for f in VIDEO_FAMILIES if f.seq_len <= cfg.max_len]
+    out += [("video", f.name, f) for f in VIDEO_FAMILIES if cfg.min_len <= f.seq_len <= cfg.max_len]
     mixed = VIDEO_FAMILIES[cfg.mixed_family]
     out.append(("mixed", "mixed-" + mixed.name, mixed))
-    return out
+    return [x for x in out if x[0] in cfg.kinds]
 
 
 def make_input(kind: str, spec, cfg: FidelityConfig, seed: int = 0):

@@ -231,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="what to run (default: fidelity and timing on a GPU, fidelity on a CPU)")
     p.add_argument("--plot", metavar="DIR", help="fidelity: one layout picture per pattern and input family")
     p.add_argument("--max-len", type=positive_int, help="fidelity: video families up to this many tokens")
+    p.add_argument("--min-len", type=positive_int, help="fidelity: video families from this many tokens")
+    p.add_argument("--families", nargs="+", choices=("needle", "video", "mixed"),
+                   help="fidelity: input kinds to run (default all)")
+    p.add_argument("--fidelity-patterns", nargs="+", metavar="NAME",
+                   help="fidelity: subset of its pattern names (e.g. 'Grid(frame,hvs)')")
+    p.add_argument("--heads", type=positive_int, nargs=2, metavar=("N", "K"),
+                   help="fidelity: query and key heads of the synthetic inputs (default 4 2)")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu" and not args.cpu
     cfg = GPU_CONFIG if on_gpu else CPU_CONFIG
@@ -252,7 +259,21 @@ def main(argv: list[str] | None = None) -> int:
         fcfg = GPU_FIDELITY if on_gpu else CPU_FIDELITY
         if args.max_len:
             fcfg = dataclasses.replace(fcfg, max_len=args.max_len, needle_len=min(fcfg.needle_len, args.max_len))
-        run_fidelity(fcfg, fidelity_patterns(), args.out, plot_dir=args.plot, result_name=args.name + "-fidelity")
+        if args.min_len:
+            fcfg = dataclasses.replace(fcfg, min_len=args.min_len)
+        if args.families:
+            fcfg = dataclasses.replace(fcfg, kinds=tuple(args.families))
+        if args.heads:
+            if args.heads[0] % args.heads[1]:
+                p.error(f"--heads: expected N a multiple of K; received {args.heads}")
+            fcfg = dataclasses.replace(fcfg, heads=args.heads[0], kv_heads=args.heads[1])
+        fpats = fidelity_patterns()
+        if args.fidelity_patterns:
+            unknown = set(args.fidelity_patterns) - set(fpats)
+            if unknown:
+                p.error(f"--fidelity-patterns: unknown {sorted(unknown)}; expected some of {sorted(fpats)}")
+            fpats = {n: fpats[n] for n in args.fidelity_patterns}
+        run_fidelity(fcfg, fpats, args.out, plot_dir=args.plot, result_name=args.name + "-fidelity")
     if "timing" in sections:
         run_benchmark(cfg, pats, args.out, result_name=args.name)
     return 0

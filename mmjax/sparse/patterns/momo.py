@@ -7,7 +7,7 @@ correction.
 2. `union_trim` (MOMO Algorithm 2): per query block of ``query_block`` (chi) rows, merge
    the selections of its ``chi / gamma`` sampled rows and keep the ``k_trim`` best block ids
    (ties to the lower id) by one of two rules (``Momo.trim_rule``; "auto", the default, is
-   "mass" for the exact top-k algorithms and "mean" for "estimated"):
+   "mass", except "mean" for the "estimated" top-k scanning in id order):
 
    * ``"mass"``: the summed softmax mass the sampled rows put on the block,
      ``sum_g exp(S_g(j) - lse_g)`` over the rows g that kept j (0 for the others): an
@@ -15,25 +15,36 @@ correction.
      list maximises. Exact when every row keeps its true top k (a block a row did not keep
      has less mass there than the row's k-th block);
    * ``"mean"``: the mean score S(j) over the rows that kept j (Algorithm 2 as written),
-     which does not assume that a block a row left out is worth nothing there: the
-     "estimated" top-k keeps blocks above a running quantile, not the row's true top k.
+     which does not assume that a block a row left out is worth nothing there; it helps
+     only when the selections miss good blocks (the estimated top-k in id order).
 
    `assemble_layout` adds the forced blocks (sink blocks, and every block from the local
    window of the query block's first row to its diagonal block) and builds a `BlockLayout`.
 
-Measured on CPU (reference implementations, 2026-11-23; `bench.momo.video_like`, frames of
-1024 tokens; every row of 2 random query blocks of the second half; 2 heads), default
-budget (gamma 16, k = k_trim = 128, chi 128, beta 64) at S = 128k: the captured mass is
-9.15% with the estimated top-k and the mean rule, against 17.41% for the per-row oracle
-(an 8.3-point gap, as on the GPU) and 12.25% for the best shared list per query block. So
-5.2 points are granularity: each row of a 128-row query block keeps its own best blocks in
-the per-row oracle, which no layout with one list per query block reaches. Of the 3.1
-points left, the mean rule costs 1.3 (exact top-k: 9.53% with "mean", 10.83% with "mass":
-the mean ignores how many sampled rows kept a block, so a block one row likes a lot beats a
-block every row likes) and the estimated selection the rest (estimated + "mass": 9.12%;
-k_exact 16 / 32: 9.60% / 9.95% with "mean"). Needle inputs: within 0.06 points either way;
-mixed video + text (`synthetic.mixed_video_text_qkv`): 1.03 points ("mean") / 0.51
-("mass") with the estimated top-k, 0.24 with exact + "mass".
+   Why MOMO lost 3-8 points of mass on video-like inputs, and what closed it (CPU, reference
+   implementations, 2026-11-23; `bench.momo.video_like`: frames of 1024 tokens, scores that
+   rise with recency; every row of 2 random query blocks of the second half; 2 query / 1 key
+   heads, fp32; default budget gamma 16, k = k_trim = 128, chi 128, beta 64;
+   `bench/results/momo-mass{,128k}_cpu_2026-11-23.json`). Against the per-row oracle part of the
+   gap is granularity (each row of a 128-row query block keeps its own best blocks, which no
+   layout with one list per query block reaches); the target is judged against the best
+   shared list per query block ("oracle_block"). The rest had two causes:
+
+   * the "estimated" top-k scanned the blocks oldest first. Its running quantile assumes the
+     scores arrive in random order; with recency-rising scores it lags, the append-only slots
+     fill with old blocks and the recent frames, which hold most of the mass, find none free
+     (32k: a sampled row kept 0.39 of its mass against 0.49 for its exact top 128). The
+     kernel now offers most candidates in a golden-ratio order (``scan="golden"``, default;
+     `pallas_kernels.qsa_topk.common`): the same blocks and work, another order, and the
+     estimated selection is within 0.5 points of the exact one per row;
+   * the "mean" rule (see above): once the selections are right, "mass" ranks better.
+
+   Captured / shared-list oracle, gap in points (video; the default's gap is <= 0.06 points
+   on needle and <= 0.56 on mixed video + text, every variant's <= 0.9): 32k 0.382 / 0.397, 1.47 (default: estimated, golden, "mass"; was
+   3.90 with the id-order scan and "mean"); 64k 0.274 / 0.288, 1.47 (was 3.84); 128k 0.142 /
+   0.153, 1.05 (was 2.31). The exact top-k with "mass" is at 0.93 / 1.42 / 1.04: what is left
+   is the sampling of 8 rows per query block, the same for every modality, so no
+   per-modality variant is needed.
 3. Key-sparse attention of all queries on that layout (`block_sparse_attention`) -> O_*.
 4. Delta correction (Eq. 3): ``out[t] = O_*[t] + (O_gamma - O_*)[gamma * (t // gamma)]``,
    so the sampled rows equal dense attention and every row of a gamma group is shifted by
@@ -58,6 +69,7 @@ from mmjax.sparse.layouts import KernelOptions
 from mmjax.sparse.patterns.base import Pattern
 from pallas_kernels import BlockLayout, QSATopKResult, block_sparse_attention, qsa_topk
 from pallas_kernels.checks import check_int, check_pow2
+from pallas_kernels.qsa_topk.common import SCAN_ORDERS
 from pallas_kernels.tiling import cdiv
 
 TOPK_ALGORITHMS = ("exact", "tournament", "estimated")
@@ -217,6 +229,9 @@ class Momo(Pattern):
       trim_rule: how union + trim ranks the sampled rows' blocks: "mass" (summed softmax
         mass), "mean" (mean score, Algorithm 2 as written) or "auto" (default: "mass" for
         the exact / tournament top-k, "mean" for "estimated"); see the module docstring.
+      scan: order in which the "estimated" top-k is offered the key blocks: "golden"
+        (default: a golden-ratio permutation of most candidates per kernel tile) or
+        "natural" (id order, oldest first); see the module docstring.
     """
 
     gamma: int = 16
@@ -229,6 +244,7 @@ class Momo(Pattern):
     sink: int = 64
     local: int = 128
     trim_rule: str = "auto"
+    scan: str = "golden"
 
     def __post_init__(self) -> None:
         self.validate()  # names block / query_block (the base class would say block_q / block_k)
@@ -251,7 +267,7 @@ class Momo(Pattern):
         """The trim rule in use ("auto" resolved)."""
         if self.trim_rule != "auto":
             return self.trim_rule
-        return "mean" if self.topk == "estimated" else "mass"
+        return "mean" if (self.topk, self.scan) == ("estimated", "natural") else "mass"
 
     @property
     def sink_blocks(self) -> int:
@@ -274,6 +290,8 @@ class Momo(Pattern):
             raise ValueError(f"topk: expected one of {TOPK_ALGORITHMS}; received {self.topk!r}")
         check_int("sink", self.sink, 0)
         check_int("local", self.local, 0)
+        if self.scan not in SCAN_ORDERS:
+            raise ValueError(f"scan: expected one of {SCAN_ORDERS}; received {self.scan!r}")
         if self.trim_rule not in MOMO_TRIM_RULES:
             raise ValueError(f"trim_rule: expected one of {MOMO_TRIM_RULES}; received {self.trim_rule!r}")
 
@@ -290,7 +308,7 @@ class Momo(Pattern):
         t, s = q.shape[1], k.shape[1]
         res = qsa_topk(q, k, v, gamma=self.gamma, block_kv=self.block, top_k=self.k,
                        k_exact=self.k_exact, topk=self.topk, sink_blocks=self.sink_blocks,
-                       local=self.local, sm_scale=options.sm_scale,
+                       local=self.local, scan=self.scan, sm_scale=options.sm_scale,
                        implementation=options.implementation, interpret=options.interpret,
                        check_finite=options.check_finite)
         geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,

@@ -15,13 +15,15 @@ needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a C
 
 
 @needs_gpu
-@pytest.mark.parametrize("topk", ["exact", "tournament", "estimated"])
+@pytest.mark.parametrize("topk,scan", [("exact", "natural"), ("tournament", "natural"), ("estimated", "natural"),
+                                       ("estimated", "golden")])
 @pytest.mark.parametrize("b,t,s,n,kh,d,top_k,rows", [(1, 8192, 8192, 28, 4, 128, 64, 64),
                                                       (2, 3000, 5000, 8, 2, 80, 16, 32)])
-def test_triton_matches_reference_on_gpu(topk, b, t, s, n, kh, d, top_k, rows):
+def test_triton_matches_reference_on_gpu(topk, scan, b, t, s, n, kh, d, top_k, rows):
     q, k, v = random_qkv(t + s, b, t, s, n, kh, d, jnp.bfloat16)
-    kw = dict(gamma=16, block_kv=64, top_k=top_k, k_exact=8, topk=topk, sink_blocks=1, local=128)
-    ker = qsa_topk(q, k, v, implementation="triton", rows=rows, **kw)
+    kw = dict(gamma=16, block_kv=64, top_k=top_k, k_exact=8, topk=topk, sink_blocks=1, local=128, scan=scan,
+              rows=rows)
+    ker = qsa_topk(q, k, v, implementation="triton", **kw)
     ref = qsa_topk(q, k, v, implementation="reference", **kw)
     assert rel_err(ker.out_gamma, ref.out_gamma) < 2e-2
     np.testing.assert_allclose(np.asarray(ker.lse_gamma), np.asarray(ref.lse_gamma), atol=2e-2)

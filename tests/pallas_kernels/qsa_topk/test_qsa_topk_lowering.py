@@ -28,6 +28,14 @@ def test_qsa_topk_lowers_for_h100(topk, top_k, k_exact, dtype):
            k_exact=k_exact, topk=topk, sink_blocks=1, local=256)
 
 
+def test_qsa_topk_lowers_with_the_golden_scan():
+    text = _lower((1, 5000, 28, 128), (1, 9000, 4, 128), jnp.bfloat16, gamma=16, block_kv=64, top_k=128,
+                  k_exact=8, topk="estimated", sink_blocks=1, local=128, scan="golden")
+    natural = _lower((1, 5000, 28, 128), (1, 9000, 4, 128), jnp.bfloat16, gamma=16, block_kv=64, top_k=128,
+                     k_exact=8, topk="estimated", sink_blocks=1, local=128, scan="natural")
+    assert text != natural  # the table input and the permuted loop index reach the kernel
+
+
 def test_qsa_topk_lowers_with_odd_head_dim_and_small_tile():
     _lower((2, 700, 8, 80), (2, 900, 2, 80), jnp.float16, gamma=8, block_kv=32, top_k=5,
            k_exact=2, topk="estimated", rows=16, num_warps=8, num_stages=3)

@@ -1,0 +1,35 @@
+"""`mmjax bench momo --mass-only` on CPU (toy sizes, reference kernels): captured-mass rows for
+both scan orders of the estimated top-k, the default configuration flagged, targets judged."""
+
+import json
+
+import pytest
+
+from mmjax.drivers.cli import main
+
+
+def test_mass_only_reports_both_scan_orders_and_flags_the_default(tmp_path, capsys):
+    assert main(["bench", "momo", "--mass-only", "--implementation", "reference", "--mass-lens", "384",
+                 "--algorithms", "exact", "estimated", "--inputs", "video", "needle",
+                 "--out", str(tmp_path), "--name", "m"]) == 0
+    (path,) = tmp_path.glob("m_*.json")
+    result = json.loads(path.read_text())
+    rows = [r for r in result["mass"] if "captured" in r]
+    methods = {r["method"] for r in rows}
+    assert {"exact (mass trim)", "estimated (mass trim)", "estimated, natural scan (mean trim)",
+            "mean-pooled"} <= methods
+    assert {r["input"] for r in rows} == {"video", "needle"}
+    defaults = [r for r in rows if r["default"]]
+    assert {r["method"] for r in defaults} == {"estimated (mass trim)"} and len(defaults) == 2
+    for r in rows:
+        assert 0.0 <= r["captured"] <= r["oracle"] + 1e-6 and r["oracle_block"] <= r["oracle"] + 1e-6
+    assert "timing" not in result and "fig4" not in result
+    assert any("within 0.015" in t["target"] for t in result["targets"])
+    assert "captured mass within 0.015" in capsys.readouterr().out
+
+
+def test_heads_must_divide(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "momo", "--heads", "3", "2"])
+    assert e.value.code == 2
+    assert "--heads: expected N a multiple of K" in capsys.readouterr().err
