@@ -15,9 +15,10 @@ The roofline is ``(weight bytes + KV bytes) / bandwidth``, the bandwidth the lar
 on-device copy (read + write) and a large read-only reduction timed in this run; ``frac`` =
 roofline time / measured time. Per configuration the compiled step's kernels (``ops``), ``copy``
 instructions and large non-in-place outputs (weight or cache copies) and its temporary memory are
-recorded, so the causes of a gap are visible. ``--xla-option KEY=VALUE`` compiles the step with XLA
-options (e.g. ``xla_gpu_enable_dynamic_slice_fusion=true``); ``--attention tree_decode`` decodes
-with the split-K Pallas kernel instead of XLA's dense attention.
+recorded, so the causes of a gap are visible (``--dump-hlo DIR`` writes each compiled step).
+``--variants`` times the same grid under several compilations of the step (`VARIANTS`: XLA's dense
+attention or the split-K Pallas kernel, GEMVs through cuBLAS instead of Triton, dynamic-slice fusion,
+no CUDA graphs), each variant its rows; ``--xla-option KEY=VALUE`` adds an XLA option to every variant.
 
 Prints a table, writes JSON to ``--out`` and a plot beside it (ms per step and fraction of the
 roofline against context length, one line per batch size). On a CPU a tiny configuration runs
@@ -26,6 +27,7 @@ roofline against context length, one line per batch size). On a CPU a tiny confi
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import os
@@ -44,6 +46,7 @@ from mmjax.drivers.args import (
     add_result_args,
     int_list,
     nonneg_int,
+    out_dir,
     positive_int,
 )
 from mmjax.drivers.bench.report import print_table, write_result
@@ -53,7 +56,7 @@ from mmjax.drivers.bench.roofline import (
     program_stats,
     weight_bytes,
 )
-from mmjax.files import atomic_write_with
+from mmjax.files import atomic_write, atomic_write_with
 from mmjax.timing import device_name
 from models.attention import LayerAttention, resolve_attention
 from models.kv_cache import KVCache
@@ -68,8 +71,8 @@ matplotlib.use("Agg")
 @dataclasses.dataclass(frozen=True)
 class DecodeBenchConfig:
     """batches / contexts: the grid; steps: host-driven steps per timed sample (and in-jit steps
-    when ``in_jit``); reps: timed samples (median reported); attention: "dense" or "tree_decode";
-    xla_options: (key, value) pairs for the step's compilation; kv_dtype: cache storage dtype name
+    when ``in_jit``); reps: timed samples (median reported); variants: names in `VARIANTS`;
+    xla_options: (key, value) pairs added to every variant's compilation; kv_dtype: cache storage dtype name
     (None: the model's);
     memory_fraction: skip configurations whose weights + cache exceed this share of device memory."""
 
@@ -78,8 +81,8 @@ class DecodeBenchConfig:
     steps: int = 32
     in_jit: bool = False
     reps: int = 5
-    attention: str = "dense"
-    xla_options: tuple[tuple[str, str], ...] = ()
+    variants: tuple[str, ...] = ("default",)
+    xla_options: tuple[tuple[str, bool | int | str], ...] = ()
     kv_dtype: str | None = None
     memory_fraction: float = 0.85
 
@@ -106,13 +109,32 @@ def split_k_decode_attention(q, k, v, *, layer, q_positions, kv_valid, modality=
     return tree_decode_attention(q, k, v, prefix, slot, jnp.ones((b, 1, 1), bool))
 
 
+# variant -> (decode attention: "dense" = XLA, "split_k" = the Pallas kernel; XLA options of the step)
+VARIANTS: dict[str, tuple[str, tuple[tuple[str, bool | int | str], ...]]] = {
+    "default": ("dense", ()),
+    "split_k": ("split_k", ()),
+    "cublas": ("dense", (("xla_gpu_enable_triton_gemm", False),)),
+    "slice_fusion": ("dense", (("xla_gpu_enable_dynamic_slice_fusion", True),)),
+    "no_cuda_graphs": ("dense", (("xla_gpu_enable_command_buffer", ""),)),
+}
+
+
 def decode_attention(name: str) -> LayerAttention:
-    """The decode attention of ``--attention``: "dense" (XLA) or "tree_decode" (split-K kernel)."""
+    """The decode attention of a variant: "dense" (XLA) or "split_k" (the split-K Pallas kernel)."""
     if name == "dense":
         return resolve_attention("dense")
-    if name == "tree_decode":
+    if name == "split_k":
         return LayerAttention(uniform=split_k_decode_attention)
-    raise ValueError(f"attention: expected 'dense' or 'tree_decode', got {name!r}")
+    raise ValueError(f"attention: expected 'dense' or 'split_k', got {name!r}")
+
+
+def variant_list(text: str) -> tuple[str, ...]:
+    """Comma-separated names of `VARIANTS` (ValueError naming the unknown ones)."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in VARIANTS]
+    if not names or bad:
+        raise ValueError(f"expected comma-separated names of {', '.join(VARIANTS)}; received {text!r}")
+    return names
 
 
 @functools.partial(jax.jit, static_argnames=("attention",), donate_argnames=("cache",))
@@ -158,25 +180,31 @@ def make_cache(config: TextConfig, batch: int, slots: int, dtype, kv_dtype, key)
     return dataclasses.replace(empty, k=_filled(k1, shape, empty.k.dtype), v=_filled(k2, shape, empty.v.dtype))
 
 
-def bench_config(model, cfg: DecodeBenchConfig, batch: int, context: int, bandwidth: float) -> dict:
-    """Time one (batch, context) configuration; returns its row."""
+def bench_config(model, cfg: DecodeBenchConfig, variant: str, batch: int, context: int, bandwidth: float,
+                 dump_hlo: str | None = None) -> dict:
+    """Time one (variant, batch, context) configuration; returns its row. ``dump_hlo``: a directory
+    for the compiled step's HLO text."""
     c = model.config.text
     dtype = model.language_model.embed[...].dtype
     kv_dtype = jnp.dtype(cfg.kv_dtype or dtype)
-    attention = decode_attention(cfg.attention)
+    attn_name, variant_options = VARIANTS[variant]
+    attention = decode_attention(attn_name)
     n = cfg.steps
     start = context - n - 1  # every timed sample decodes slots start .. start + n - 1 of a full-size cache
     if start < 1:
         raise ValueError(f"steps: expected fewer than context - 1 = {context - 1} steps, got {n}")
     cache = rewind(make_cache(c, batch, context, dtype, kv_dtype, jax.random.key(1)), start)
     tok = jnp.arange(batch, dtype=jnp.int32) % c.vocab_size
-    options = dict(cfg.xla_options) or None
+    options = dict(variant_options + cfg.xla_options) or None
     t0 = time.perf_counter()
     step = greedy_step.lower(model, cache, tok, attention).compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
-    stats = program_stats(step.as_text())
+    hlo = step.as_text()
+    if dump_hlo:
+        atomic_write(os.path.join(dump_hlo, f"decode_{variant}_b{batch}_s{context}.hlo.txt"), hlo, overwrite=True)
+    stats = program_stats(hlo)
     mem = step.memory_analysis()
-    row = {"batch": batch, "context": context, "compile_s": compile_s, "ops": stats["ops"], "copies": stats["copies"],
+    row = {"variant": variant, "batch": batch, "context": context, "compile_s": compile_s, "ops": stats["ops"], "copies": stats["copies"],
            "large_outputs": stats["large"], "temp_mib": getattr(mem, "temp_size_in_bytes", 0) / 2**20}
     wb, kb = weight_bytes(model.language_model, batch), kv_bytes(c, batch, context, kv_dtype)
     row.update(weight_gb=wb / 1e9, kv_gb=kb / 1e9, roofline_ms=(wb + kb) / bandwidth * 1e3)
@@ -239,18 +267,26 @@ def fits(model, cfg: DecodeBenchConfig, batch: int, context: int) -> tuple[bool,
     return True, ""
 
 
-def run(model, cfg: DecodeBenchConfig, bandwidth: float, on_row=None) -> list[dict]:
-    """Every fitting (batch, context) of the grid; skipped ones get a row with ``skipped``."""
+def run(model, cfg: DecodeBenchConfig, bandwidth: float, on_row=None, dump_hlo: str | None = None) -> list[dict]:
+    """Every variant and fitting (batch, context) of the grid; skipped configurations get a row with
+    ``skipped``, variants that fail to compile or run one with ``error``."""
     rows = []
-    for context in cfg.contexts:
-        for batch in cfg.batches:
-            ok, why = fits(model, cfg, batch, context)
-            row = bench_config(model, cfg, batch, context, bandwidth) if ok else {
-                "batch": batch, "context": context, "skipped": why}
-            rows.append(row)
-            print({k: v for k, v in row.items() if k != "large_outputs"}, flush=True)
-            if on_row is not None:
-                on_row(rows)
+    for variant in cfg.variants:
+        for context in cfg.contexts:
+            for batch in cfg.batches:
+                ok, why = fits(model, cfg, batch, context)
+                head = {"variant": variant, "batch": batch, "context": context}
+                if not ok:
+                    row = {**head, "skipped": why}
+                else:
+                    try:
+                        row = bench_config(model, cfg, variant, batch, context, bandwidth, dump_hlo)
+                    except Exception as e:  # noqa: BLE001 - an XLA option or kernel a device rejects; keep going
+                        row = {**head, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "large_outputs"}, flush=True)
+                if on_row is not None:
+                    on_row(rows)
     return rows
 
 
@@ -284,16 +320,27 @@ def figure(rows: list[dict], title: str) -> matplotlib.figure.Figure:
     return fig
 
 
-def _xla_option(text: str) -> tuple[str, str]:
+def _xla_option(text: str) -> tuple[str, bool | int | str]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"expected KEY=VALUE, e.g. xla_gpu_enable_dynamic_slice_fusion=true; received {text!r}")
-    return key.strip(), value.strip()
+    value = value.strip()
+    if value.lower() in ("true", "false"):
+        return key.strip(), value.lower() == "true"
+    return key.strip(), int(value) if value.lstrip("-").isdigit() else value
 
 
-def xla_options(texts) -> tuple[tuple[str, str], ...]:
-    """``KEY=VALUE`` strings -> (key, value) pairs (ValueError naming the bad one)."""
+def xla_options(texts) -> tuple[tuple[str, bool | int | str], ...]:
+    """``KEY=VALUE`` strings -> (key, value) pairs, "true" / "false" as bools and integers as ints
+    (ValueError naming the bad one)."""
     return tuple(_xla_option(t) for t in texts or ())
+
+
+def _variants_arg(text: str) -> tuple[str, ...]:
+    try:
+        return variant_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time N steps inside one jit (lax.fori_loop) against N host-driven steps (0: host only)")
     p.add_argument("--host-steps", type=positive_int, default=32, help="host-driven steps per sample without --steps")
     p.add_argument("--reps", type=positive_int, default=5, help="timed samples per mode (median)")
-    p.add_argument("--attention", choices=("dense", "tree_decode"), default="dense", help="decode attention")
+    p.add_argument("--variants", type=_variants_arg, default=("default",),
+                   help="comma-separated step variants: " + ", ".join(VARIANTS))
+    p.add_argument("--dump-hlo", type=out_dir, default=None, metavar="DIR", help="write each compiled step's HLO")
     p.add_argument("--kv-dtype", choices=("model", "float8_e4m3fn"), default="model", help="cache storage dtype")
     p.add_argument("--layers", type=positive_int, default=None, help="shrink the decoder (device time)")
     p.add_argument("--xla-option", action="append", metavar="KEY=VALUE", default=[],
@@ -318,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--xla-option: {e}")
     on_gpu = jax.default_backend() == "gpu"
     cfg = DecodeBenchConfig(steps=args.steps or args.host_steps, in_jit=args.steps > 0, reps=args.reps,
-                            attention=args.attention, xla_options=opts,
+                            variants=args.variants, xla_options=opts,
                             kv_dtype=None if args.kv_dtype == "model" else args.kv_dtype)
     if on_gpu:
         mc = preset("7b")
@@ -345,22 +394,24 @@ def main(argv: list[str] | None = None) -> int:
     def save(rows, table=None):
         return write_result(args.out, args.name, {**meta, "rows": rows, "table": table}) if args.out else None
 
-    rows = run(model, cfg, bandwidth, save)
-    cols = [("batch", "B", "d"), ("context", "context", "d"), ("roofline_ms", "roofline ms", ".3f"),
+    rows = run(model, cfg, bandwidth, save, args.dump_hlo)
+    cols = [("variant", "variant", "s"), ("batch", "B", "d"), ("context", "context", "d"), ("roofline_ms", "roofline ms", ".3f"),
             ("sync_ms", "sync ms", ".3f"), ("async_ms", "async ms", ".3f"), ("in_jit_ms", "in-jit ms", ".3f"),
             ("tokens_per_s", "tok/s", ".0f"), ("roofline_tokens_per_s", "roofline tok/s", ".0f"),
             ("frac_async", "frac", ".2f"), ("frac_best", "frac best", ".2f"), ("ops", "ops", "d"),
             ("copies", "copies", "d"), ("temp_mib", "temp MiB", ".0f"), ("compile_s", "compile s", ".1f")]
     table = print_table(rows, cols)
     for r in rows:
-        if r.get("skipped"):
-            print(f"skipped B={r['batch']} context={r['context']}: {r['skipped']}")
+        where = f"{r['variant']} B={r['batch']} context={r['context']}"
+        if r.get("skipped") or r.get("error"):
+            print(f"{where}: {r.get('skipped') or r.get('error')}")
         elif r.get("large_outputs"):
-            print(f"B={r['batch']} context={r['context']} large outputs: {', '.join(r['large_outputs'])}")
+            print(f"{where} large outputs: {', '.join(r['large_outputs'])}")
     path = save(rows, table)
     if path:
         png = os.path.splitext(path)[0] + ".png"
-        fig = figure(rows, f"decode {shape} on {device_name()} ({cfg.attention} attention)")
+        fig = figure([r for r in rows if r["variant"] == cfg.variants[0]],
+                     f"decode {shape} on {device_name()} ({cfg.variants[0]})")
         atomic_write_with(png, lambda f: fig.savefig(f, format="png", dpi=110), binary=True, overwrite=True)
         plt.close(fig)
         print("wrote", path, "and", png)
