@@ -17,7 +17,7 @@ roofline time / measured time. Per configuration the compiled step's kernels (``
 instructions and large non-in-place outputs (weight or cache copies) and its temporary memory are
 recorded, so the causes of a gap are visible (``--dump-hlo DIR`` writes each compiled step).
 ``--variants`` times the same grid under several compilations of the step (`VARIANTS`: XLA's dense
-attention or the split-K Pallas kernel, GEMVs through cuBLAS instead of Triton, dynamic-slice fusion,
+attention, a multiply-reduce attention over the cache as it lies or the split-K Pallas kernel, GEMVs through cuBLAS instead of Triton, dynamic-slice fusion,
 no CUDA graphs), each variant its rows; ``--xla-option KEY=VALUE`` adds an XLA option to every variant.
 
 Prints a table, writes JSON to ``--out`` and a plot beside it (ms per step and fraction of the
@@ -49,6 +49,7 @@ from mmjax.drivers.args import (
     out_dir,
     positive_int,
 )
+from mmjax.drivers.bench.decode_attention import reduce_attention, split_k_attention
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.drivers.bench.roofline import (
     kv_bytes,
@@ -63,7 +64,6 @@ from models.kv_cache import KVCache
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, VisionConfig, preset
 from models.text_decoder import TextConfig
-from pallas_kernels.tree_decode import tree_decode_attention
 
 matplotlib.use("Agg")
 
@@ -96,23 +96,12 @@ def tiny_model(dtype=jnp.float32) -> qwen_vl.Qwen2_5_VL:
     return qwen_vl.Qwen2_5_VL(Qwen2_5_VLConfig(text=text, vision=vision), dtype=dtype, key=jax.random.key(0))
 
 
-def split_k_decode_attention(q, k, v, *, layer, q_positions, kv_valid, modality=None):
-    """Decode attention (T = 1, every row at the same slot) through the split-K Pallas kernel
-    ``pallas_kernels.tree_decode_attention``: the prefix is every valid slot but the new token's,
-    the block is the new token's slot. Shapes as in ``models.attention``."""
-    del layer, modality
-    b, t = q_positions.shape
-    if t != 1:
-        raise ValueError(f"q_positions: expected [B, 1] (one new token per row), got {q_positions.shape}")
-    slot = q_positions[0, 0]
-    prefix = kv_valid & (jnp.arange(kv_valid.shape[1], dtype=jnp.int32)[None] < slot)
-    return tree_decode_attention(q, k, v, prefix, slot, jnp.ones((b, 1, 1), bool))
-
-
-# variant -> (decode attention: "dense" = XLA, "split_k" = the Pallas kernel; XLA options of the step)
+# variant -> (decode attention: "dense" = XLA's, "reduce" / "split_k" = `decode_attention`'s; XLA options)
 VARIANTS: dict[str, tuple[str, tuple[tuple[str, bool | int | str], ...]]] = {
     "default": ("dense", ()),
+    "reduce_attn": ("reduce", ()),
     "split_k": ("split_k", ()),
+    "split_k_slice_fusion": ("split_k", (("xla_gpu_enable_dynamic_slice_fusion", True),)),
     "cublas": ("dense", (("xla_gpu_enable_triton_gemm", False),)),
     "slice_fusion": ("dense", (("xla_gpu_enable_dynamic_slice_fusion", True),)),
     "no_cuda_graphs": ("dense", (("xla_gpu_enable_command_buffer", ""),)),
@@ -120,12 +109,15 @@ VARIANTS: dict[str, tuple[str, tuple[tuple[str, bool | int | str], ...]]] = {
 
 
 def decode_attention(name: str) -> LayerAttention:
-    """The decode attention of a variant: "dense" (XLA) or "split_k" (the split-K Pallas kernel)."""
+    """The decode attention of a variant: "dense" (XLA's), "reduce" (multiply-reduce over the cache
+    as it lies) or "split_k" (the split-K Pallas kernel)."""
     if name == "dense":
         return resolve_attention("dense")
+    if name == "reduce":
+        return LayerAttention(uniform=reduce_attention)
     if name == "split_k":
-        return LayerAttention(uniform=split_k_decode_attention)
-    raise ValueError(f"attention: expected 'dense' or 'split_k', got {name!r}")
+        return LayerAttention(uniform=split_k_attention)
+    raise ValueError(f"attention: expected 'dense', 'reduce' or 'split_k', got {name!r}")
 
 
 def variant_list(text: str) -> tuple[str, ...]:
