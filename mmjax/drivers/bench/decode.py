@@ -13,7 +13,8 @@ greedy decode step (``qwen2_5_vl.decode_step`` + argmax, the cache donated) is t
 
 The roofline is ``(weight bytes + KV bytes) / bandwidth``, the bandwidth the larger of a large
 on-device copy (read + write) and a large read-only reduction timed in this run; ``frac`` =
-roofline time / measured time. Per configuration the compiled step's kernels (``ops``), ``copy``
+roofline time / measured time. The LM head (152k vocabulary) and argmax alone are timed beside it
+(``lm_head_ms``, in one jit) against their own roofline. Per configuration the compiled step's kernels (``ops``), ``copy``
 instructions and large non-in-place outputs (weight or cache copies) and its temporary memory are
 recorded, so the causes of a gap are visible (``--dump-hlo DIR`` writes each compiled step).
 ``--variants`` times the same grid under several compilations of the step (`VARIANTS`: XLA's dense
@@ -63,7 +64,7 @@ from models.attention import LayerAttention, resolve_attention
 from models.kv_cache import KVCache
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, VisionConfig, preset
-from models.text_decoder import TextConfig
+from models.text_decoder import TextConfig, lm_logits
 
 matplotlib.use("Agg")
 
@@ -237,12 +238,44 @@ def bench_config(model, cfg: DecodeBenchConfig, variant: str, batch: int, contex
 
         run_loop()
         row["in_jit_ms"] = statistics.median(run_loop() for _ in range(cfg.reps)) / n * 1e3
+    row["lm_head_ms"], head_bytes = lm_head_time(model, batch, cfg.reps, options)
+    row["lm_head_roofline_ms"] = head_bytes / bandwidth * 1e3
     best = min(row[k] for k in ("sync_ms", "async_ms", "in_jit_ms") if k in row)
     row["tokens_per_s"] = batch * 1e3 / row["async_ms"]
     row["roofline_tokens_per_s"] = batch * 1e3 / row["roofline_ms"]
     row["frac_async"] = row["roofline_ms"] / row["async_ms"]
     row["frac_best"] = row["roofline_ms"] / best
     return row
+
+
+@functools.partial(jax.jit, static_argnames=("steps",))
+def lm_head_steps(model, h: jax.Array, steps: int) -> jax.Array:
+    """``steps`` times the LM head and argmax of final states h [B, H] (each iteration's states
+    depend on the previous tokens, so nothing is hoisted): int32 [B]."""
+    dec = model.language_model
+
+    def body(_, carry):
+        h, tok = carry
+        logits = lm_logits(dec, h[:, None])[:, 0]
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return h + (tok % 2).astype(h.dtype)[:, None] * 1e-3, tok
+
+    return jax.lax.fori_loop(0, steps, body, (h, jnp.zeros(h.shape[:1], jnp.int32)))[1]
+
+
+def lm_head_time(model, batch: int, reps: int, options=None, steps: int = 16) -> tuple[float, int]:
+    """(ms per LM head + argmax of ``batch`` rows, timed as ``steps`` in one jit; bytes it must read)."""
+    dec = model.language_model
+    h = jnp.ones((batch, dec.config.hidden_size), dec.embed[...].dtype)
+    fn = lm_head_steps.lower(model, h, steps).compile(compiler_options=options)
+    jax.block_until_ready(fn(model, h))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(model, h))
+        samples.append((time.perf_counter() - t0) / steps * 1e3)
+    head = dec.embed if dec.lm_head is None else dec.lm_head
+    return statistics.median(samples), int(head[...].nbytes)
 
 
 def fits(model, cfg: DecodeBenchConfig, batch: int, context: int) -> tuple[bool, str]:
@@ -391,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             ("sync_ms", "sync ms", ".3f"), ("async_ms", "async ms", ".3f"), ("in_jit_ms", "in-jit ms", ".3f"),
             ("tokens_per_s", "tok/s", ".0f"), ("roofline_tokens_per_s", "roofline tok/s", ".0f"),
             ("frac_async", "frac", ".2f"), ("frac_best", "frac best", ".2f"), ("ops", "ops", "d"),
+            ("lm_head_ms", "LM head ms", ".3f"), ("lm_head_roofline_ms", "head roofline", ".3f"),
             ("copies", "copies", "d"), ("temp_mib", "temp MiB", ".0f"), ("compile_s", "compile s", ".1f")]
     table = print_table(rows, cols)
     for r in rows:
