@@ -188,3 +188,14 @@ def test_bench_decode_runs_on_cpu_and_writes_json_and_plot(tmp_path, capsys):
         assert r["roofline_ms"] > 0 and r["in_jit_ms"] > 0 and r["sync_ms"] > 0 and r["ops"] > 0
         assert r["tokens_per_s"] == pytest.approx(2e3 / r["async_ms"])
     assert result["roofline_gbps"] > 0 and set(result["bandwidth"]) == {"copy_gbps", "read_gbps"}
+
+
+def test_make_cache_fills_every_slot_and_checks_the_dtype(tiny):
+    c = tiny.config.text
+    cache = bench_decode.make_cache(c, 2, 3000, jnp.float32, jnp.float32, jax.random.key(0))
+    assert cache.k.shape == (c.num_hidden_layers, 2, 3000, c.num_key_value_heads, c.head_dim)
+    assert np.all(np.abs(np.asarray(cache.k)).sum(-1) > 0) and not np.array_equal(cache.k, cache.v)
+    fp8 = bench_decode.make_cache(c, 1, 64, jnp.float32, jnp.float8_e4m3fn, jax.random.key(0))
+    assert fp8.k.dtype == jnp.float8_e4m3fn and fp8.k_scale.shape == fp8.k.shape[:-1]
+    with pytest.raises(ValueError, match="kv_dtype: expected the model dtype float32 or float8_e4m3fn"):
+        bench_decode.make_cache(c, 1, 64, jnp.float32, jnp.bfloat16, jax.random.key(0))

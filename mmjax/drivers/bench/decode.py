@@ -166,11 +166,17 @@ def _filled(key, shape, dtype):
 
 
 def make_cache(config: TextConfig, batch: int, slots: int, dtype, kv_dtype, key) -> KVCache:
-    """A cache of ``slots`` slots holding random keys / values (length set by `rewind`)."""
-    empty = KVCache.empty(config, batch, slots, dtype, kv_dtype)
-    shape = empty.k.shape
+    """A cache of ``slots`` slots holding random keys / values (length set by `rewind`), allocated
+    once (no zero-filled cache beside it). ``kv_dtype``: ``dtype`` or float8_e4m3fn."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    if kv_dtype not in (jnp.dtype(dtype), jnp.dtype(jnp.float8_e4m3fn)):
+        raise ValueError(f"kv_dtype: expected the model dtype {jnp.dtype(dtype)} or float8_e4m3fn; got {kv_dtype}")
+    shape = (config.num_hidden_layers, batch, slots, config.num_key_value_heads, config.head_dim)
     k1, k2 = jax.random.split(key)
-    return dataclasses.replace(empty, k=_filled(k1, shape, empty.k.dtype), v=_filled(k2, shape, empty.v.dtype))
+    fp8 = kv_dtype == jnp.dtype(jnp.float8_e4m3fn)
+    scale = (lambda: jnp.ones(shape[:-1], jnp.float32)) if fp8 else (lambda: None)
+    return KVCache(_filled(k1, shape, kv_dtype), _filled(k2, shape, kv_dtype), jnp.zeros((batch, slots), bool),
+                   jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32), scale(), scale())
 
 
 def bench_config(model, cfg: DecodeBenchConfig, variant: str, batch: int, context: int, bandwidth: float,
@@ -195,7 +201,10 @@ def bench_config(model, cfg: DecodeBenchConfig, variant: str, batch: int, contex
     hlo = step.as_text()
     if dump_hlo:
         atomic_write(os.path.join(dump_hlo, f"decode_{variant}_b{batch}_s{context}.hlo.txt"), hlo, overwrite=True)
-    stats = program_stats(hlo)
+    try:
+        stats = program_stats(hlo)
+    except ValueError as e:  # an HLO text this parser does not know: keep the timings
+        stats = {"ops": None, "copies": None, "large": [f"not parsed: {e}"]}
     mem = step.memory_analysis()
     row = {"variant": variant, "batch": batch, "context": context, "compile_s": compile_s, "ops": stats["ops"], "copies": stats["copies"],
            "large_outputs": stats["large"], "temp_mib": getattr(mem, "temp_size_in_bytes", 0) / 2**20}
@@ -243,6 +252,7 @@ def bench_config(model, cfg: DecodeBenchConfig, variant: str, batch: int, contex
     best = min(row[k] for k in ("sync_ms", "async_ms", "in_jit_ms") if k in row)
     row["tokens_per_s"] = batch * 1e3 / row["async_ms"]
     row["roofline_tokens_per_s"] = batch * 1e3 / row["roofline_ms"]
+    row["effective_gbps"] = (wb + kb) / row["async_ms"] / 1e6
     row["frac_async"] = row["roofline_ms"] / row["async_ms"]
     row["frac_best"] = row["roofline_ms"] / best
     return row
@@ -423,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     cols = [("variant", "variant", "s"), ("batch", "B", "d"), ("context", "context", "d"), ("roofline_ms", "roofline ms", ".3f"),
             ("sync_ms", "sync ms", ".3f"), ("async_ms", "async ms", ".3f"), ("in_jit_ms", "in-jit ms", ".3f"),
             ("tokens_per_s", "tok/s", ".0f"), ("roofline_tokens_per_s", "roofline tok/s", ".0f"),
-            ("frac_async", "frac", ".2f"), ("frac_best", "frac best", ".2f"), ("ops", "ops", "d"),
+            ("effective_gbps", "GB/s", ".0f"), ("frac_async", "frac", ".2f"), ("frac_best", "frac best", ".2f"),
+            ("ops", "ops", "d"),
             ("lm_head_ms", "LM head ms", ".3f"), ("lm_head_roofline_ms", "head roofline", ".3f"),
             ("copies", "copies", "d"), ("temp_mib", "temp MiB", ".0f"), ("compile_s", "compile s", ".1f")]
     table = print_table(rows, cols)

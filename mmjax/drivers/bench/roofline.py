@@ -48,9 +48,9 @@ def kv_bytes(config, batch: int, slots: int, kv_dtype) -> int:
 def measure_bandwidth(nbytes: int, reps: int = 10) -> dict:
     """Device memory bandwidth from a ``nbytes`` bf16 buffer: ``copy_gbps`` (x + 1, read + write
     counted) and ``read_gbps`` (a float32 sum, reads only); median of ``reps`` timed calls each."""
-    if nbytes < 2:
-        raise ValueError(f"nbytes: expected at least 2 bytes, got {nbytes}")
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    if nbytes < 8192:
+        raise ValueError(f"nbytes: expected at least 8192 bytes, got {nbytes}")
+    x = jnp.ones((max(1, nbytes // 8192), 4096), jnp.bfloat16)  # 2-D: no index past 2**31 in one axis
     copy = jax.jit(lambda a: a + jnp.bfloat16(1))
     read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     out = {}
