@@ -2,9 +2,9 @@
 
 Every decoding step is one call of a jit-compiled function with static shapes (one compilation per
 generate configuration, none per token). The host loop only checks for the end of each row, one step
-behind: plain decoding dispatches step n + 1 (fed with step n's tokens, still on the device) before it
-reads step n's tokens, so the device never waits for the host between steps (one extra step is computed
-and discarded at the end).
+behind: it dispatches step n + 1 (fed with step n's outputs, still on the device) before it reads step
+n's tokens, so the device does not wait for the host between steps (one extra step is computed and
+discarded at the end).
 """
 
 from __future__ import annotations
@@ -147,13 +147,17 @@ def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sa
         n_keep = int(np.asarray(kept_positions(pre, draft.config.vata if hasattr(draft, "config") else True)
                                 ).sum(1).max())
         dstate, z_last, logits_last = _begin(model, draft, pre, first, n_keep, bound + 1, tree)
-        root = first
+        root, pending = first, None
         for _ in range(bound):
             if done.all():
                 break
             cache, dstate, root, z_last, logits_last, key, emitted, count = speculative_step(
                 model, draft, cache, dstate, root, z_last, logits_last, key, tree=tree, sampling=sampling)
-            taus.append(emit(emitted, count))
+            if pending is not None:
+                taus.append(emit(*pending))  # the previous step's tokens, while this one runs
+            pending = (emitted, count)
+        if pending is not None and not done.all():
+            taus.append(emit(*pending))
     tau = np.stack(taus) if taus else np.zeros((0, b), np.int32)
     return GenerateOutput(out, n_out, tau)
 

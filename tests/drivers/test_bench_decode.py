@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from mmjax.drivers.bench import decode as bench_decode
 from mmjax.drivers.bench.decode_attention import reduce_attention, split_k_attention
 from mmjax.drivers.bench.roofline import kv_bytes, program_stats, weight_bytes
+
+from mmjax.drivers.bench import decode as bench_decode
 from mmjax.drivers.cli import main
 from models.attention import dense_attention, resolve_attention
 from models.causal_lm import model as causal_lm
@@ -82,7 +82,8 @@ def test_compiled_decode_step_updates_the_cache_in_place(port):
     if port == "qwen2_5_vl":
         model, step = qwen_vl.Qwen2_5_VL(cfg, dtype=jnp.float32, key=jax.random.key(0)), qwen_vl.decode_step
     else:
-        model = causal_lm.CausalLM(CausalLMConfig(family="qwen3", text=cfg.text), dtype=jnp.float32, key=jax.random.key(0))
+        lm_cfg = CausalLMConfig(family="qwen3", text=cfg.text)
+        model = causal_lm.CausalLM(lm_cfg, dtype=jnp.float32, key=jax.random.key(0))
         step = causal_lm.decode_step
     cache = _cache(cfg.text)
     compiled = step.lower(model, cache, jnp.asarray([1, 2], jnp.int32)).compile()

@@ -14,11 +14,12 @@ greedy decode step (``qwen2_5_vl.decode_step`` + argmax, the cache donated) is t
 The roofline is ``(weight bytes + KV bytes) / bandwidth``, the bandwidth the larger of a large
 on-device copy (read + write) and a large read-only reduction timed in this run; ``frac`` =
 roofline time / measured time. The LM head (152k vocabulary) and argmax alone are timed beside it
-(``lm_head_ms``, in one jit) against their own roofline. Per configuration the compiled step's kernels (``ops``), ``copy``
-instructions and large non-in-place outputs (weight or cache copies) and its temporary memory are
-recorded, so the causes of a gap are visible (``--dump-hlo DIR`` writes each compiled step).
-``--variants`` times the same grid under several compilations of the step (`VARIANTS`: XLA's dense
-attention, a multiply-reduce attention over the cache as it lies or the split-K Pallas kernel, GEMVs through cuBLAS instead of Triton, dynamic-slice fusion,
+(``lm_head_ms``, in one jit) against their own roofline. Per configuration the compiled step's
+kernels (``ops``), ``copy`` instructions, large non-in-place outputs (weight or cache copies) and
+temporary memory are recorded, so the causes of a gap are visible (``--dump-hlo DIR`` writes each
+compiled step). ``--variants`` times the same grid under several compilations of the step
+(`VARIANTS`: XLA's dense attention, a multiply-reduce attention over the cache as it lies or the
+split-K Pallas kernel, GEMVs through cuBLAS instead of Triton, dynamic-slice fusion,
 no CUDA graphs), each variant its rows; ``--xla-option KEY=VALUE`` adds an XLA option to every variant.
 
 Prints a table, writes JSON to ``--out`` and a plot beside it (ms per step and fraction of the
@@ -206,8 +207,9 @@ def bench_config(model, cfg: DecodeBenchConfig, variant: str, batch: int, contex
     except ValueError as e:  # an HLO text this parser does not know: keep the timings
         stats = {"ops": None, "copies": None, "large": [f"not parsed: {e}"]}
     mem = step.memory_analysis()
-    row = {"variant": variant, "batch": batch, "context": context, "compile_s": compile_s, "ops": stats["ops"], "copies": stats["copies"],
-           "large_outputs": stats["large"], "temp_mib": getattr(mem, "temp_size_in_bytes", 0) / 2**20}
+    row = {"variant": variant, "batch": batch, "context": context, "compile_s": compile_s, "ops": stats["ops"],
+           "copies": stats["copies"], "large_outputs": stats["large"],
+           "temp_mib": getattr(mem, "temp_size_in_bytes", 0) / 2**20}
     wb, kb = weight_bytes(model.language_model, batch), kv_bytes(c, batch, context, kv_dtype)
     row.update(weight_gb=wb / 1e9, kv_gb=kb / 1e9, roofline_ms=(wb + kb) / bandwidth * 1e3)
     state = {"cache": cache, "tok": tok}
@@ -430,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         return write_result(args.out, args.name, {**meta, "rows": rows, "table": table}) if args.out else None
 
     rows = run(model, cfg, bandwidth, save, args.dump_hlo)
-    cols = [("variant", "variant", "s"), ("batch", "B", "d"), ("context", "context", "d"), ("roofline_ms", "roofline ms", ".3f"),
+    cols = [("variant", "variant", "s"), ("batch", "B", "d"), ("context", "context", "d"),
+            ("roofline_ms", "roofline ms", ".3f"),
             ("sync_ms", "sync ms", ".3f"), ("async_ms", "async ms", ".3f"), ("in_jit_ms", "in-jit ms", ".3f"),
             ("tokens_per_s", "tok/s", ".0f"), ("roofline_tokens_per_s", "roofline tok/s", ".0f"),
             ("effective_gbps", "GB/s", ".0f"), ("frac_async", "frac", ".2f"), ("frac_best", "frac best", ".2f"),

@@ -76,10 +76,10 @@ def _array_bytes(type_text: str) -> int:
 
 def program_stats(hlo_text: str, *, large_bytes: int = 8 << 20) -> dict:
     """What a compiled module (``compiled.as_text()``) launches per call, counted over its entry
-    computation, the bodies of its while loops and the computations it calls: ``ops`` (instructions that run a kernel or a
-    library call: fusions, custom calls, copies, ...), ``copies`` (``copy`` instructions) and
-    ``large``: up to 20 instructions writing at least ``large_bytes`` that are not in-place
-    dynamic-update-slices, as "name opcode MiB" (a copy of weights or of a KV cache shows up here)."""
+    computation, the bodies of its while loops and the computations it calls: ``ops``
+    (instructions that run a kernel or a library call: fusions, custom calls, copies, ...),
+    ``copies`` (``copy`` instructions) and ``large``: up to 20 instructions writing at least
+    ``large_bytes`` that are not in-place dynamic-update-slices, as "name opcode MiB" (a copy of weights or of a KV cache shows up here)."""
     comps, current, name = {}, None, None
     for line in hlo_text.splitlines():
         head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?.*\{\s*$", line)
