@@ -393,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated step variants: " + ", ".join(VARIANTS))
     p.add_argument("--dump-hlo", type=out_dir, default=None, metavar="DIR", help="write each compiled step's HLO")
     p.add_argument("--kv-dtype", choices=("model", "float8_e4m3fn"), default="model", help="cache storage dtype")
-    p.add_argument("--layers", type=positive_int, default=None, help="shrink the decoder (device time)")
+    p.add_argument("--layers", type=positive_int, default=None, help="shrink the 7B decoder (device time)")
+    p.add_argument("--model", choices=("auto", "7b", "tiny"), default="auto",
+                   help="model shape: auto = Qwen2.5-VL-7B (bf16) on a GPU, a tiny float32 one elsewhere")
     p.add_argument("--xla-option", action="append", metavar="KEY=VALUE", default=[],
                    help="XLA option for the step's compilation (repeatable)")
     p.add_argument("--bandwidth-gib", type=positive_int, default=4, help="buffer size of the bandwidth measurement")
@@ -406,15 +408,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DecodeBenchConfig(steps=args.steps or args.host_steps, in_jit=args.steps > 0, reps=args.reps,
                             variants=args.variants, xla_options=opts,
                             kv_dtype=None if args.kv_dtype == "model" else args.kv_dtype)
-    if on_gpu:
+    if args.model == "7b" or (args.model == "auto" and on_gpu):
         mc = preset("7b")
         if args.layers:
             mc = dataclasses.replace(mc, text=dataclasses.replace(mc.text, num_hidden_layers=args.layers))
-        model = qwen_vl.Qwen2_5_VL(mc, dtype=jnp.bfloat16, key=jax.random.key(0))
-        shape, bw_bytes = "qwen2.5-vl-7b", args.bandwidth_gib << 30
+        model, shape = qwen_vl.Qwen2_5_VL(mc, dtype=jnp.bfloat16, key=jax.random.key(0)), "qwen2.5-vl-7b"
     else:
+        model, shape = tiny_model(), "tiny"
+    if not on_gpu:  # timings on a CPU only show that everything runs: a small grid
         cfg = dataclasses.replace(cfg, batches=(1, 4), contexts=(128, 512), steps=min(cfg.steps, 8), reps=2)
-        model, shape, bw_bytes = tiny_model(), "tiny", 64 << 20
+    bw_bytes = args.bandwidth_gib << 30 if on_gpu else 64 << 20
     if args.batches:
         cfg = dataclasses.replace(cfg, batches=args.batches)
     if args.contexts:
