@@ -1,7 +1,10 @@
 """``mmjax.generate``: prefill with any attention configuration, then plain or speculative decoding.
 
 Every decoding step is one call of a jit-compiled function with static shapes (one compilation per
-generate configuration, none per token). The host loop only checks for the end of each row.
+generate configuration, none per token). The host loop only checks for the end of each row, one step
+behind: it dispatches step n + 1 (fed with step n's outputs, still on the device) before it reads step
+n's tokens, so the device does not wait for the host between steps (one extra step is computed and
+discarded at the end).
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ class GenerateOutput:
 def _sample(key, logits, sampling: Sampling):
     key, sub = jax.random.split(key)
     return key, sample(sub, logits, sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("cache",))
+def _decode_and_sample(model, cache, tokens, key, sampling: Sampling):
+    """One plain decoding step and its sampling as one dispatch: tokens int32 [B] -> (cache, key,
+    next tokens int32 [B]); the cache is donated."""
+    logits, cache = decode_step(model, cache, tokens)
+    key, sub = jax.random.split(key)
+    return cache, key, sample(sub, logits, sampling)
 
 
 def _eos_ids(eos_token_id) -> frozenset[int]:
@@ -125,22 +137,27 @@ def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sa
     emit(first, np.ones((b,), np.int32))
     cache = pre.cache
     if draft is None:
-        tok = first
+        tok, pending = first, None
         while not done.all():
-            logits, cache = decode_step(model, cache, tok)
-            key, tok = _sample(key, logits, sampling)
-            taus.append(emit(tok, np.ones((b,), np.int32)))
+            cache, key, tok = _decode_and_sample(model, cache, tok, key, sampling)  # queued, not awaited
+            if pending is not None:
+                taus.append(emit(pending, np.ones((b,), np.int32)))  # waits for the previous step only
+            pending = tok
     else:
         n_keep = int(np.asarray(kept_positions(pre, draft.config.vata if hasattr(draft, "config") else True)
                                 ).sum(1).max())
         dstate, z_last, logits_last = _begin(model, draft, pre, first, n_keep, bound + 1, tree)
-        root = first
+        root, pending = first, None
         for _ in range(bound):
             if done.all():
                 break
             cache, dstate, root, z_last, logits_last, key, emitted, count = speculative_step(
                 model, draft, cache, dstate, root, z_last, logits_last, key, tree=tree, sampling=sampling)
-            taus.append(emit(emitted, count))
+            if pending is not None:
+                taus.append(emit(*pending))  # the previous step's tokens, while this one runs
+            pending = (emitted, count)
+        if pending is not None and not done.all():
+            taus.append(emit(*pending))
     tau = np.stack(taus) if taus else np.zeros((0, b), np.int32)
     return GenerateOutput(out, n_out, tau)
 
