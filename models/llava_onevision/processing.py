@@ -25,6 +25,7 @@ change nothing.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -35,7 +36,12 @@ from PIL import Image
 from models import chat_template as templates
 from models.llava_onevision import anyres
 from models.llava_onevision.config import DEFAULT_PINPOINTS
-from models.qwen2_5_vl.pixels import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, resize_frames, to_rgb_array
+from models.qwen2_5_vl.pixels import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    resize_frames,
+    to_rgb_array,
+)
 from models.snapshot import resolve_snapshot
 from models.tokenizer import Tokenizer, read_json
 
@@ -58,7 +64,7 @@ class ImageConfig:
     resample: int = 3
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "ImageConfig":
+    def from_dict(cls, d: Mapping) -> ImageConfig:
         size = d.get("size") or {"height": 384, "width": 384}
         side = size.get("height", size.get("shortest_edge"))
         if not isinstance(side, int) or side < 1 or size.get("width", side) != side:
@@ -179,7 +185,7 @@ class Processor:
         if num_image_tokens is None:
             vision = (model_config or {}).get("vision_config") or {}
             num_image_tokens = (image_config.size // vision.get("patch_size", 14)) ** 2
-        grid = int(round(num_image_tokens ** 0.5))
+        grid = math.isqrt(num_image_tokens)
         if grid * grid != num_image_tokens:
             raise ValueError(f"num_image_tokens: expected a square (patches per tile), got {num_image_tokens}")
         self.grid = grid
@@ -187,7 +193,7 @@ class Processor:
         self.pad_token_id = tokenizer.special_id("pad_token")
 
     @classmethod
-    def from_pretrained(cls, snapshot_dir: str | os.PathLike) -> "Processor":
+    def from_pretrained(cls, snapshot_dir: str | os.PathLike) -> Processor:
         """Load from a snapshot directory (or a hub-cache model tree, see ``models.snapshot``)."""
         d = resolve_snapshot(snapshot_dir, marker="tokenizer.json")
         opts, image, video = _configs(d)
