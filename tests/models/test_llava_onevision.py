@@ -66,6 +66,10 @@ def test_features_and_logits_fp32(case):
     img, vid = visual_inputs(model, lo.prepare_inputs(model.config, **inputs))
     np.testing.assert_allclose(np.asarray(img), d["image_features"], atol=2e-5)
     np.testing.assert_allclose(np.asarray(vid), d["video_features"], atol=2e-5)
+    if case == "ov":  # tiles / frames through the tower in chunks of 2 (remainders included) change nothing
+        img2, vid2 = visual_inputs(model, lo.prepare_inputs(model.config, **inputs), frames_per_chunk=2)
+        np.testing.assert_allclose(np.asarray(img2), np.asarray(img), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(vid2), np.asarray(vid), atol=1e-5)
     logits = np.asarray(lo.forward(model, **inputs))
     mask = inputs["attention_mask"].astype(bool)
     assert np.abs(logits[mask] - d["logits"][mask]).max() <= 2e-4

@@ -1,13 +1,13 @@
 """Full-model prefill benchmark: time to first token and peak memory of a long video through the
 public `mmjax.prefill`, dense (cuDNN) against sparse configs.
 
-    mmjax bench prefill [--preset 7b | --model DIR] [--tokens 131072 262144 524288 1048576]
+    mmjax bench prefill [--preset 7b | --preset llava-ov-7b | --model DIR] [--tokens 131072 262144 524288 1048576]
                         [--configs cudnn grid ashape ...] [--out bench/results] [--plot]
 
 Each (video length, attention) row runs in its own process, so its peak GPU memory
 (``memory_stats()["peak_bytes_in_use"]``) is its own: the model (random bf16 weights of the
-preset, or a checkpoint directory), one 448 x 448 video of the given number of visual tokens
-between two short text segments, then ``mmjax.prefill`` twice: the first call (compile + run) and
+preset, or a checkpoint directory), one 448 x 448 video (LLaVA-OneVision presets: 384 x 384 frames, 196
+pooled tokens each) of the given number of visual tokens between two short text segments, then ``mmjax.prefill`` twice: the first call (compile + run) and
 a warm call (the time to first token of a compiled program: host preparation, vision tower,
 decoder, last-token logits). When the first call takes longer than ``--warm-budget-s`` the warm
 call is not repeated: the two programs are compiled once more ahead of time and the warm time is
@@ -38,10 +38,13 @@ import numpy as np
 import mmjax
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
+from mmjax.load import architecture, snapshot_config
 from mmjax.patterns import AShape, Grid, VerticalSlash
 from mmjax.timing import device_name
+from models import llava_onevision
 from models.attention import resolve_attention
-from models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, VisionConfig, from_hf, preset
+from models.llava_onevision import model as llava_ov
+from models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, VisionConfig, preset
 from models.qwen2_5_vl import model as qwen_vl
 from models.text_decoder import TextConfig
 
@@ -63,10 +66,37 @@ def tiny_config() -> Qwen2_5_VLConfig:
                             vision_end_token_id=503)
 
 
+def tiny_llava_config() -> llava_onevision.LlavaOnevisionConfig:
+    """A small LLaVA-OneVision for CPU runs of this benchmark (70 x 70 tiles: 5 x 5 patches, 9 pooled tokens)."""
+    text = TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, mrope_section=(16, 0, 0))
+    vision = llava_onevision.VisionConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=2, image_size=70)
+    return llava_onevision.LlavaOnevisionConfig(text=text, vision=vision, image_token_id=500, video_token_id=501,
+                                                image_grid_pinpoints=((70, 70), (70, 140), (140, 70), (140, 140)))
+
+
+def llava_video_inputs(config: llava_onevision.LlavaOnevisionConfig, n_tokens: int, seed: int = 0) -> dict:
+    """Processor-style NumPy inputs of a LLaVA-OneVision: 8 text tokens, one video of whole frames (ceil(g/2)**2
+    pooled tokens each, plus the newline) with about ``n_tokens`` visual tokens, 8 text tokens. The pixels (float16)
+    repeat a random block of 16 frames."""
+    v = config.vision
+    per_frame = (v.grid + 1) // 2 * ((v.grid + 1) // 2)
+    frames = max(1, (n_tokens - 1) // per_frame)
+    text = [100 + i % 8 for i in range(8)]
+    ids = text + [config.video_token_id] * (frames * per_frame + 1) + text
+    block = np.random.default_rng(seed).standard_normal((min(frames, 16), 3, v.image_size, v.image_size),
+                                                        np.float32).astype(np.float16)
+    pixels = np.tile(block, (-(-frames // len(block)), 1, 1, 1))[:frames]
+    return dict(input_ids=np.asarray([ids], np.int32), pixel_values_videos=pixels[None])
+
+
 def video_inputs(config: Qwen2_5_VLConfig, n_tokens: int, seed: int = 0) -> dict:
     """Processor-style NumPy inputs: 8 text tokens, one video of about ``n_tokens`` visual tokens
     (whole temporal patches of FRAME_PX x FRAME_PX frames), 8 text tokens. The pixels repeat a
     random block of 64 temporal patches (generating 1M tokens' worth of noise is slow)."""
+    if isinstance(config, llava_onevision.LlavaOnevisionConfig):
+        return llava_video_inputs(config, n_tokens, seed)
     vc = config.vision
     side = FRAME_PX // vc.patch_size
     per_t = (side // vc.spatial_merge_size) ** 2
@@ -100,23 +130,37 @@ def config_name(text: str) -> str:
                                      f"file; received {text!r}")
 
 
-def load_model(args) -> Qwen2_5_VL:
+def load_model(args):
+    """Qwen2.5-VL (``--preset 3b / 7b``) or LLaVA-OneVision (``--preset llava-ov-7b / llava-ov-0.5b``) with random
+    bf16 weights, or ``--model DIR`` (architecture from its config.json)."""
     if args.model:
-        return from_hf(args.model, dtype=jnp.bfloat16)
-    cfg = preset(args.preset) if jax.default_backend() == "gpu" else tiny_config()
+        d, config = snapshot_config(args.model)
+        return architecture(config).from_hf(d, dtype=jnp.bfloat16)
+    llava = args.preset.startswith("llava-ov-")
+    gpu = jax.default_backend() == "gpu"
+    if llava:
+        cfg = llava_onevision.preset(args.preset[len("llava-ov-"):]) if gpu else tiny_llava_config()
+    else:
+        cfg = preset(args.preset) if gpu else tiny_config()
     if args.layers:
         cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, num_hidden_layers=args.layers))
-    return Qwen2_5_VL(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
+    cls = llava_onevision.LlavaOnevision if llava else Qwen2_5_VL
+    return cls(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
 
 
 def _compile_seconds(model, inputs, attention, kwargs) -> float:
     """Compile time of the two programs a prefill runs (vision tower, decoder), ahead of time."""
-    p = qwen_vl.prepare_inputs(model.config, **inputs)
+    llava = isinstance(model, llava_onevision.LlavaOnevision)
+    p = (llava_ov if llava else qwen_vl).prepare_inputs(model.config, **inputs)
     t0 = time.perf_counter()
-    qwen_vl.vision_features.lower(model, p.pixel_values_videos, p.video_grids,
-                                  kwargs.get("frames_per_chunk")).compile()
-    feats = jax.ShapeDtypeStruct((int(np.prod(p.video_grids[0])) // model.config.vision.merge_unit,
-                                  model.config.text.hidden_size), jnp.bfloat16)
+    if llava:
+        llava_ov.video_features.lower(model, p.pixel_values_videos, kwargs.get("frames_per_chunk")).compile()
+        n_feats = int((np.asarray(p.token_types) == 2).sum())
+    else:
+        qwen_vl.vision_features.lower(model, p.pixel_values_videos, p.video_grids,
+                                      kwargs.get("frames_per_chunk")).compile()
+        n_feats = int(np.prod(p.video_grids[0])) // model.config.vision.merge_unit
+    feats = jax.ShapeDtypeStruct((n_feats, model.config.text.hidden_size), jnp.bfloat16)
     qwen_vl.prefill_language_model.lower(
         model, p.input_ids, None, feats, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas,
         attention=resolve_attention(attention), max_length=p.input_ids.shape[1] + 256,
@@ -134,7 +178,8 @@ def run_row(args, tokens: int, name: str) -> dict:
     attention = attention_spec(name, model.config)
     kwargs = dict(mlp_chunk=args.mlp_chunk, frames_per_chunk=args.frames_per_chunk, chunk_tokens=args.chunk_tokens,
                   kv_dtype=jnp.float8_e4m3fn if args.kv_dtype == "fp8" else None)
-    row = {"tokens": int(inputs["input_ids"].shape[1]), "visual_tokens": int(inputs["input_ids"].shape[1]) - 18,
+    visual = int(np.isin(inputs["input_ids"], [model.config.video_token_id]).sum())
+    row = {"tokens": int(inputs["input_ids"].shape[1]), "visual_tokens": visual,
            "attention": name, "init_s": init_s, **{k: (str(v) if k == "kv_dtype" else v) for k, v in kwargs.items()}}
 
     def call():
@@ -224,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="mmjax bench prefill", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
     add_result_args(p, "prefill")
-    p.add_argument("--preset", default="7b", choices=("3b", "7b"), help="random weights of this shape (GPU)")
+    p.add_argument("--preset", default="7b", choices=("3b", "7b", "llava-ov-0.5b", "llava-ov-7b"),
+                   help="random weights of this shape (GPU): Qwen2.5-VL 3b / 7b or LLaVA-OneVision")
     p.add_argument("--model", help="a checkpoint directory instead of random weights")
     p.add_argument("--layers", type=positive_int, help="decoder layers (default: the model's)")
     p.add_argument("--tokens", type=positive_int, nargs="+", help="visual tokens per row (default 128k-1M on a GPU)")
@@ -258,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                         for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     args.passthrough += ["--preset", args.preset, "--kv-dtype", args.kv_dtype]
     rows: list[dict] = []
-    result = {"benchmark": "prefill", "model": args.model or f"Qwen2.5-VL-{args.preset} shape, random bf16",
-              "frame": f"{FRAME_PX}x{FRAME_PX}", "args": {k: v for k, v in vars(args).items() if k != "row"},
+    llava = args.preset.startswith("llava-ov-")
+    shape = f"LLaVA-OneVision-{args.preset[len('llava-ov-'):]}" if llava else f"Qwen2.5-VL-{args.preset}"
+    result = {"benchmark": "prefill", "model": args.model or f"{shape} shape, random bf16",
+              "frame": "384x384" if llava else f"{FRAME_PX}x{FRAME_PX}", "args": {k: v for k, v in vars(args).items() if k != "row"},
               "rows": rows}
     path = None
     for n in tokens:
