@@ -22,7 +22,8 @@ Cases:
   (multi-image: no tiling, padded to square) and a video.
 * ``ov_original``: the ``ov`` weights under the original LLaVA-NeXT key names (``model.vision_tower.vision_tower.vision_model.*``,
   ``model.mm_projector.{0,2}``, ``model.image_newline``) with a LLaVA-NeXT style config.json (flat Qwen2 fields,
-  ``mm_*`` keys, ``LlavaQwenForCausalLM``), as LLaVA-Video-7B-Qwen2 ships; its reference is ``ov.npz``.
+  ``mm_*`` keys, ``LlavaQwenForCausalLM``), no processor files and the base tokenizer (without ``<image>`` /
+  ``<video>``), as LLaVA-Video-7B-Qwen2 ships; its reference is ``ov.npz``.
 """
 
 from __future__ import annotations
@@ -249,6 +250,8 @@ def build_case(case, out_dir, processor, seed):
                      "chat_template.jinja", "chat_template.json"):
             if os.path.exists(os.path.join(orig, name)):
                 os.remove(os.path.join(orig, name))
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # the base tokenizer: no <image> / <video>
+            shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(orig, name))
 
 
 def main(out_dir):

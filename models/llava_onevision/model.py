@@ -127,9 +127,11 @@ def _image_tiles(config: LlavaOnevisionConfig, pixel_values, image_sizes, batch_
 def prepare_inputs(config: LlavaOnevisionConfig, *, input_ids, attention_mask=None, pixel_values=None,
                    image_sizes=None, pixel_values_videos=None, batch_num_images=None, position_ids=None,
                    **unused) -> PreparedInputs:
-    """Validate HF-processor style inputs (transformers' names) and compute token types and positions on the host.
+    """Validate HF-processor style inputs (transformers' names) and compute token types and positions on the host
+    (``mm_token_type_ids`` / ``image_sizes_videos`` are accepted and ignored: types come from ``input_ids``).
     ``position_ids`` [B, T] (or [3, B, T] with equal rows) overrides ``cumsum(attention_mask) - 1``."""
-    extra = sorted(k for k, v in unused.items() if v is not None and k not in ("image_sizes_videos",))
+    extra = sorted(k for k, v in unused.items()
+                   if v is not None and k not in ("image_sizes_videos", "mm_token_type_ids", "cache_position"))
     if extra:
         raise ValueError(f"prepare_inputs: unexpected arguments {extra}")
     ids = np.asarray(input_ids)

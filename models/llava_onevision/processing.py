@@ -35,7 +35,11 @@ from PIL import Image
 
 from models import chat_template as templates
 from models.llava_onevision import anyres
-from models.llava_onevision.config import DEFAULT_PINPOINTS
+from models.llava_onevision.config import (
+    DEFAULT_PINPOINTS,
+    ORIGINAL_ARCHITECTURES,
+    config_from_hf,
+)
 from models.qwen2_5_vl.pixels import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -133,8 +137,11 @@ def video_frames(video, cfg: ImageConfig) -> np.ndarray:
     return cfg.normalize(resize_frames(frames, cfg.size, cfg.size, cfg.resample))
 
 
-def _configs(d: str) -> tuple[dict, dict, dict]:
-    """(processor options, image processor dict, video processor dict) of a snapshot."""
+def _configs(d: str, model_config: Mapping | None) -> tuple[dict, dict, dict]:
+    """(processor options, image processor dict, video processor dict) of a snapshot. A LLaVA-NeXT snapshot
+    (config.json of ``LlavaQwenForCausalLM``) without processor files gets the SigLIP processor the LLaVA-NeXT code
+    uses (tile = the tower's image size, mean = std = 0.5, bicubic) with the config's pinpoints and
+    ``image_aspect_ratio``."""
     def load(name):
         path = os.path.join(d, name)
         return read_json(path) if os.path.isfile(path) else None
@@ -142,6 +149,14 @@ def _configs(d: str) -> tuple[dict, dict, dict]:
     nested = load("processor_config.json") or {}
     image = load("preprocessor_config.json") or nested.get("image_processor")
     video = load("video_preprocessor_config.json") or nested.get("video_processor") or image
+    if image is None and model_config is not None and (
+            set(model_config.get("architectures") or []) & set(ORIGINAL_ARCHITECTURES)):
+        cfg = config_from_hf(dict(model_config))
+        tile = cfg.vision.image_size
+        image = video = {"size": {"height": tile, "width": tile}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                         "image_grid_pinpoints": [list(p) for p in cfg.image_grid_pinpoints], "resample": 3}
+        nested = {"num_image_tokens": cfg.vision.grid ** 2, "vision_feature_select_strategy": "full",
+                  "vision_aspect_ratio": f"anyres_max_{cfg.max_patches}", **nested}
     if image is None:
         raise ValueError(f"snapshot_dir: no preprocessor_config.json (or processor_config.json with an "
                          f"'image_processor') in {d!r}")
@@ -173,15 +188,16 @@ class Processor:
         self.chat_template = chat_template
         self.select_strategy = select_strategy
         self.max_patches = max_patches
-        self.image_token_id = tokenizer.token_to_id(IMAGE_TOKEN)
-        self.video_token_id = tokenizer.token_to_id(VIDEO_TOKEN)
-        if self.image_token_id is None or self.video_token_id is None:
-            raise ValueError(f"tokenizer.json: no {IMAGE_TOKEN} / {VIDEO_TOKEN} token (a LLaVA-NeXT snapshot's "
-                             "tokenizer lacks them: use the llava-hf processor files)")
-        for key, got in (("image_token_index", self.image_token_id), ("video_token_index", self.video_token_id)):
-            want = (model_config or {}).get(key)
-            if want is not None and want != got:
+        ids = {}
+        for key, token, default in (("image_token_index", IMAGE_TOKEN, 151646), ("video_token_index", VIDEO_TOKEN, 151647)):
+            got, want = tokenizer.token_to_id(token), (model_config or {}).get(key)
+            if got is not None and want is not None and want != got:
                 raise ValueError(f"config.json: {key} is {want} but the tokenizer has {got}")
+            ids[key] = got if got is not None else (want if want is not None else default)
+        self.image_token_id, self.video_token_id = ids["image_token_index"], ids["video_token_index"]
+        # a LLaVA-NeXT snapshot's tokenizer has no <image> / <video>: the text around them is tokenized apart
+        self.placeholders_in_vocab = (tokenizer.token_to_id(IMAGE_TOKEN) == self.image_token_id
+                                      and tokenizer.token_to_id(VIDEO_TOKEN) == self.video_token_id)
         if num_image_tokens is None:
             vision = (model_config or {}).get("vision_config") or {}
             num_image_tokens = (image_config.size // vision.get("patch_size", 14)) ** 2
@@ -196,12 +212,12 @@ class Processor:
     def from_pretrained(cls, snapshot_dir: str | os.PathLike) -> Processor:
         """Load from a snapshot directory (or a hub-cache model tree, see ``models.snapshot``)."""
         d = resolve_snapshot(snapshot_dir, marker="tokenizer.json")
-        opts, image, video = _configs(d)
+        config_path = os.path.join(d, "config.json")
+        model_config = read_json(config_path) if os.path.isfile(config_path) else None
+        opts, image, video = _configs(d, model_config)
         if video.get("do_sample_frames"):
             raise ValueError("video processor: do_sample_frames=true is not supported; sample frames with "
                              "mmjax.io.read_video")
-        config_path = os.path.join(d, "config.json")
-        model_config = read_json(config_path) if os.path.isfile(config_path) else None
         ratio = re.fullmatch(r"anyres_max_(\d+)", opts.get("vision_aspect_ratio", "anyres_max_9"))
         if ratio is None:
             raise ValueError(f"vision_aspect_ratio: expected 'anyres_max_N', got {opts.get('vision_aspect_ratio')!r}")
@@ -247,9 +263,15 @@ class Processor:
                       "video": iter([anyres.video_tokens(len(f), self.grid) for f in frames])}
             pattern = re.compile(f"(?P<image>{re.escape(IMAGE_TOKEN)})|(?P<video>{re.escape(VIDEO_TOKEN)})")
             token = {"image": IMAGE_TOKEN, "video": VIDEO_TOKEN}
-            expanded = [pattern.sub(lambda m: token[m.lastgroup] * next(counts[m.lastgroup]), t) for t in texts]
-            enc = self.tokenizer.encode(expanded, padding=padding, padding_side=padding_side)
+            if self.placeholders_in_vocab:
+                expanded = [pattern.sub(lambda m: token[m.lastgroup] * next(counts[m.lastgroup]), t) for t in texts]
+                enc = self.tokenizer.encode(expanded, padding=padding, padding_side=padding_side)
+            else:
+                enc = self._encode_split(texts, pattern, counts, padding, padding_side)
             out["input_ids"], out["attention_mask"] = enc["input_ids"], enc["attention_mask"]
+            ids = out["input_ids"]
+            out["mm_token_type_ids"] = np.where(ids == self.image_token_id, 1,
+                                                np.where(ids == self.video_token_id, 2, 0)).astype(np.int64)
         if image_list:
             most = max(len(t) for t in tiles)
             out["pixel_values"] = np.stack([np.concatenate([t, np.zeros((most - len(t),) + t.shape[1:], t.dtype)])
@@ -261,6 +283,32 @@ class Processor:
                 raise ValueError(f"videos: expected equal frame counts in one call, got {[len(f) for f in frames]}")
             out["pixel_values_videos"] = np.stack(frames)
         return out
+
+    def _encode_split(self, texts, pattern, counts, padding, padding_side) -> dict[str, np.ndarray]:
+        """Tokenize the text between placeholders and put ``count`` placeholder ids in their place (for tokenizers
+        without ``<image>`` / ``<video>``), padded as `Tokenizer.encode` pads."""
+        ids = {"image": self.image_token_id, "video": self.video_token_id}
+        rows = []
+        for t in texts:
+            row, last = [], 0
+            for m in [*pattern.finditer(t), None]:
+                piece = t[last:m.start() if m else len(t)]
+                if piece:
+                    row += self.tokenizer.encode([piece], add_special_tokens=False)["input_ids"][0].tolist()
+                if m:
+                    row += [ids[m.lastgroup]] * next(counts[m.lastgroup])
+                    last = m.end()
+            rows.append(row)
+        length = max(len(r) for r in rows)
+        if len({len(r) for r in rows}) > 1 and padding in (False, "do_not_pad"):
+            raise ValueError(f"text: rows tokenize to different lengths {[len(r) for r in rows]}; pass padding=True")
+        side = self.tokenizer.padding_side if padding_side is None else padding_side
+        out_ids = np.full((len(rows), length), self.pad_token_id or 0, np.int64)
+        mask = np.zeros((len(rows), length), np.int64)
+        for i, r in enumerate(rows):
+            sl = slice(length - len(r), length) if side == "left" else slice(0, len(r))
+            out_ids[i, sl], mask[i, sl] = r, 1
+        return {"input_ids": out_ids, "attention_mask": mask}
 
     # ------------------------------------------------------------------------------------------- text helpers
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, *,

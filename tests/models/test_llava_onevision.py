@@ -77,13 +77,25 @@ def test_features_and_logits_fp32(case):
     assert np.abs(text - d["text_logits"]).max() <= 2e-4
 
 
-def test_original_llava_next_layout_loads_the_same_model():
+def test_original_llava_next_layout_loads_the_same_model_and_processor():
     inputs, d = load_case("ov")
-    orig = lo.from_hf(os.path.join(FIXTURES, "ov_original"), dtype=jnp.float32)
+    orig, proc = mmjax.load(os.path.join(FIXTURES, "ov_original"), dtype=jnp.float32)
     assert orig.config == model_of("ov").config
     logits = np.asarray(lo.forward(orig, **inputs))
     mask = inputs["attention_mask"].astype(bool)
     assert np.abs(logits[mask] - d["logits"][mask]).max() <= 2e-4
+    # its tokenizer has no <image> / <video>: the text around them is tokenized apart, ids from config.json
+    assert not proc.placeholders_in_vocab and proc.image_token_id == orig.config.image_token_id
+    out = proc(text=[str(t) for t in d["texts"]], images=[d["image_0"], d["image_1"]], videos=[d["video_0"]],
+               padding=True, padding_side="left")
+    np.testing.assert_array_equal(out["input_ids"], d["input_ids"])
+    np.testing.assert_array_equal(out["attention_mask"], d["attention_mask"])
+    # SigLIP normalisation (mean = std = 0.5) of the same tiles transformers made with the CLIP values
+    mean = np.asarray([0.48145466, 0.4578275, 0.40821073])[:, None, None]
+    std = np.asarray([0.26862954, 0.26130258, 0.27577711])[:, None, None]
+    real = np.abs(d["pixel_values"]).reshape(2, 7, -1).max(-1) > 0  # tiles padded for batching are zeros in both
+    np.testing.assert_allclose((out["pixel_values"] * 0.5 + 0.5)[real],
+                               (d["pixel_values"].astype(np.float32) * std + mean)[real], atol=5e-4)
 
 
 def _hub_tree(src, root, commit="0123456789abcdef0123456789abcdef01234567"):
