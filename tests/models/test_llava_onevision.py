@@ -13,7 +13,17 @@ import pytest
 from flax import nnx
 
 import mmjax
-from mmjax.speculative import SparrowDraft, TargetDraft, TreeConfig
+from mmjax.speculative import (
+    DataConfig,
+    SparrowDraft,
+    TargetDraft,
+    TrainConfig,
+    TreeConfig,
+    batches,
+    build_examples,
+    init_train_state,
+    train_step,
+)
 from models import llava_onevision as lo
 from models.llava_onevision.model import visual_inputs
 
@@ -225,3 +235,21 @@ def test_bad_inputs_name_the_argument():
         lo.prepare_inputs(model.config, **{**inputs, "pixel_values": inputs["pixel_values"][:, :, :, :60]})
     with pytest.raises(ValueError, match="batch_num_images"):
         lo.prepare_inputs(model.config, **{**inputs, "batch_num_images": np.array([3])})
+
+
+@pytest.mark.slow
+def test_sparrow_draft_trains_on_a_llava_target():
+    inputs, d = load_case("ov_pool")
+    model = model_of("ov_pool")
+    examples = build_examples(model, [row0("ov_pool", inputs, d)], DataConfig(max_new_tokens=8))
+    assert (examples[0].token_types > 0).sum() == (examples[0].input_ids == model.config.image_token_id).sum() + \
+        (examples[0].input_ids == model.config.video_token_id).sum() > 0
+    draft = SparrowDraft.init(model, jax.random.key(0))
+    cfg = TrainConfig(learning_rate=3e-3, warmup_steps=1, total_steps=4)
+    state = init_train_state(draft, cfg)
+    batch = next(batches(examples, 1))
+    losses = []
+    for _ in range(3):
+        state, metrics = train_step(state, draft, model, batch, cfg)
+        losses.append(float(metrics["loss"]))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
