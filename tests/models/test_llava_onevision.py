@@ -202,16 +202,16 @@ def test_attention_sees_visual_modality():
         return mmjax.inference.resolve_attention("dense").for_layer(layer)(
             q, k, v, layer=layer, q_positions=q_positions, kv_valid=kv_valid, modality=modality)
 
-    dense = mmjax.prefill(model, prompt)
+    want = d["logits"][0, -1]  # row 0 is the batch's longest row: its last token ends the fixture's rows
     custom = mmjax.prefill(model, prompt, attention=[attn, attn])
-    np.testing.assert_allclose(np.asarray(custom.logits), np.asarray(dense.logits), atol=1e-5)
+    assert np.abs(np.asarray(custom.logits)[0] - want).max() <= 2e-4
     ids = prompt["input_ids"]
     types = np.where(ids == model.config.image_token_id, 1, np.where(ids == model.config.video_token_id, 2, 0))
     assert len(seen) == 2 and all(np.array_equal(s, types) for s in seen)
     assert (types == 1).sum() > 0 and (types == 2).sum() > 0
     sparse = mmjax.prefill(model, prompt, attention=mmjax.SparseConfig.uniform(
         mmjax.sparse.patterns.Dense(), num_layers=2, num_heads=4))
-    np.testing.assert_allclose(np.asarray(sparse.logits), np.asarray(dense.logits), atol=1e-4)
+    assert np.abs(np.asarray(sparse.logits)[0] - want).max() <= 2e-4
 
 
 @pytest.mark.slow
