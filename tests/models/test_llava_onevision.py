@@ -87,6 +87,22 @@ def test_features_and_logits_fp32(case):
     assert np.abs(text - d["text_logits"]).max() <= 2e-4
 
 
+def test_anyres_max_shrink_of_a_tiled_image():
+    _, d = load_case("ov_pool")  # anyres_max_1: the 8 x 5 unpadded feature grid is shrunk bilinearly to 6 x 3
+    model = model_of("ov_pool")
+    single = {k[len("single_"):]: d[k] for k in d if k.startswith("single_") and k[7:] in KEYS}
+    single["pixel_values"] = single["pixel_values"].astype(np.float32)
+    p = lo.prepare_inputs(model.config, **single)
+    assert p.image_layouts[0].resized == (6, 3) and p.image_layouts[0].crop == (1, 9, 0, 5)
+    img, _ = visual_inputs(model, p)
+    np.testing.assert_allclose(np.asarray(img), d["single_image_features"], atol=2e-5)
+    assert np.abs(np.asarray(lo.forward(model, **single)) - d["single_logits"]).max() <= 2e-4
+    proc = lo.Processor.from_pretrained(os.path.join(FIXTURES, "ov_pool"))
+    out = proc(text=["<|im_start|>user\n<image>\nhow?<|im_end|>\n<|im_start|>assistant\n"], images=[d["image_0"]])
+    np.testing.assert_array_equal(out["input_ids"], d["single_input_ids"])
+    np.testing.assert_allclose(out["pixel_values"], single["pixel_values"], atol=1e-3)
+
+
 def test_original_llava_next_layout_loads_the_same_model_and_processor():
     inputs, d = load_case("ov")
     orig, proc = mmjax.load(os.path.join(FIXTURES, "ov_original"), dtype=jnp.float32)
