@@ -256,15 +256,16 @@ def load_hf_config(path: str) -> LlavaOnevisionConfig:
 
 
 def preset(name: str) -> LlavaOnevisionConfig:
-    """Published configurations: ``"7b"`` (llava-onevision-qwen2-7b-ov-hf, LLaVA-Video-7B-Qwen2) and ``"0.5b"``
-    (llava-onevision-qwen2-0.5b-ov-hf)."""
+    """The shapes of llava-hf's ``llava-onevision-qwen2-7b-ov-hf`` (``"7b"``; LLaVA-Video-7B-Qwen2 has the same layers)
+    and ``llava-onevision-qwen2-0.5b-ov-hf`` (``"0.5b"``): SigLIP so400m without its last layer, Qwen2-7B / 0.5B with
+    the vocabulary grown by ``<image>`` / ``<video>`` and padded to a multiple of 64 (transformers' conversion)."""
     if name == "7b":
         text = TextConfig(vocab_size=152128, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                           num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1e6,
                           mrope_section=(64, 0, 0), tie_word_embeddings=False)
         return LlavaOnevisionConfig(text=text, vision=VisionConfig())
     if name == "0.5b":
-        text = TextConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        text = TextConfig(vocab_size=152000, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                           num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6,
                           mrope_section=(32, 0, 0), tie_word_embeddings=True)
         return LlavaOnevisionConfig(text=text, vision=VisionConfig())
