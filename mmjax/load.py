@@ -33,11 +33,11 @@ class Architecture:
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), qwen2_5_vl.from_hf,
                  qwen2_5_vl.Processor.from_pretrained),
-    Architecture("llava_onevision", ("LlavaOnevisionForConditionalGeneration", "LlavaQwenForCausalLM"),
-                 llava_onevision.from_hf, llava_onevision.Processor.from_pretrained),
     Architecture("llama", ("LlamaForCausalLM",), llama.from_hf, llama.Processor.from_pretrained),
     Architecture("qwen3", ("Qwen3ForCausalLM",), qwen3.from_hf, qwen3.Processor.from_pretrained),
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), qwen3.from_hf, qwen3.Processor.from_pretrained),
+    Architecture("llava_onevision", ("LlavaOnevisionForConditionalGeneration", "LlavaQwenForCausalLM"),
+                 llava_onevision.from_hf, llava_onevision.Processor.from_pretrained),
 )
 
 
