@@ -37,10 +37,11 @@ from mmjax.sparse.patterns import Dense
 from models.attention import resolve_attention
 from models.causal_lm import model as causal_lm
 from models.kv_cache import KVCache
+from models.llava_onevision import model as llava_ov
 from models.qwen2_5_vl import model as qwen_vl
 
 PROCESSOR_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
-                  "video_grid_thw", "second_per_grid_ts")
+                  "video_grid_thw", "second_per_grid_ts", "image_sizes", "batch_num_images")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,9 @@ class PrefillOutput:
 
 
 # model class -> the module that runs it: prepare_inputs, visual_inputs, prefill_language_model, prompt_embeddings,
-# prefill_chunk, final_logits, init_cache, decode_step (same names and arguments in every module)
-RUNNERS = ((qwen_vl.Qwen2_5_VL, qwen_vl), (causal_lm.CausalLM, causal_lm))
+# prefill_chunk, final_logits, init_cache, decode_step (same names and arguments in every module); the targets of
+# speculative decoding also have cached_forward
+RUNNERS = ((qwen_vl.Qwen2_5_VL, qwen_vl), (llava_ov.LlavaOnevision, llava_ov), (causal_lm.CausalLM, causal_lm))
 
 
 def runner(model):

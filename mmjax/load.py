@@ -14,7 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from models import llama, qwen2_5_vl, qwen3
+from models import llama, llava_onevision, qwen2_5_vl, qwen3
 from models.snapshot import resolve_snapshot
 from models.tokenizer import read_json
 
@@ -36,6 +36,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("llama", ("LlamaForCausalLM",), llama.from_hf, llama.Processor.from_pretrained),
     Architecture("qwen3", ("Qwen3ForCausalLM",), qwen3.from_hf, qwen3.Processor.from_pretrained),
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), qwen3.from_hf, qwen3.Processor.from_pretrained),
+    Architecture("llava_onevision", ("LlavaOnevisionForConditionalGeneration", "LlavaQwenForCausalLM"),
+                 llava_onevision.from_hf, llava_onevision.Processor.from_pretrained),
 )
 
 

@@ -174,7 +174,9 @@ def test_architecture_table():
         assert architecture({"architectures": names}).model_type == model_type
         assert architecture({"model_type": model_type}).model_type == model_type
     assert supported() == ["Qwen2_5_VLForConditionalGeneration (qwen2_5_vl)", "LlamaForCausalLM (llama)",
-                           "Qwen3ForCausalLM (qwen3)", "Qwen3MoeForCausalLM (qwen3_moe)"]
+                           "Qwen3ForCausalLM (qwen3)", "Qwen3MoeForCausalLM (qwen3_moe)",
+                           "LlavaOnevisionForConditionalGeneration (llava_onevision)",
+                           "LlavaQwenForCausalLM (llava_onevision)"]
     with pytest.raises(ValueError, match=r"unsupported architecture \(architectures \['LlavaForConditionalGenera"
                                          r"tion'\], model_type 'llava'\); supported: Qwen2_5_VLForConditionalGen"):
         architecture({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"})

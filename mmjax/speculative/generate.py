@@ -16,12 +16,11 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from mmjax.inference import check_model, decode_step, prefill
+from mmjax.inference import check_model, decode_step, prefill, runner
 from mmjax.speculative.draft import kept_positions
 from mmjax.speculative.sampling import Sampling, sample
 from mmjax.speculative.step import speculative_step
 from mmjax.speculative.tree import TreeConfig
-from models.qwen2_5_vl.model import Qwen2_5_VL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +74,9 @@ def _check(model, max_new_tokens, sampling, draft, tree):
         raise ValueError(f"tree: expected mmjax.speculative.TreeConfig, got {type(tree).__name__}")
     if draft is not None and not all(hasattr(draft, m) for m in ("begin", "extend", "expand", "feature_layer")):
         raise ValueError("draft: expected None, a SparrowDraft or a TargetDraft (begin / extend / expand)")
-    if draft is not None and not isinstance(model, Qwen2_5_VL):
-        raise ValueError(f"draft: speculative decoding runs on a Qwen2.5-VL target; got a {type(model).__name__} "
-                         "(use draft=None)")
+    if draft is not None and not hasattr(runner(model), "cached_forward"):
+        raise ValueError(f"draft: speculative decoding runs on a Qwen2.5-VL or LLaVA-OneVision target; got a "
+                         f"{type(model).__name__} (use draft=None)")
 
 
 def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sampling = Sampling(), draft=None,

@@ -13,11 +13,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mmjax.inference import runner
 from mmjax.speculative.sampling import Sampling
 from mmjax.speculative.tree import Tree, TreeConfig, add_level, empty_pool, level_offset, select_tree
 from mmjax.speculative.verify import accept_greedy, accept_sampling
 from models.kv_cache import KVCache, compact_cache
-from models.qwen2_5_vl.model import cached_forward
 from pallas_kernels.tree_decode import tree_decode_attention
 
 
@@ -59,8 +59,9 @@ def verify_tree(model, cache: KVCache, t: Tree, hidden_layers: tuple = (), tree_
     ancestors. Returns (logits float32 [B, n, V], hidden [len(hidden_layers), B, n, H], cache with the
     tree's keys written but not committed; commit with ``compact_cache(cache, length, path, count)``)."""
     prefix = cache.valid & (jnp.arange(cache.max_length)[None, :] < cache.length)
-    return cached_forward(model, cache, t.tokens, cache.next_position[:, None] + t.depth, cache.length, prefix,
-                          cache.length, t.ancestors, hidden_layers=hidden_layers, tree_attn=tree_attn)
+    return runner(model).cached_forward(model, cache, t.tokens, cache.next_position[:, None] + t.depth, cache.length,
+                                         prefix, cache.length, t.ancestors, hidden_layers=hidden_layers,
+                                         tree_attn=tree_attn)
 
 
 @functools.partial(jax.jit, static_argnames=("tree", "sampling"), donate_argnames=("cache", "dstate"))

@@ -42,6 +42,7 @@ from flax import nnx
 
 from mmjax.speculative.data import Batch
 from mmjax.speculative.draft import SparrowDraft, attend, draft_logits, fuse, project
+from models.llava_onevision.model import LlavaOnevision
 from models.qwen2_5_vl.model import Qwen2_5_VL
 from models.text_decoder import lm_logits
 
@@ -277,8 +278,9 @@ def _train_step(state: TrainState, draft, target, batch: Batch, config: TrainCon
 
 def check_batch(draft: SparrowDraft, target, batch: Batch) -> None:
     """ValueErrors for a batch that does not fit the draft / target (host-side, before any compute)."""
-    if not isinstance(target, Qwen2_5_VL):
-        raise ValueError(f"target: expected models.qwen2_5_vl.Qwen2_5_VL, got {type(target).__name__}")
+    if not isinstance(target, (Qwen2_5_VL, LlavaOnevision)):
+        raise ValueError(f"target: expected models.qwen2_5_vl.Qwen2_5_VL or models.llava_onevision.LlavaOnevision, "
+                         f"got {type(target).__name__}")
     if not isinstance(draft, SparrowDraft):
         raise ValueError(f"draft: expected mmjax.speculative.SparrowDraft, got {type(draft).__name__}")
     if target.config.text != draft.text:
@@ -304,7 +306,7 @@ def train_step(state: TrainState, draft: SparrowDraft, target, batch: Batch, con
     """One AdamW step on ``batch`` (jit-compiled once per (T, B, config); ``state`` is donated).
 
     draft: supplies the layer's structure (its parameter values are ignored; ``state.params`` is
-    trained); target: the frozen Qwen2_5_VL (embedding, LM head). Returns (new TrainState, metrics):
+    trained); target: the frozen Qwen2_5_VL or LlavaOnevision (embedding, LM head). Returns (new TrainState, metrics):
     ``loss``, ``grad_norm``, ``lr`` (scalars) and ``regression``, ``ce``, ``top1`` (top-1 agreement
     with the target), ``count`` (positions with a loss), each float32 [mtp_steps].
     """

@@ -250,7 +250,8 @@ def test_inputs_are_checked():
         forward(model, input_ids=np.full((1, 3), 448))
     with pytest.raises(ValueError, match="position_ids"):
         forward(model, input_ids=np.ones((1, 3), np.int64), position_ids=np.zeros((1, 4), np.int64))
-    with pytest.raises(ValueError, match="draft: speculative decoding runs on a Qwen2.5-VL target; got a CausalLM"):
+    with pytest.raises(ValueError, match="draft: speculative decoding runs on a Qwen2.5-VL or LLaVA-OneVision target; "
+                                         "got a CausalLM"):
         mmjax.generate(model, {"input_ids": np.ones((1, 4), np.int64)}, 2, draft=TargetDraft())
 
 

@@ -1,15 +1,15 @@
 """Full-model prefill benchmark: time to first token and peak memory of a long video through the
 public `mmjax.prefill`, dense (cuDNN) against sparse configs.
 
-    mmjax bench prefill [--preset 7b | --model DIR] [--tokens 131072 262144 524288 1048576]
+    mmjax bench prefill [--preset 7b | --preset llava-ov-7b | --model DIR] [--tokens 131072 262144 524288 1048576]
                         [--configs cudnn grid ashape ...] [--out bench/results] [--plot]
     mmjax bench prefill --preset llama3.1-8b | qwen3-8b | qwen3-30b-a3b --tokens 131072 --configs cudnn momo vs
 
 Each (video length, attention) row runs in its own process, so its peak GPU memory
 (``memory_stats()["peak_bytes_in_use"]``) is its own: the model (random bf16 weights of the
-preset, or a checkpoint directory), one 448 x 448 video of the given number of visual tokens
-between two short text segments (for a text LM preset or checkpoint: that many random text
-tokens), then ``mmjax.prefill`` twice: the first call (compile + run) and
+preset, or a checkpoint directory), one 448 x 448 video (LLaVA-OneVision presets: 384 x 384 frames, 196
+pooled tokens each) of the given number of visual tokens between two short text segments (for a text LM preset or
+checkpoint: that many random text tokens), then ``mmjax.prefill`` twice: the first call (compile + run) and
 a warm call (the time to first token of a compiled program: host preparation, vision tower,
 decoder, last-token logits). When the first call takes longer than ``--warm-budget-s`` the warm
 call is not repeated: the two programs are compiled once more ahead of time and the warm time is
@@ -42,11 +42,14 @@ import mmjax
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.inference import runner
+from mmjax.load import architecture, snapshot_config
 from mmjax.patterns import AShape, Grid, Momo, VerticalSlash
 from mmjax.timing import device_name
-from models import llama, qwen3
+from models import llama, llava_onevision, qwen3
 from models.attention import resolve_attention
 from models.causal_lm import CausalLM, CausalLMConfig
+from models.causal_lm import model as causal_lm_runner
+from models.llava_onevision import model as llava_ov
 from models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, VisionConfig, preset
 from models.qwen2_5_vl import model as qwen_vl
 from models.text_decoder import TextConfig
@@ -58,7 +61,7 @@ PATTERNS = {
     "vs": VerticalSlash(vertical_size=1000, slash_size=4096),
     "momo": Momo(),
 }
-VLM_PRESETS = ("3b", "7b")  # Qwen2.5-VL
+VLM_PRESETS = ("3b", "7b", "llava-ov-0.5b", "llava-ov-7b")  # Qwen2.5-VL, LLaVA-OneVision
 TEXT_PRESETS = {"llama3.1-8b": lambda: llama.preset("8b"), "qwen3-8b": lambda: qwen3.preset("8b"),
                 "qwen3-30b-a3b": lambda: qwen3.preset("30b-a3b")}
 
@@ -87,10 +90,37 @@ def text_inputs(config: CausalLMConfig, n_tokens: int, seed: int = 0) -> dict:
     return dict(input_ids=ids, attention_mask=np.ones_like(ids))
 
 
+def tiny_llava_config() -> llava_onevision.LlavaOnevisionConfig:
+    """A small LLaVA-OneVision for CPU runs of this benchmark (70 x 70 tiles: 5 x 5 patches, 9 pooled tokens)."""
+    text = TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, mrope_section=(16, 0, 0))
+    vision = llava_onevision.VisionConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=2, image_size=70)
+    return llava_onevision.LlavaOnevisionConfig(text=text, vision=vision, image_token_id=500, video_token_id=501,
+                                                image_grid_pinpoints=((70, 70), (70, 140), (140, 70), (140, 140)))
+
+
+def llava_video_inputs(config: llava_onevision.LlavaOnevisionConfig, n_tokens: int, seed: int = 0) -> dict:
+    """Processor-style NumPy inputs of a LLaVA-OneVision: 8 text tokens, one video of whole frames (ceil(g/2)**2
+    pooled tokens each, plus the newline) with about ``n_tokens`` visual tokens, 8 text tokens. The pixels (float16)
+    repeat a random block of 16 frames."""
+    v = config.vision
+    per_frame = (v.grid + 1) // 2 * ((v.grid + 1) // 2)
+    frames = max(1, (n_tokens - 1) // per_frame)
+    text = [100 + i % 8 for i in range(8)]
+    ids = text + [config.video_token_id] * (frames * per_frame + 1) + text
+    block = np.random.default_rng(seed).standard_normal((min(frames, 16), 3, v.image_size, v.image_size),
+                                                        np.float32).astype(np.float16)
+    pixels = np.tile(block, (-(-frames // len(block)), 1, 1, 1))[:frames]
+    return dict(input_ids=np.asarray([ids], np.int32), pixel_values_videos=pixels[None])
+
+
 def video_inputs(config: Qwen2_5_VLConfig, n_tokens: int, seed: int = 0) -> dict:
     """Processor-style NumPy inputs: 8 text tokens, one video of about ``n_tokens`` visual tokens
     (whole temporal patches of FRAME_PX x FRAME_PX frames), 8 text tokens. The pixels repeat a
     random block of 64 temporal patches (generating 1M tokens' worth of noise is slow)."""
+    if isinstance(config, llava_onevision.LlavaOnevisionConfig):
+        return llava_video_inputs(config, n_tokens, seed)
     vc = config.vision
     side = FRAME_PX // vc.patch_size
     per_t = (side // vc.spatial_merge_size) ** 2
@@ -124,18 +154,24 @@ def config_name(text: str) -> str:
                                      f"file; received {text!r}")
 
 
-def load_model(args) -> Qwen2_5_VL | CausalLM:
-    """The checkpoint of ``--model`` (any architecture ``mmjax.load`` reads) or random bf16 weights of ``--preset``."""
+def load_model(args):
+    """Random bf16 weights of ``--preset`` (Qwen2.5-VL 3b / 7b, LLaVA-OneVision llava-ov-7b / llava-ov-0.5b, or a
+    text LM), or ``--model DIR`` (architecture from its config.json)."""
     if args.model:
-        return mmjax.load(args.model, dtype=jnp.bfloat16)[0]
-    on_gpu = jax.default_backend() == "gpu"
+        d, config = snapshot_config(args.model)
+        return architecture(config).from_hf(d, dtype=jnp.bfloat16)
+    gpu = jax.default_backend() == "gpu"
     if args.preset in TEXT_PRESETS:
-        cfg = TEXT_PRESETS[args.preset]() if on_gpu else tiny_text_config("a3b" in args.preset)
+        cfg = TEXT_PRESETS[args.preset]() if gpu else tiny_text_config("a3b" in args.preset)
+        cls = CausalLM
+    elif args.preset.startswith("llava-ov-"):
+        cfg = llava_onevision.preset(args.preset[len("llava-ov-"):]) if gpu else tiny_llava_config()
+        cls = llava_onevision.LlavaOnevision
     else:
-        cfg = preset(args.preset) if on_gpu else tiny_config()
+        cfg = preset(args.preset) if gpu else tiny_config()
+        cls = Qwen2_5_VL
     if args.layers:
         cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, num_hidden_layers=args.layers))
-    cls = CausalLM if isinstance(cfg, CausalLMConfig) else Qwen2_5_VL
     return cls(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
 
 
@@ -145,11 +181,15 @@ def _compile_seconds(model, inputs, attention, kwargs) -> float:
     p = run.prepare_inputs(model.config, **inputs)
     t0 = time.perf_counter()
     feats = None
-    if run is qwen_vl:
+    if run is llava_ov:
+        llava_ov.video_features.lower(model, p.pixel_values_videos, kwargs.get("frames_per_chunk")).compile()
+        n_feats = int((np.asarray(p.token_types) == 2).sum())
+    elif run is qwen_vl:
         qwen_vl.vision_features.lower(model, p.pixel_values_videos, p.video_grids,
                                       kwargs.get("frames_per_chunk")).compile()
-        feats = jax.ShapeDtypeStruct((int(np.prod(p.video_grids[0])) // model.config.vision.merge_unit,
-                                      model.config.text.hidden_size), jnp.bfloat16)
+        n_feats = int(np.prod(p.video_grids[0])) // model.config.vision.merge_unit
+    if run is not causal_lm_runner:
+        feats = jax.ShapeDtypeStruct((n_feats, model.config.text.hidden_size), jnp.bfloat16)
     run.prefill_language_model.lower(
         model, p.input_ids, None, feats, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas,
         attention=resolve_attention(attention), max_length=p.input_ids.shape[1] + 256,
@@ -168,8 +208,8 @@ def run_row(args, tokens: int, name: str) -> dict:
     attention = attention_spec(name, model.config)
     kwargs = dict(mlp_chunk=args.mlp_chunk, frames_per_chunk=args.frames_per_chunk, chunk_tokens=args.chunk_tokens,
                   kv_dtype=jnp.float8_e4m3fn if args.kv_dtype == "fp8" else None)
-    n = int(inputs["input_ids"].shape[1])
-    row = {"tokens": n, "visual_tokens": 0 if text_lm else n - 18,
+    visual = 0 if text_lm else int(np.isin(inputs["input_ids"], [model.config.video_token_id]).sum())
+    row = {"tokens": int(inputs["input_ids"].shape[1]), "visual_tokens": visual,
            "attention": name, "init_s": init_s, **{k: (str(v) if k == "kv_dtype" else v) for k, v in kwargs.items()}}
 
     def call():
@@ -260,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
     add_result_args(p, "prefill")
     p.add_argument("--preset", default="7b", choices=VLM_PRESETS + tuple(TEXT_PRESETS),
-                   help="random weights of this shape (GPU): Qwen2.5-VL 3b / 7b or a text LM")
+                   help="random weights of this shape (GPU): Qwen2.5-VL 3b / 7b, LLaVA-OneVision or a text LM")
     p.add_argument("--model", help="a checkpoint directory instead of random weights")
     p.add_argument("--layers", type=positive_int, help="decoder layers (default: the model's)")
     p.add_argument("--tokens", type=positive_int, nargs="+",
@@ -295,9 +335,12 @@ def main(argv: list[str] | None = None) -> int:
                         for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     args.passthrough += ["--preset", args.preset, "--kv-dtype", args.kv_dtype]
     rows: list[dict] = []
-    shape = args.preset if args.preset in TEXT_PRESETS else f"Qwen2.5-VL-{args.preset}"
+    llava = args.preset.startswith("llava-ov-")
+    shape = (args.preset if args.preset in TEXT_PRESETS else
+             f"LLaVA-OneVision-{args.preset[len('llava-ov-'):]}" if llava else f"Qwen2.5-VL-{args.preset}")
     result = {"benchmark": "prefill", "model": args.model or f"{shape} shape, random bf16",
-              "frame": f"{FRAME_PX}x{FRAME_PX}", "args": {k: v for k, v in vars(args).items() if k != "row"},
+              "frame": "384x384" if llava else f"{FRAME_PX}x{FRAME_PX}",
+              "args": {k: v for k, v in vars(args).items() if k != "row"},
               "rows": rows}
     path = None
     for n in tokens:
