@@ -1,0 +1,85 @@
+"""The ports' prefill and decode step over a mesh: the port's own jit-compiled functions (its row of
+``mmjax.inference.RUNNERS``) called inside one more ``jax.jit`` that pins the layouts XLA propagates from:
+prompt arrays split by token over "sp", the KV cache by slot ("sp") and key head ("tp")
+(`models.sharding.cache_sharding`), logits replicated. The model's parameters carry their own layout
+(`models.sharding.shard_model`, or loaded into it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.attention import LayerAttention
+from models.kv_cache import KVCache
+from models.sharding import SP, TP, axis_size, cache_sharding, check_mesh, is_laid_out
+
+
+def check(model: nnx.Module, mesh: Any) -> Mesh:
+    """The mesh to run ``model`` on (`models.sharding.check_mesh`); ValueError when the model's
+    parameters are not laid out on it, or its key-value heads do not split over tp * sp for a
+    sequence-parallel prefill."""
+    config = model.language_model.config
+    mesh = check_mesh(mesh, config)
+    if not is_laid_out(model, mesh):
+        raise ValueError("model: its parameters are not laid out on the mesh; call "
+                         "mmjax.parallel.shard_model(model, mesh) or load it with mmjax.load(..., mesh=mesh)")
+    split = axis_size(mesh, TP) * axis_size(mesh, SP)
+    if axis_size(mesh, SP) > 1 and config.num_key_value_heads % split:
+        raise ValueError(f"mesh: sequence-parallel attention gives each of tp * sp = {split} devices whole GQA "
+                         f"groups; {split} must divide num_key_value_heads={config.num_key_value_heads}")
+    return mesh
+
+
+def round_slots(max_length: int, mesh: Mesh) -> int:
+    """Cache slots rounded up to a multiple of the "sp" size (each device holds the same number)."""
+    n = axis_size(mesh, SP)
+    return -(-max_length // n) * n
+
+
+def _by_token(x, mesh: Mesh):
+    """x [..., B, T] (ids, masks, M-RoPE ids) split by token over "sp"."""
+    if x is None or axis_size(mesh, SP) == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*([None] * (x.ndim - 1)), SP)))
+
+
+def _pin_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+    shardings = cache_sharding(cache, mesh)
+    return jax.tree.map(jax.lax.with_sharding_constraint, cache, shardings)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("attention", "max_length", "hidden_layers",
+                                                                   "mlp_chunk", "kv_dtype", "mesh"))
+def prefill_language_model(fn, model, input_ids, image_feats, video_feats, position_ids, mask, types, rope_deltas, *,
+                           attention: LayerAttention, max_length: int, hidden_layers: tuple, mlp_chunk: int | None,
+                           kv_dtype, mesh: Mesh):
+    """``fn`` (a port's ``prefill_language_model``) on ``mesh``; same arguments and results (logits
+    float32 [B, V], KVCache, hidden [n, B, T, H])."""
+    logits, cache, hidden = fn(model, _by_token(input_ids, mesh), image_feats, video_feats,
+                               _by_token(position_ids, mesh), _by_token(mask, mesh), _by_token(types, mesh),
+                               rope_deltas, attention=attention, max_length=max_length, hidden_layers=hidden_layers,
+                               mlp_chunk=mlp_chunk, kv_dtype=kv_dtype)
+    rep = NamedSharding(mesh, P())
+    return jax.lax.with_sharding_constraint(logits, rep), _pin_cache(cache, mesh), hidden
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("attention", "mesh"), donate_argnames=("cache",))
+def decode_step(fn, model, cache: KVCache, tokens: jax.Array, *, attention: LayerAttention, mesh: Mesh):
+    """``fn`` (a port's ``decode_step``) on ``mesh``: (logits float32 [B, V] replicated, cache in its layout);
+    the cache is donated."""
+    logits, cache = fn(model, cache, tokens, attention)
+    return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P())), _pin_cache(cache, mesh)
+
+
+def place_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+    """``cache`` moved into its layout on ``mesh`` (nothing moves when it is there)."""
+    shardings = cache_sharding(cache, mesh)
+    return dataclasses.replace(cache, **{f.name: jax.device_put(getattr(cache, f.name), getattr(shardings, f.name))
+                                         for f in dataclasses.fields(cache) if getattr(cache, f.name) is not None})
