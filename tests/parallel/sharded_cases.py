@@ -1,0 +1,232 @@
+"""Sharded prefill / decode / generate against one device, run on 4 virtual CPU devices.
+
+Collected only when JAX has at least 4 devices: `tests/parallel/test_parallel.py` runs this file in a
+subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set before JAX starts), so
+the rest of the suite keeps its single device. Tiny models: Qwen2.5-VL with 8 query / 4 key-value
+heads (tp 4, and tp 2 x sp 2) and the committed Llama / Qwen3 fixtures (tp 2, loaded straight into
+the layout). The default selection covers tp 2 x sp 2 (dense and sparse) and tp 2 (text LM loaded into the
+layout); ``-m slow`` adds tp 4 (dense and sparse), tp 2 and sp 4 alone, chunked prefill, the frame
+split of the vision tower alone, left-padded text-LM batches (Llama with biases, Qwen3-MoE) and the
+collectives of a decode step.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import mmjax
+from mmjax.parallel import make_mesh, shard_model
+from mmjax.parallel import run as parallel_run
+from mmjax.parallel.attention import decode_attention
+from mmjax.parallel.vision import video_features
+from mmjax.patterns import AShape, Dense, KernelOptions
+from models.attention import resolve_attention
+from models.causal_lm import model as causal_lm
+from models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, VisionConfig
+from models.qwen2_5_vl import model as qwen_vl
+from models.text_decoder import TextConfig
+from tests.models.helpers import IMG, VE, VID, VS, small_config, video_prompt
+from tests.models.text_lm_cases import case_dir, load_text_case, row0
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (run by tests/parallel/test_parallel.py)")
+
+LAYERS, HEADS, KV_HEADS = 2, 8, 4
+MESHES = {"tp2": (2, 1), "tp4": (4, 1), "tp2_sp2": (2, 2), "sp4": (1, 4)}
+
+
+def random_model(cfg, seed=7):
+    """A Qwen2.5-VL of ``cfg`` with N(0, 0.02) weights (norms 1) drawn on the host: no per-shape compiles."""
+    model = nnx.eval_shape(lambda: Qwen2_5_VL(cfg, key=jax.random.key(0)))
+    rng = np.random.default_rng(seed)
+
+    def fill(path, x):
+        name = str(path[1].key)
+        value = np.ones(x.shape) if "norm" in name else 0.02 * rng.standard_normal(x.shape)
+        return jnp.asarray(value, x.dtype)
+    nnx.update(model, jax.tree_util.tree_map_with_path(fill, nnx.state(model)))
+    return model
+
+
+def vl_config():
+    text = TextConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, head_dim=16,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-6,
+                      mrope_section=(2, 3, 3))
+    vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                          fullatt_block_indexes=(1,), window_size=56, tokens_per_second=2)
+    return Qwen2_5_VLConfig(text=text, vision=vision, image_token_id=IMG, video_token_id=VID,
+                            vision_start_token_id=VS, vision_end_token_id=VE)
+
+
+def sparse_config():
+    """A-shape and dense heads mixed inside GQA groups, a different plan per layer."""
+    kw = {"block_q": 16, "block_k": 16}
+    pats = (AShape(sink=4, local=16, **kw), Dense(**kw))
+    layers = tuple(tuple(pats[(i + h // 3) % 2] for h in range(HEADS)) for i in range(LAYERS))
+    return mmjax.SparseConfig(layers, options=KernelOptions(implementation="reference"))
+
+
+@pytest.fixture(scope="module")
+def vl():
+    cfg = vl_config()
+    inputs = video_prompt(cfg, frames=10, rng=np.random.default_rng(0))
+    inputs["input_ids"] = np.concatenate([inputs["input_ids"], [[5]]], axis=1)  # T = 87: no multiple of 2 or 4
+    return cfg, random_model(cfg), inputs
+
+
+_REF = {}
+
+
+def reference(vl, attention):
+    """Single-device prefill and 3 greedy tokens (computed once per attention)."""
+    key = type(attention).__name__
+    if key not in _REF:
+        _, model, inputs = vl
+        t = inputs["input_ids"].shape[1]
+        _REF[key] = (mmjax.prefill(model, inputs, attention, max_length=t + 4),
+                     mmjax.generate(model, inputs, 3, attention=attention).tokens)
+    return _REF[key]
+
+
+def sharded_model(cfg, mesh):
+    return shard_model(random_model(cfg), mesh)
+
+
+def check_prefill(ref, out, t, mesh):
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(out.cache.k)[:, :, :t], np.asarray(ref.cache.k)[:, :, :t], atol=2e-6)
+    np.testing.assert_allclose(np.asarray(out.cache.v)[:, :, :t], np.asarray(ref.cache.v)[:, :, :t], atol=2e-6)
+    tp = "tp" if mesh.shape["tp"] > 1 else None
+    sp = "sp" if mesh.shape["sp"] > 1 else None
+    assert out.cache.k.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        None, None, sp, tp, None)), 5)
+    assert out.cache.k.shape[2] % mesh.shape["sp"] == 0
+
+
+@pytest.mark.parametrize("name", [pytest.param("tp4", marks=pytest.mark.slow), "tp2_sp2"])
+def test_dense_prefill_and_greedy_generate_equal_one_device(vl, name):
+    cfg, _, inputs = vl
+    mesh = make_mesh(*MESHES[name])
+    model = sharded_model(cfg, mesh)
+    ref, ref_tokens = reference(vl, "dense")
+    t = inputs["input_ids"].shape[1]
+    check_prefill(ref, mmjax.prefill(model, inputs, max_length=t + 4, mesh=mesh), t, mesh)
+    np.testing.assert_array_equal(mmjax.generate(model, inputs, 3, mesh=mesh).tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("name", [pytest.param("tp4", marks=pytest.mark.slow), "tp2_sp2"])
+def test_sparse_prefill_equals_one_device(vl, name):
+    cfg, _, inputs = vl
+    mesh = make_mesh(*MESHES[name])
+    model = sharded_model(cfg, mesh)
+    ref, ref_tokens = reference(vl, sparse_config())
+    dense, _ = reference(vl, "dense")
+    assert np.abs(np.asarray(ref.logits) - np.asarray(dense.logits)).max() > 1e-3  # the patterns do drop keys
+    t = inputs["input_ids"].shape[1]
+    check_prefill(ref, mmjax.prefill(model, inputs, sparse_config(), max_length=t + 4, mesh=mesh), t, mesh)
+    if name == "tp4":  # decoding attends densely: the same program as the dense case's
+        np.testing.assert_array_equal(mmjax.generate(model, inputs, 3, attention=sparse_config(), mesh=mesh).tokens,
+                                      ref_tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp2", "sp4"])
+def test_dense_prefill_and_generate_other_meshes(vl, name):
+    cfg, _, inputs = vl
+    mesh = make_mesh(*MESHES[name])
+    model = sharded_model(cfg, mesh)
+    ref, ref_tokens = reference(vl, "dense")
+    t = inputs["input_ids"].shape[1]
+    check_prefill(ref, mmjax.prefill(model, inputs, max_length=t + 4, mesh=mesh), t, mesh)
+    np.testing.assert_array_equal(mmjax.generate(model, inputs, 3, mesh=mesh).tokens, ref_tokens)
+
+
+@pytest.mark.slow
+def test_chunked_prefill_on_heads_mesh_equals_one_device(vl):
+    cfg, _, inputs = vl
+    mesh = make_mesh(2, 1)
+    model = sharded_model(cfg, mesh)
+    ref, _ = reference(vl, "dense")
+    t = inputs["input_ids"].shape[1]
+    check_prefill(ref, mmjax.prefill(model, inputs, max_length=t + 4, chunk_tokens=48, mesh=mesh), t, mesh)
+
+
+@pytest.mark.slow
+def test_videos_split_by_frames_equal_one_device(vl):
+    cfg, model, _ = vl
+    grids = ((3, 4, 8), (5, 4, 4))  # 3 and 5 temporal patches over 4 devices: padded
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = jnp.asarray(np.random.default_rng(1).standard_normal((n, cfg.vision.patch_dim)), jnp.float32)
+    ref = qwen_vl.vision_features(model, pixels, grids)
+    mesh = make_mesh(2, 2)
+    out = video_features(sharded_model(cfg, mesh), pixels, grids, None, mesh)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
+
+
+def test_text_lm_loads_into_layout_and_generates_as_one_device():
+    mesh = make_mesh(2, 1)
+    model, _ = mmjax.load(case_dir("llama"), dtype=jnp.float32, mesh=mesh)
+    lm = model.language_model
+    assert [s.data.shape for s in lm.wq[...].addressable_shards] == [(3, 64, 2, 16)] * 2  # 4 heads over 2
+    assert [s.data.shape for s in lm.w_down[...].addressable_shards] == [(3, 64, 64)] * 2  # 128 features
+    assert [s.data.shape for s in lm.embed[...].addressable_shards] == [(224, 64)] * 2  # vocabulary 448
+    ref, _ = mmjax.load(case_dir("llama"), dtype=jnp.float32)
+    _, d = load_text_case("llama")
+    np.testing.assert_array_equal(mmjax.generate(model, row0(d), 6, mesh=mesh).tokens,
+                                  mmjax.generate(ref, row0(d), 6).tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama_tied_bias", "qwen3_moe"])
+def test_text_lm_left_padded_batch_equals_one_device(case):
+    mesh = make_mesh(2, 1)
+    model, _ = mmjax.load(case_dir(case), dtype=jnp.float32, mesh=mesh)
+    ref, _ = mmjax.load(case_dir(case), dtype=jnp.float32)
+    inputs, _ = load_text_case(case)  # two rows, one left-padded
+    out, want = mmjax.prefill(model, inputs, mesh=mesh), mmjax.prefill(ref, inputs)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(want.logits), atol=1e-5)
+    tokens = jnp.asarray([3, 4])
+    np.testing.assert_allclose(np.asarray(mmjax.decode_step(model, out.cache, tokens, mesh=mesh)[0]),
+                               np.asarray(mmjax.decode_step(ref, want.cache, tokens)[0]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_decode_step_has_two_all_reduces_per_layer():
+    """Heads split: one all-reduce after the output projection and one after the down projection
+    per layer, plus one for the vocabulary-split embedding lookup; nothing gathers the cache."""
+    mesh = make_mesh(2, 1)
+    model, _ = mmjax.load(case_dir("qwen3"), dtype=jnp.float32, mesh=mesh)
+    pre = mmjax.prefill(model, row0(load_text_case("qwen3")[1]), mesh=mesh)
+    compiled = parallel_run.decode_step.lower(
+        causal_lm.decode_step, model, pre.cache, jnp.zeros((1,), jnp.int32),
+        attention=decode_attention(resolve_attention("dense"), mesh), mesh=mesh).compile().as_text()
+    layers = model.config.text.num_hidden_layers
+    assert len(re.findall(r"= \S+ all-reduce\(", compiled)) == 2 * layers + 1
+    assert len(re.findall(r"= \S+ all-gather\(", compiled)) == 1  # the vocabulary-split logits
+
+
+def test_bad_meshes_are_named_errors(vl):
+    cfg, _, inputs = vl
+    model = random_model(cfg)
+    devices = np.asarray(jax.devices()[:2])
+    with pytest.raises(ValueError, match="mesh: expected axes named 'tp'"):
+        mmjax.prefill(model, inputs, mesh=Mesh(devices, ("x",)))
+    with pytest.raises(ValueError, match="mesh: expected a jax.sharding.Mesh"):
+        mmjax.prefill(model, inputs, mesh="tp2")
+    with pytest.raises(ValueError, match="not laid out on the mesh"):
+        mmjax.prefill(model, inputs, mesh=make_mesh(2, 1))
+    two_kv = random_model(small_config(layers=1))  # 2 key-value heads
+    with pytest.raises(ValueError, match="'tp' axis size 4 must divide the decoder's num_key_value_heads=2"):
+        shard_model(two_kv, make_mesh(4, 1))
+    mesh = make_mesh(1, 4)
+    with pytest.raises(ValueError, match="tp \\* sp = 4 devices whole GQA groups; 4 must divide num_key_value_heads=2"):
+        mmjax.prefill(shard_model(two_kv, mesh), video_prompt(two_kv.config, 2, np.random.default_rng(0)), mesh=mesh)
+    with pytest.raises(ValueError, match="chunk_tokens: a sequence-parallel mesh"):
+        mesh = make_mesh(2, 2)
+        mmjax.prefill(sharded_model(cfg, mesh), inputs, chunk_tokens=32, mesh=mesh)
+    with pytest.raises(ValueError, match="tp \\* sp: expected at most the 4 devices"):
+        make_mesh(4, 2)
