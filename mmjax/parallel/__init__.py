@@ -3,7 +3,7 @@
 ``mmjax.prefill`` / ``decode_step`` / ``generate``."""
 
 from mmjax.parallel.attention import HeadParallel, SequenceDecode, SequenceHeads
-from mmjax.parallel.mesh import make_mesh
+from mmjax.parallel.mesh import devices_mesh, make_mesh
 from models.sharding import cache_sharding, shard_model
 
-__all__ = ["HeadParallel", "SequenceDecode", "SequenceHeads", "cache_sharding", "make_mesh", "shard_model"]
+__all__ = ["HeadParallel", "SequenceDecode", "SequenceHeads", "cache_sharding", "devices_mesh", "make_mesh", "shard_model"]

@@ -10,6 +10,7 @@ split of the vision tower alone, left-padded text-LM batches (Llama with biases,
 collectives of a decode step.
 """
 
+import json
 import re
 
 import jax
@@ -20,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import mmjax
+from mmjax.drivers.cli import main as cli_main
 from mmjax.parallel import make_mesh, shard_model
 from mmjax.parallel import run as parallel_run
 from mmjax.parallel.attention import decode_attention
@@ -30,6 +32,8 @@ from models.causal_lm import model as causal_lm
 from models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, VisionConfig
 from models.qwen2_5_vl import model as qwen_vl
 from models.text_decoder import TextConfig
+from tests.drivers.test_generate import EXPECTED as GENERATE_EXPECTED
+from tests.drivers.test_generate import FLAGS as GENERATE_FLAGS
 from tests.models.helpers import IMG, VE, VID, VS, small_config, video_prompt
 from tests.models.text_lm_cases import case_dir, load_text_case, row0
 
@@ -230,3 +234,20 @@ def test_bad_meshes_are_named_errors(vl):
         mmjax.prefill(sharded_model(cfg, mesh), inputs, chunk_tokens=32, mesh=mesh)
     with pytest.raises(ValueError, match="tp \\* sp: expected at most the 4 devices"):
         make_mesh(4, 2)
+
+
+@pytest.mark.parametrize("flags", [["--devices", "2"],
+                                   pytest.param(["--devices", "2", "--sequence-parallel", "2"],
+                                                marks=pytest.mark.slow)])
+def test_generate_cli_on_devices_gives_transformers_greedy_ids(flags, capsys):
+    rc = cli_main(["generate", *GENERATE_FLAGS, *flags, "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert json.loads(out)["tokens"] == GENERATE_EXPECTED["generated_ids"]
+
+
+def test_generate_cli_devices_errors_are_one_line(capsys):
+    assert cli_main(["generate", *GENERATE_FLAGS, "--devices", "8"]) == 2
+    assert "--devices: expected at most the 4 cpu devices available, got 8" in capsys.readouterr().err
+    assert cli_main(["generate", *GENERATE_FLAGS, "--devices", "4", "--sequence-parallel", "3"]) == 2
+    assert "--sequence-parallel: expected a divisor of --devices 4, got 3" in capsys.readouterr().err

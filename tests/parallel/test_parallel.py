@@ -2,6 +2,7 @@
 be set before JAX starts, and the rest of the suite keeps one device); checks the mesh helpers that
 need only one device here."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import jax
 import pytest
 
+from mmjax.drivers.cli import main as cli_main
 from mmjax.parallel import make_mesh
 from tests.parallel import sharded_cases
 
@@ -40,3 +42,16 @@ def test_make_mesh_checks_its_sizes():
         make_mesh(0)
     with pytest.raises(ValueError, match=f"tp \\* sp: expected at most the {jax.device_count()} devices"):
         make_mesh(jax.device_count() + 1)
+
+
+@pytest.mark.slow
+def test_bench_prefill_on_two_devices(tmp_path, capsys):
+    """`mmjax bench prefill --devices 2` on the CPU: the row's process gets 2 virtual devices and prefills the
+    tiny model in its tensor-parallel layout."""
+    rc = cli_main(["bench", "prefill", "--tokens", "256", "--configs", "dense", "--devices", "2", "--layers", "1",
+                   "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    (path,) = tmp_path.glob("prefill_*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert "error" not in row and row["devices"] == 2 and row["warm_s"] > 0, row
