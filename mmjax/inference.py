@@ -140,8 +140,8 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
     if mesh is not None and (chunk_tokens is None or chunk_tokens >= t):
         logits, cache, hidden = parallel.prefill_language_model(
             run.prefill_language_model, model, p.input_ids, image_feats, video_feats, p.position_ids,
-            p.attention_mask, p.token_types, p.rope_deltas, attention=prefill_attention(resolve_attention(attention),
-                                                                                        mesh),
+            p.attention_mask, p.token_types, p.rope_deltas,
+            attention=prefill_attention(resolve_attention(attention), mesh, model.config.text.num_key_value_heads),
             max_length=max_length, hidden_layers=hidden_layers, mlp_chunk=mlp_chunk, kv_dtype=kv_dtype, mesh=mesh)
     elif chunk_tokens is None or chunk_tokens >= t:
         logits, cache, hidden = run.prefill_language_model(
@@ -229,7 +229,7 @@ def decode_step(model, cache: KVCache, tokens: jax.Array, attention: Any = "dens
     if axis_size(mesh, SP) > 1 and not (isinstance(attention, str) and attention == "dense"):
         raise ValueError(f"attention: a sequence-parallel decode (sp > 1) attends densely; expected 'dense', got "
                          f"{attention!r}")
-    return parallel.decode_step(run.decode_step, model, parallel.place_cache(cache, mesh), tokens,
+    return parallel.decode_step(run.decode_step, model, cache, tokens,
                                 attention=decode_attention(resolve_attention(attention), mesh), mesh=mesh)
 
 

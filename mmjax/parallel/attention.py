@@ -10,6 +10,11 @@ becomes when ``mmjax.prefill`` / ``decode_step`` get a mesh (axes "tp" and / or 
   whole sequence of K / (tp * sp) key heads and their query heads, runs the wrapped ``attn_fn`` on them
   (sparse patterns see exactly their single-device input, hence exact for their masks), and swaps back.
   Needs tp * sp to divide the key-value heads.
+* Sequence, prefill, ring ("sp", `SequenceRing`, dense attention when tp * sp does not divide the
+  key-value heads): queries stay split by token, in zigzag pairs of chunks (device j of sp computes
+  chunks j and 2 sp - 1 - j of 2 sp, so the causal work is even), and the K / V chunks go round the
+  ring (``ppermute``), each merged into an online softmax; chunks wholly in a query pair's future are
+  skipped. No device holds more than one other device's K / V chunk at a time.
 * Sequence, decode ("sp", `SequenceDecode`): the cache is split by slot; each device attends its slots
   (exact softmax, float32 statistics) and the partial results merge by their log-sum-exp (``pmax`` /
   ``psum`` over "sp"). Dense attention only.
@@ -29,7 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mmjax.sparse.model_attention import SparseModelAttention
-from models.attention import LayerAttention
+from models.attention import LayerAttention, dense_attention
 from models.sharding import SP, TP, axis_size
 from pallas_kernels.checks import check_sm_scale
 from pallas_kernels.nonfinite import finish, poison_keys, score_poison
@@ -140,6 +145,80 @@ def _partial_attention(q, k, v, q_positions, kv_valid, offset, scale):
     return m, l, acc
 
 
+def _merge(state, part):
+    """Two online-softmax states (m, l, acc) over disjoint keys -> one."""
+    (m, l, acc), (m2, l2, acc2) = state, part
+    big = jnp.maximum(m, m2)
+    safe = jnp.where(jnp.isneginf(big), 0.0, big)
+    a, b = jnp.exp(m - safe), jnp.exp(m2 - safe)
+    return big, l * a + l2 * b, acc * a[..., None] + acc2 * b[..., None]
+
+
+def zigzag_perms(n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(source, destination) device pairs sending each device's first / second chunk of 2 n to the device
+    that computes it (device j computes chunks j and 2 n - 1 - j)."""
+    home = lambda chunk: chunk if chunk < n else 2 * n - 1 - chunk
+    return [(i, home(2 * i)) for i in range(n)], [(i, home(2 * i + 1)) for i in range(n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceRing:
+    """Exact dense causal prefill with the tokens split over "sp" (heads over "tp"): zigzag query chunks,
+    K / V chunks round the ring, online softmax (``sm_scale`` default D ** -0.5). q and k / v must have
+    the same length (a prefill from an empty cache)."""
+
+    mesh: Mesh
+    sm_scale: float | None = None
+
+    def __call__(self, q, k, v, *, layer=0, q_positions, kv_valid, modality=None):
+        tp, sp = _axis(self.mesh, TP), SP
+        n = axis_size(self.mesh, SP)
+        b, t = q.shape[:2]
+        if k.shape[1] != t or kv_valid.shape != (b, t):
+            raise ValueError(f"k / kv_valid: ring attention attends the prompt's own keys (S == T = {t}, kv_valid "
+                             f"[B, T]); received k {tuple(k.shape)}, kv_valid {tuple(kv_valid.shape)}")
+        scale = check_sm_scale(self.sm_scale, q.shape[-1])
+        c = -(-t // (2 * n))  # tokens per chunk; device j holds chunks 2j, 2j + 1
+        pad = 2 * n * c - t
+        padded = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        positions = jnp.concatenate([q_positions, jnp.broadcast_to(t + jnp.arange(pad, dtype=q_positions.dtype),
+                                                                   (b, pad))], axis=1)
+        send0, send1 = zigzag_perms(n)
+        back0, back1 = [(d, s) for s, d in send0], [(d, s) for s, d in send1]
+        ring = [(i, (i + 1) % n) for i in range(n)]
+
+        def body(layer, q, k, v, positions, valid):
+            j = jax.lax.axis_index(sp)
+            first = jnp.where(j % 2 == 0, j, 2 * n - 1 - j)  # the chunk that arrives by send0
+            second = jnp.where(j % 2 == 1, j, 2 * n - 1 - j)
+            qz = jnp.concatenate([jax.lax.ppermute(q[:, :c], sp, send0), jax.lax.ppermute(q[:, c:], sp, send1)], 1)
+            pos = jnp.concatenate([jax.lax.dynamic_slice_in_dim(positions, first * c, c, 1),
+                                   jax.lax.dynamic_slice_in_dim(positions, second * c, c, 1)], 1)
+            bq, tq, nq, d = qz.shape
+            kh = k.shape[2]
+            init = (jnp.full((bq, kh, nq // kh, tq), -jnp.inf, jnp.float32),
+                    jnp.zeros((bq, kh, nq // kh, tq), jnp.float32), jnp.zeros((bq, kh, nq // kh, tq, d), jnp.float32))
+
+            def step(s, carry):
+                state, kc, vc = carry
+                offset = ((j - s) % n) * 2 * c  # first slot of the visiting chunk
+                ok = jax.lax.dynamic_slice_in_dim(valid, offset, 2 * c, 1)
+                state = jax.lax.cond(offset > jnp.max(pos), lambda: state, lambda: _merge(
+                    state, _partial_attention(qz, kc, vc, pos, ok, offset, scale)))
+                return state, jax.lax.ppermute(kc, sp, ring), jax.lax.ppermute(vc, sp, ring)
+
+            (m, l, acc), _, _ = jax.lax.fori_loop(0, n, step, (init, k, v))
+            out, _ = finish(m, l, acc)
+            out = jnp.einsum("bkgtd->btkgd", out).reshape(qz.shape).astype(q.dtype)
+            return jnp.concatenate([jax.lax.ppermute(out[:, :c], sp, back0),
+                                    jax.lax.ppermute(out[:, c:], sp, back1)], 1)
+
+        split = P(None, sp, tp, None)
+        out = _run_sharded(body, self.mesh, (split, split, split, P(), P()), split, layer,
+                           (padded(q), padded(k), padded(v), positions, padded(kv_valid)))
+        return out[:, :t]
+
+
 @dataclasses.dataclass(frozen=True)
 class SequenceDecode:
     """Decode against a cache split by slot over "sp" (heads over "tp"): each device attends its slots,
@@ -175,19 +254,31 @@ class _Wrap:
         return self.wrap(self.per_layer(layer))
 
 
-def prefill_attention(attention: LayerAttention, mesh: Mesh) -> LayerAttention:
-    """Each layer's attention of a prefill on ``mesh``: `SequenceHeads` when it has an "sp" axis of
-    size > 1, else `HeadParallel`."""
-    cls = SequenceHeads if axis_size(mesh, SP) > 1 else HeadParallel
-    wrap = lambda fn: cls(fn, mesh)
+def _each_layer(attention: LayerAttention, wrap: Callable) -> LayerAttention:
     if attention.scannable:
         return LayerAttention(uniform=wrap(attention.uniform))
     return LayerAttention(per_layer=_Wrap(attention.per_layer, wrap))
 
 
+def prefill_attention(attention: LayerAttention, mesh: Mesh, kv_heads: int) -> LayerAttention:
+    """Each layer's attention of a prefill on ``mesh`` for a decoder of ``kv_heads`` key-value heads:
+    with an "sp" axis of size > 1, `SequenceHeads` when tp * sp divides ``kv_heads``, else `SequenceRing`
+    (dense attention only: ValueError for any other); `HeadParallel` without one."""
+    split = axis_size(mesh, TP) * axis_size(mesh, SP)
+    if axis_size(mesh, SP) == 1:
+        return _each_layer(attention, lambda fn: HeadParallel(fn, mesh))
+    if kv_heads % split == 0:
+        return _each_layer(attention, lambda fn: SequenceHeads(fn, mesh))
+    if attention.scannable and attention.uniform is dense_attention:
+        return LayerAttention(uniform=SequenceRing(mesh))
+    raise ValueError(f"attention: with tp * sp = {split} devices not dividing the {kv_heads} key-value heads, "
+                     "sequence-parallel prefill runs ring attention, which is dense; expected 'dense' (or a "
+                     "mesh whose tp * sp divides the key-value heads, for sparse / cuDNN attention)")
+
+
 def decode_attention(attention: LayerAttention, mesh: Mesh) -> LayerAttention:
-    """Each layer's attention of a decode step (or chunked prefill) on ``mesh``: `SequenceDecode`
-    (dense) when it has an "sp" axis of size > 1, else `HeadParallel` around ``attention``."""
+    """Each layer's attention of a decode step (or a heads-only chunked prefill) on ``mesh``:
+    `SequenceDecode` (dense) when it has an "sp" axis of size > 1, else `HeadParallel` around ``attention``."""
     if axis_size(mesh, SP) > 1:
         return LayerAttention(uniform=SequenceDecode(mesh))
-    return prefill_attention(attention, mesh)
+    return _each_layer(attention, lambda fn: HeadParallel(fn, mesh))

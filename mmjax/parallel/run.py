@@ -18,22 +18,17 @@ from jax.sharding import PartitionSpec as P
 
 from models.attention import LayerAttention
 from models.kv_cache import KVCache
-from models.sharding import SP, TP, axis_size, cache_sharding, check_mesh, is_laid_out
+from models.sharding import SP, axis_size, cache_sharding, check_mesh, is_laid_out
 
 
 def check(model: nnx.Module, mesh: Any) -> Mesh:
     """The mesh to run ``model`` on (`models.sharding.check_mesh`); ValueError when the model's
-    parameters are not laid out on it, or its key-value heads do not split over tp * sp for a
-    sequence-parallel prefill."""
+    parameters are not laid out on it."""
     config = model.language_model.config
     mesh = check_mesh(mesh, config)
     if not is_laid_out(model, mesh):
         raise ValueError("model: its parameters are not laid out on the mesh; call "
                          "mmjax.parallel.shard_model(model, mesh) or load it with mmjax.load(..., mesh=mesh)")
-    split = axis_size(mesh, TP) * axis_size(mesh, SP)
-    if axis_size(mesh, SP) > 1 and config.num_key_value_heads % split:
-        raise ValueError(f"mesh: sequence-parallel attention gives each of tp * sp = {split} devices whole GQA "
-                         f"groups; {split} must divide num_key_value_heads={config.num_key_value_heads}")
     return mesh
 
 
@@ -55,25 +50,48 @@ def _pin_cache(cache: KVCache, mesh: Mesh) -> KVCache:
     return jax.tree.map(jax.lax.with_sharding_constraint, cache, shardings)
 
 
+def _on_mesh(arrays, mesh: Mesh):
+    """Host or single-device arrays (prompt ids, masks, visual features, tokens) replicated on ``mesh``, so
+    that XLA's layout of the program's inputs is fixed (None stays None)."""
+    rep = NamedSharding(mesh, P())
+    return tuple(None if a is None else jax.device_put(a, rep) for a in arrays)
+
+
+def prefill_language_model(fn, model, *arrays, attention: LayerAttention, max_length: int, hidden_layers: tuple,
+                           mlp_chunk: int | None, kv_dtype, mesh: Mesh):
+    """``fn`` (a port's ``prefill_language_model``) on ``mesh``: arrays = (input_ids, image_feats, video_feats,
+    position_ids, mask, types, rope_deltas), as ``fn`` takes them. Returns (logits float32 [B, V]
+    replicated, KVCache in its layout, hidden [n, B, T, H] split by token over "sp")."""
+    return prefill_program(fn, model, *_on_mesh(arrays, mesh), attention=attention, max_length=max_length,
+                    hidden_layers=hidden_layers, mlp_chunk=mlp_chunk, kv_dtype=kv_dtype, mesh=mesh)
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("attention", "max_length", "hidden_layers",
                                                                    "mlp_chunk", "kv_dtype", "mesh"))
-def prefill_language_model(fn, model, input_ids, image_feats, video_feats, position_ids, mask, types, rope_deltas, *,
-                           attention: LayerAttention, max_length: int, hidden_layers: tuple, mlp_chunk: int | None,
-                           kv_dtype, mesh: Mesh):
-    """``fn`` (a port's ``prefill_language_model``) on ``mesh``; same arguments and results (logits
-    float32 [B, V], KVCache, hidden [n, B, T, H])."""
+def prefill_program(fn, model, input_ids, image_feats, video_feats, position_ids, mask, types, rope_deltas, *,
+                    attention: LayerAttention, max_length: int, hidden_layers: tuple, mlp_chunk: int | None, kv_dtype,
+                    mesh: Mesh):
+    """The jit-compiled program of `prefill_language_model` (its arrays already on ``mesh``)."""
     logits, cache, hidden = fn(model, _by_token(input_ids, mesh), image_feats, video_feats,
                                _by_token(position_ids, mesh), _by_token(mask, mesh), _by_token(types, mesh),
                                rope_deltas, attention=attention, max_length=max_length, hidden_layers=hidden_layers,
                                mlp_chunk=mlp_chunk, kv_dtype=kv_dtype)
     rep = NamedSharding(mesh, P())
+    sp = SP if axis_size(mesh, SP) > 1 else None
+    hidden = jax.lax.with_sharding_constraint(hidden, NamedSharding(mesh, P(None, None, sp, None)))
     return jax.lax.with_sharding_constraint(logits, rep), _pin_cache(cache, mesh), hidden
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("attention", "mesh"), donate_argnames=("cache",))
 def decode_step(fn, model, cache: KVCache, tokens: jax.Array, *, attention: LayerAttention, mesh: Mesh):
     """``fn`` (a port's ``decode_step``) on ``mesh``: (logits float32 [B, V] replicated, cache in its layout);
-    the cache is donated."""
+    the cache (moved into its layout first when it is not there) is donated."""
+    (tokens,) = _on_mesh((tokens,), mesh)
+    return decode_program(fn, model, place_cache(cache, mesh), tokens, attention=attention, mesh=mesh)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("attention", "mesh"), donate_argnames=("cache",))
+def decode_program(fn, model, cache: KVCache, tokens: jax.Array, *, attention: LayerAttention, mesh: Mesh):
+    """The jit-compiled program of `decode_step` (cache and tokens already on ``mesh``; the cache is donated)."""
     logits, cache = fn(model, cache, tokens, attention)
     return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P())), _pin_cache(cache, mesh)
 

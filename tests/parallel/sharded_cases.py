@@ -24,7 +24,7 @@ import mmjax
 from mmjax.drivers.cli import main as cli_main
 from mmjax.parallel import make_mesh, shard_model
 from mmjax.parallel import run as parallel_run
-from mmjax.parallel.attention import decode_attention
+from mmjax.parallel.attention import decode_attention, zigzag_perms
 from mmjax.parallel.vision import video_features
 from mmjax.patterns import AShape, Dense, KernelOptions
 from models.attention import resolve_attention
@@ -66,12 +66,18 @@ def vl_config():
                             vision_start_token_id=VS, vision_end_token_id=VE)
 
 
-def sparse_config():
+def sparse_config_for(cfg):
     """A-shape and dense heads mixed inside GQA groups, a different plan per layer."""
     kw = {"block_q": 16, "block_k": 16}
     pats = (AShape(sink=4, local=16, **kw), Dense(**kw))
-    layers = tuple(tuple(pats[(i + h // 3) % 2] for h in range(HEADS)) for i in range(LAYERS))
+    c = cfg.text
+    layers = tuple(tuple(pats[(i + h // 3) % 2] for h in range(c.num_attention_heads))
+                   for i in range(c.num_hidden_layers))
     return mmjax.SparseConfig(layers, options=KernelOptions(implementation="reference"))
+
+
+def sparse_config():
+    return sparse_config_for(vl_config())
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +211,7 @@ def test_decode_step_has_two_all_reduces_per_layer():
     mesh = make_mesh(2, 1)
     model, _ = mmjax.load(case_dir("qwen3"), dtype=jnp.float32, mesh=mesh)
     pre = mmjax.prefill(model, row0(load_text_case("qwen3")[1]), mesh=mesh)
-    compiled = parallel_run.decode_step.lower(
+    compiled = parallel_run.decode_program.lower(
         causal_lm.decode_step, model, pre.cache, jnp.zeros((1,), jnp.int32),
         attention=decode_attention(resolve_attention("dense"), mesh), mesh=mesh).compile().as_text()
     layers = model.config.text.num_hidden_layers
@@ -226,9 +232,6 @@ def test_bad_meshes_are_named_errors(vl):
     two_kv = random_model(small_config(layers=1))  # 2 key-value heads
     with pytest.raises(ValueError, match="'tp' axis size 4 must divide the decoder's num_key_value_heads=2"):
         shard_model(two_kv, make_mesh(4, 1))
-    mesh = make_mesh(1, 4)
-    with pytest.raises(ValueError, match="tp \\* sp = 4 devices whole GQA groups; 4 must divide num_key_value_heads=2"):
-        mmjax.prefill(shard_model(two_kv, mesh), video_prompt(two_kv.config, 2, np.random.default_rng(0)), mesh=mesh)
     with pytest.raises(ValueError, match="chunk_tokens: a sequence-parallel mesh"):
         mesh = make_mesh(2, 2)
         mmjax.prefill(sharded_model(cfg, mesh), inputs, chunk_tokens=32, mesh=mesh)
@@ -251,3 +254,32 @@ def test_generate_cli_devices_errors_are_one_line(capsys):
     assert "--devices: expected at most the 4 cpu devices available, got 8" in capsys.readouterr().err
     assert cli_main(["generate", *GENERATE_FLAGS, "--devices", "4", "--sequence-parallel", "3"]) == 2
     assert "--sequence-parallel: expected a divisor of --devices 4, got 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [(1, 4), pytest.param((2, 2), marks=pytest.mark.slow)])
+def test_ring_prefill_when_kv_heads_do_not_split_equals_one_device(shape):
+    """2 key-value heads over tp * sp = 4: dense ring attention (zigzag query chunks, K / V round the ring)."""
+    cfg = small_config(layers=2)
+    inputs = video_prompt(cfg, frames=6, rng=np.random.default_rng(2))  # T = 54: chunks of 7 (with 2 padded)
+    t = inputs["input_ids"].shape[1]
+    one = random_model(cfg)
+    ref = mmjax.prefill(one, inputs, max_length=t + 4)
+    mesh = make_mesh(*shape)
+    model = shard_model(random_model(cfg), mesh)
+    check_prefill(ref, mmjax.prefill(model, inputs, max_length=t + 4, mesh=mesh), t, mesh)
+    np.testing.assert_array_equal(mmjax.generate(model, inputs, 3, mesh=mesh).tokens,
+                                  mmjax.generate(one, inputs, 3).tokens)
+    with pytest.raises(ValueError, match="sequence-parallel prefill runs ring attention, which is dense"):
+        mmjax.prefill(model, inputs, sparse_config_for(cfg), mesh=mesh)
+
+
+def test_zigzag_pairs_cover_every_chunk_once():
+    for n in (1, 2, 3, 4, 8):
+        send0, send1 = zigzag_perms(n)
+        for perm in (send0, send1):
+            assert sorted(d for _, d in perm) == list(range(n))  # a permutation of the devices
+        got = {d: [] for d in range(n)}
+        for slot, perm in enumerate((send0, send1)):
+            for src, dst in perm:
+                got[dst].append(2 * src + slot)
+        assert all(sorted(got[j]) == sorted({j, 2 * n - 1 - j}) for j in range(n))  # device j: chunks j, 2n-1-j
