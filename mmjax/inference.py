@@ -104,7 +104,8 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
     on stderr over the chunks. mesh: a ``jax.sharding.Mesh`` with axes "tp" (heads: whole GQA groups
     per device, weights split as in `models.sharding`, one all-reduce after the output and the down
     projection) and / or "sp" (tokens; attention swaps to whole sequences of fewer heads, so sparse
-    patterns stay exact; ``max_length`` is rounded up to a multiple of sp) over which the model's
+    patterns stay exact; ``max_length`` is rounded up to a multiple of sp; the cache stays split while
+    it is written when sp divides the prompt length, else XLA gathers it at the writes) over which the model's
     parameters are laid out (``mmjax.parallel.shard_model`` or ``mmjax.load(..., mesh=)``); videos are
     encoded split by frames, the cache comes back split by key head and slot (see ``mmjax.parallel``).
     """

@@ -12,6 +12,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -72,10 +73,18 @@ def prefill_program(fn, model, input_ids, image_feats, video_feats, position_ids
                     attention: LayerAttention, max_length: int, hidden_layers: tuple, mlp_chunk: int | None, kv_dtype,
                     mesh: Mesh):
     """The jit-compiled program of `prefill_language_model` (its arrays already on ``mesh``)."""
+    # With the slots split over "sp", the decoder writes a cache of exactly the prompt's slots (a write at a
+    # traced slot into a split axis makes XLA gather the whole cache); the free slots are appended after.
+    # Measured in the compiled HLO on 4 CPU devices: no gather of the cache when sp divides the prompt
+    # length, a gather of it at the writes otherwise (still exact).
+    t = input_ids.shape[1]
+    slots = t if axis_size(mesh, SP) > 1 else max_length
     logits, cache, hidden = fn(model, _by_token(input_ids, mesh), image_feats, video_feats,
                                _by_token(position_ids, mesh), _by_token(mask, mesh), _by_token(types, mesh),
-                               rope_deltas, attention=attention, max_length=max_length, hidden_layers=hidden_layers,
+                               rope_deltas, attention=attention, max_length=slots, hidden_layers=hidden_layers,
                                mlp_chunk=mlp_chunk, kv_dtype=kv_dtype)
+    if slots < max_length:
+        cache = extend_cache(cache, max_length)
     rep = NamedSharding(mesh, P())
     sp = SP if axis_size(mesh, SP) > 1 else None
     hidden = jax.lax.with_sharding_constraint(hidden, NamedSharding(mesh, P(None, None, sp, None)))
@@ -94,6 +103,20 @@ def decode_program(fn, model, cache: KVCache, tokens: jax.Array, *, attention: L
     """The jit-compiled program of `decode_step` (cache and tokens already on ``mesh``; the cache is donated)."""
     logits, cache = fn(model, cache, tokens, attention)
     return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P())), _pin_cache(cache, mesh)
+
+
+def extend_cache(cache: KVCache, max_length: int) -> KVCache:
+    """``cache`` with free slots appended up to ``max_length`` (invalid; zero k / v, unit fp8 scales)."""
+    extra = max_length - cache.max_length
+
+    def pad(x, axis, value):
+        if x is None:
+            return None
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        return jnp.pad(x, widths, constant_values=value)
+    return dataclasses.replace(cache, k=pad(cache.k, 2, 0), v=pad(cache.v, 2, 0), k_scale=pad(cache.k_scale, 2, 1),
+                               v_scale=pad(cache.v_scale, 2, 1), valid=pad(cache.valid, 1, False))
 
 
 def place_cache(cache: KVCache, mesh: Mesh) -> KVCache:

@@ -5,7 +5,8 @@ subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set befo
 the rest of the suite keeps its single device. Tiny models: Qwen2.5-VL with 8 query / 4 key-value
 heads (tp 4, and tp 2 x sp 2) and the committed Llama / Qwen3 fixtures (tp 2, loaded straight into
 the layout). The default selection covers tp 2 x sp 2 (dense and sparse) and tp 2 (text LM loaded into the
-layout); ``-m slow`` adds tp 4 (dense and sparse), tp 2 and sp 4 alone, chunked prefill, the frame
+layout) and `mmjax generate --devices 2`; ``-m slow`` adds tp 4 (dense and sparse), tp 2 and sp 4
+alone, ring attention (2 key-value heads over sp 4 and tp 2 x sp 2), chunked prefill, the frame
 split of the vision tower alone, left-padded text-LM batches (Llama with biases, Qwen3-MoE) and the
 collectives of a decode step.
 """
@@ -24,7 +25,7 @@ import mmjax
 from mmjax.drivers.cli import main as cli_main
 from mmjax.parallel import make_mesh, shard_model
 from mmjax.parallel import run as parallel_run
-from mmjax.parallel.attention import decode_attention, zigzag_perms
+from mmjax.parallel.attention import decode_attention, prefill_attention, zigzag_perms
 from mmjax.parallel.vision import video_features
 from mmjax.patterns import AShape, Dense, KernelOptions
 from models.attention import resolve_attention
@@ -256,7 +257,8 @@ def test_generate_cli_devices_errors_are_one_line(capsys):
     assert "--sequence-parallel: expected a divisor of --devices 4, got 3" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("shape", [(1, 4), pytest.param((2, 2), marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
 def test_ring_prefill_when_kv_heads_do_not_split_equals_one_device(shape):
     """2 key-value heads over tp * sp = 4: dense ring attention (zigzag query chunks, K / V round the ring)."""
     cfg = small_config(layers=2)
@@ -283,3 +285,29 @@ def test_zigzag_pairs_cover_every_chunk_once():
             for src, dst in perm:
                 got[dst].append(2 * src + slot)
         assert all(sorted(got[j]) == sorted({j, 2 * n - 1 - j}) for j in range(n))  # device j: chunks j, 2n-1-j
+
+
+@pytest.mark.slow
+def test_sequence_parallel_prefill_and_decode_never_gather_the_cache():
+    """tp 2 x sp 2, a prompt of 70 tokens (sp divides it): the compiled prefill and decode step hold only
+    their slice of the KV cache (no all-gather of a cache-shaped [L, B, S, K, D] array)."""
+    cfg = vl_config()
+    inputs = video_prompt(cfg, frames=8, rng=np.random.default_rng(3))
+    t = inputs["input_ids"].shape[1]
+    mesh = make_mesh(2, 2)
+    model = sharded_model(cfg, mesh)
+    p = qwen_vl.prepare_inputs(cfg, **inputs)
+    _, vid = qwen_vl.visual_inputs(model, p)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    arrays = tuple(None if a is None else jax.device_put(a, rep)
+                   for a in (p.input_ids, None, vid, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas))
+    prefill_hlo = parallel_run.prefill_program.lower(
+        qwen_vl.prefill_language_model, model, *arrays, attention=prefill_attention(resolve_attention("dense"), mesh, 4),
+        max_length=t + 30, hidden_layers=(), mlp_chunk=None, kv_dtype=None, mesh=mesh).compile().as_text()
+    cache = mmjax.prefill(model, inputs, max_length=t + 30, mesh=mesh).cache
+    decode_hlo = parallel_run.decode_program.lower(
+        qwen_vl.decode_step, model, cache, jnp.zeros((1,), jnp.int32),
+        attention=decode_attention(resolve_attention("dense"), mesh), mesh=mesh).compile().as_text()
+    for hlo in (prefill_hlo, decode_hlo):
+        gathered = re.findall(r"= \w+\[(\d+),\d+,\d+,\d+,\d+\]\S* all-gather\(", hlo)
+        assert gathered == [], gathered
