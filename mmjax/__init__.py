@@ -10,20 +10,8 @@ Layers, each importing only the ones before it: ``pallas_kernels`` (attention ke
 from mmjax import io, parallel, patterns, speculative
 from mmjax.inference import PrefillOutput, decode_step, prefill
 from mmjax.load import load
-from mmjax.sparse import (
-                          Calibration,
-                          CalibrationRecorder,
-                          LayoutSet,
-                          Modality,
-                          RowSplit,
-                          SearchSpace,
-                          SparseConfig,
-                          attention_recall,
-                          build_layout,
-                          plot_layout,
-                          search,
-                          sparse_attention,
-)
+from mmjax.sparse import (Calibration, CalibrationRecorder, LayoutSet, Modality, RowSplit, SearchSpace, SparseConfig,
+                          attention_recall, build_layout, plot_layout, search, sparse_attention)
 from mmjax.speculative import GenerateOutput, generate
 
 __version__ = "0.1.0"
