@@ -37,7 +37,7 @@ def check_mesh(mesh: Any, config: TextConfig) -> Mesh:
     ``jax.sharding.Mesh`` whose axes are among ("tp", "sp") and whose tp size divides the decoder's
     key-value heads (whole GQA groups per device) and MLP width; ValueError otherwise."""
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise ValueError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")  # noqa: TRY004 - house rule
     extra = [a for a in mesh.axis_names if a not in (TP, SP)]
     if extra:
         raise ValueError(f"mesh: expected axes named {TP!r} (heads) and/or {SP!r} (sequence); got axes "
