@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax.parallel import run as parallel
+from mmjax.parallel import vision as parallel_vision
+from mmjax.parallel.attention import decode_attention, prefill_attention
 from mmjax.progress import progress_bar
 from mmjax.sparse.config import SparseConfig
 from mmjax.sparse.patterns import Dense
@@ -39,6 +43,7 @@ from models.causal_lm import model as causal_lm
 from models.kv_cache import KVCache
 from models.llava_onevision import model as llava_ov
 from models.qwen2_5_vl import model as qwen_vl
+from models.sharding import SP, axis_size
 
 PROCESSOR_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
                   "video_grid_thw", "second_per_grid_ts", "image_sizes", "batch_num_images")
@@ -84,7 +89,7 @@ def check_model(model) -> None:
 
 def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidden_layers: Sequence[int] = (),
             max_length: int | None = None, mlp_chunk: int | None = 8192, frames_per_chunk: int | None = None,
-            chunk_tokens: int | None = None, kv_dtype=None, progress: bool = False) -> PrefillOutput:
+            chunk_tokens: int | None = None, kv_dtype=None, progress: bool = False, mesh=None) -> PrefillOutput:
     """Encode images/videos, merge them into the token stream and run the decoder, filling a KV cache.
 
     inputs: HF processor outputs (``input_ids`` [B, T] and optionally ``attention_mask``,
@@ -98,7 +103,13 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
     which takes queries that end their keys; patterns that estimate their index online estimate it
     from each chunk's own last queries). kv_dtype: the cache's storage dtype (default the
     model's; ``jnp.float8_e4m3fn`` stores k / v in 8 bits with a per-vector scale). progress: a bar
-    on stderr over the chunks.
+    on stderr over the chunks. mesh: a ``jax.sharding.Mesh`` with axes "tp" (heads: whole GQA groups
+    per device, weights split as in `models.sharding`, one all-reduce after the output and the down
+    projection) and / or "sp" (tokens; attention swaps to whole sequences of fewer heads, so sparse
+    patterns stay exact; ``max_length`` is rounded up to a multiple of sp; the cache stays split while
+    it is written when sp divides the prompt length, else XLA gathers it at the writes) over which the model's
+    parameters are laid out (``mmjax.parallel.shard_model`` or ``mmjax.load(..., mesh=)``); videos are
+    encoded split by frames, the cache comes back split by key head and slot (see ``mmjax.parallel``).
     """
     run = runner(model)
     if "input_ids" not in inputs:
@@ -117,10 +128,25 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
             raise ValueError("attention_mask: 'cudnn' attention needs right padding (each row a prefix of valid "
                              "tokens); use 'dense' for left-padded batches")
     hidden_layers = tuple(int(i) for i in hidden_layers)
-    image_feats, video_feats = run.visual_inputs(model, p, frames_per_chunk)
+    if mesh is not None:
+        mesh = parallel.check(model, mesh)
+        max_length = parallel.round_slots(max_length, mesh)
+        if chunk_tokens is not None and chunk_tokens < t and axis_size(mesh, SP) > 1:
+            raise ValueError("chunk_tokens: a sequence-parallel mesh (sp > 1) prefills the prompt in one piece; "
+                             "expected None")
+    if mesh is not None and isinstance(model, qwen_vl.Qwen2_5_VL):
+        image_feats, video_feats = parallel_vision.visual_inputs(model, p, frames_per_chunk, mesh)
+    else:
+        image_feats, video_feats = run.visual_inputs(model, p, frames_per_chunk)
     if image_feats is not None or video_feats is not None:
         p = dataclasses.replace(p, pixel_values=None, pixel_values_videos=None)  # free the pixels on the device
-    if chunk_tokens is None or chunk_tokens >= t:
+    if mesh is not None and (chunk_tokens is None or chunk_tokens >= t):
+        logits, cache, hidden = parallel.prefill_language_model(
+            run.prefill_language_model, model, p.input_ids, image_feats, video_feats, p.position_ids,
+            p.attention_mask, p.token_types, p.rope_deltas,
+            attention=prefill_attention(resolve_attention(attention), mesh, model.config.text.num_key_value_heads),
+            max_length=max_length, hidden_layers=hidden_layers, mlp_chunk=mlp_chunk, kv_dtype=kv_dtype, mesh=mesh)
+    elif chunk_tokens is None or chunk_tokens >= t:
         logits, cache, hidden = run.prefill_language_model(
             model, p.input_ids, image_feats, video_feats, p.position_ids, p.attention_mask, p.token_types,
             p.rope_deltas, attention=resolve_attention(attention), max_length=max_length,
@@ -128,8 +154,10 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
     else:
         embeds = run.prompt_embeddings(model, p.input_ids, p.token_types, image_feats, video_feats)
         del image_feats, video_feats
-        logits, cache, hidden = _chunked_prefill(run, model, p, embeds, _chunk_attention(model, attention), max_length,
-                                                 hidden_layers, mlp_chunk, chunk_tokens, kv_dtype, progress)
+        attn = _chunk_attention(model, attention)
+        logits, cache, hidden = _chunked_prefill(run, model, p, embeds, attn if mesh is None else
+                                                 decode_attention(attn, mesh), max_length, hidden_layers, mlp_chunk,
+                                                 chunk_tokens, kv_dtype, progress, mesh)
     return PrefillOutput(logits, cache, {i: hidden[j] for j, i in enumerate(hidden_layers)}, p.token_types,
                          p.rope_deltas, p.input_ids, p.position_ids, p.attention_mask)
 
@@ -144,11 +172,13 @@ def _chunk_attention(model, attention):
 
 
 def _chunked_prefill(run, model, p, embeds, attention, max_length, hidden_layers, mlp_chunk, chunk, kv_dtype,
-                     progress):
-    """Prefill in chunks of ``chunk`` tokens (``run``: the model's row of ``RUNNERS``): (logits [B, V],
-    KVCache, hidden [n, B, T, H])."""
+                     progress, mesh=None):
+    """Prefill in chunks of ``chunk`` tokens (``run``: the model's row of ``RUNNERS``; ``mesh``: None or a
+    heads-only mesh the cache is laid out on): (logits [B, V], KVCache, hidden [n, B, T, H])."""
     b, t = p.input_ids.shape
     cache = run.init_cache(model.config, b, max_length, embeds.dtype, kv_dtype)
+    if mesh is not None:
+        cache = parallel.place_cache(cache, mesh)
     mask = p.attention_mask
     last = t - 1 - jnp.argmax(mask[:, ::-1], axis=-1)  # each row's last valid token
     h_last = jnp.zeros((b, embeds.shape[-1]), embeds.dtype)
@@ -184,18 +214,26 @@ def enable_compilation_cache(directory: str | os.PathLike, *, min_compile_time_s
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def decode_step(model, cache: KVCache, tokens: jax.Array, attention: Any = "dense"):
+def decode_step(model, cache: KVCache, tokens: jax.Array, attention: Any = "dense", *, mesh=None):
     """One jit-compiled decode step: tokens int [B] -> (logits float32 [B, V], new cache).
 
     The cache argument is donated (do not reuse it). Positions continue the rotary ids (M-RoPE or 1-D):
-    ``n_valid_tokens + rope_delta``.
+    ``n_valid_tokens + rope_delta``. mesh: the mesh of the prefill that made ``cache`` (see `prefill`);
+    with an "sp" axis the attention is dense, each device attending its cache slots.
     """
     run = runner(model)
     if tokens.ndim not in (1, 2) or tokens.shape[0] != cache.valid.shape[0] or tokens.size != cache.valid.shape[0]:
         raise ValueError(f"tokens: expected shape [{cache.valid.shape[0]}] (one token per row), got {tokens.shape}")
     if isinstance(attention, str) and attention == "cudnn":
         raise ValueError("attention: 'cudnn' is prefill-only; decode with 'dense' or a callable")
-    return run.decode_step(model, cache, tokens, resolve_attention(attention))
+    if mesh is None:
+        return run.decode_step(model, cache, tokens, resolve_attention(attention))
+    mesh = parallel.check(model, mesh)
+    if axis_size(mesh, SP) > 1 and not (isinstance(attention, str) and attention == "dense"):
+        raise ValueError(f"attention: a sequence-parallel decode (sp > 1) attends densely; expected 'dense', got "
+                         f"{attention!r}")
+    return parallel.decode_step(run.decode_step, model, cache, tokens,
+                                attention=decode_attention(resolve_attention(attention), mesh), mesh=mesh)
 
 
 jax.tree_util.register_dataclass(PrefillOutput, data_fields=[f.name for f in dataclasses.fields(PrefillOutput)],

@@ -73,19 +73,21 @@ def snapshot_config(snapshot_dir: str | os.PathLike) -> tuple[str, dict[str, Any
     return d, read_json(os.path.join(d, "config.json"))
 
 
-def load(snapshot_dir: str | os.PathLike, dtype=jnp.bfloat16) -> tuple[Any, Any]:
+def load(snapshot_dir: str | os.PathLike, dtype=jnp.bfloat16, mesh=None) -> tuple[Any, Any]:
     """``(model, processor)`` from a local Hugging Face snapshot.
 
     snapshot_dir: a directory with config.json, safetensors weights (``model.safetensors`` or shards with
     ``model.safetensors.index.json``) and the processor files, or a hub-cache tree ``models--org--name/``
     (``refs/main`` -> ``snapshots/<hash>/``, files symlinked into ``blobs/``). dtype: parameter dtype (None keeps
     each tensor's stored dtype). The architecture comes from config.json (see ``ARCHITECTURES``); an unsupported
-    one raises ValueError before any weight is read.
+    one raises ValueError before any weight is read. mesh: a ``jax.sharding.Mesh`` (axes "tp" / "sp",
+    ``mmjax.parallel.make_mesh``): the weights are read straight into their tensor-parallel layout (no
+    device holds a full copy of a split parameter), ready for ``mmjax.prefill(..., mesh=mesh)``.
     """
     d, config = snapshot_config(snapshot_dir)
     arch = architecture(config, os.path.join(d, "config.json"))
     processor = arch.processor(d)
-    return arch.from_hf(d, dtype=dtype), processor
+    return arch.from_hf(d, dtype=dtype, **({} if mesh is None else {"mesh": mesh})), processor
 
 
 def eos_token_ids(snapshot_dir: str | os.PathLike, processor=None) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """The house plan, checked by walking the packages' imports with `ast`.
 
-* Data flows one way: ``pallas_kernels`` <- ``models`` <- ``mmjax`` core (``sparse`` <-
+* Data flows one way: ``pallas_kernels`` <- ``models`` <- ``mmjax`` core (``sparse`` / ``parallel`` <-
   ``inference`` <- ``speculative``) <- ``mmjax.drivers``; a module imports only modules of its own
   layer or lower ones.
 * No private name (``_x``) is imported from, or reached into, another module.
@@ -25,7 +25,7 @@ LAYERS = (
     ("pallas_kernels",),
     ("models",),
     ("mmjax.timing", "mmjax.progress", "mmjax.files", "mmjax.io"),
-    ("mmjax.sparse",),
+    ("mmjax.sparse", "mmjax.parallel"),
     ("mmjax.inference", "mmjax.load"),
     ("mmjax.speculative",),
     ("mmjax", "mmjax.patterns"),

@@ -27,12 +27,13 @@ import numpy as np
 
 import mmjax
 from mmjax import io
+from mmjax.drivers.args import positive_int
 from mmjax.load import eos_token_ids
+from mmjax.parallel import devices_mesh
 from mmjax.progress import progress_bar
 from mmjax.sparse import SparseConfig
 from mmjax.speculative import Sampling, SparrowDraft, TreeConfig
 from models.text_stream import TextStream
-
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -66,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, metavar="P")
     p.add_argument("--top-k", type=int, metavar="K")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--devices", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel over N devices (attention heads split; default %(default)s)")
+    p.add_argument("--sequence-parallel", type=positive_int, default=1, metavar="S",
+                   help="of the N devices, split the prompt's tokens over S (tp = N / S; default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming the answer")
     return p
 
@@ -214,6 +219,9 @@ def _summary(args, metas, inputs, out, ttft, tps, model_s) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _check_args(args)
+    mesh = devices_mesh(args.devices, args.sequence_parallel)
+    if mesh is not None and args.draft:
+        raise ValueError("--draft: speculative decoding runs on one device; drop --devices / --sequence-parallel")
     tree = TreeConfig.parse(args.tree)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
@@ -223,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with progress_bar(total=1, desc="loading model") as bar:
         try:
-            model, processor = mmjax.load(args.model, dtype=DTYPES[args.dtype])
+            model, processor = mmjax.load(args.model, dtype=DTYPES[args.dtype], mesh=mesh)
         except ValueError as e:
             raise _flag_error("--model", args.model, e) from None
         bar.update(1)
@@ -243,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         stream = _Stream(processor, sys.stdout if stream_text else None, prefill_bar, decode_bar)
         t0 = time.perf_counter()
         out = mmjax.generate(model, inputs, args.max_new_tokens, sampling, draft, tree, attention=attention,
-                             eos_token_id=eos_token_ids(args.model, processor) or None, on_tokens=stream)
+                             eos_token_id=eos_token_ids(args.model, processor) or None, on_tokens=stream, mesh=mesh)
     ttft = read_s + process_s + (stream.times[0] - t0)
     tokens = [int(t) for t in out.tokens[0, :int(out.num_tokens[0])]]
     text = processor.decode(tokens, skip_special_tokens=True)

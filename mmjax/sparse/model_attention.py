@@ -54,24 +54,31 @@ def group_plans(layers: tuple[tuple[Pattern, ...], ...], kv_heads: int
 class SparseModelAttention:
     """The model hook of a `SparseConfig`'s ``layers`` (``layers[l][h]``: pattern of query head h
     in layer l). ``layer`` indexes ``layers`` (a Python int or a traced int32); ``only_layer`` pins
-    it (the per-layer hook of one layer)."""
+    it (the per-layer hook of one layer). ``head_axis``: inside ``jax.shard_map`` over these mesh
+    axes, q / k / v hold this device's contiguous slice of whole GQA groups (the
+    ``axis_index(head_axis)``-th), which run the patterns of their global heads."""
 
     layers: tuple[tuple[Pattern, ...], ...]
     options: KernelOptions = KernelOptions()
     only_layer: int | None = None
+    head_axis: str | tuple[str, ...] | None = None
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, layer=0, q_positions: jax.Array,
                  kv_valid: jax.Array, modality: jax.Array | None = None) -> jax.Array:
         """q [B, T, N, D], k / v [B, S, K, D] -> out [B, T, N, D] in q's dtype."""
         n_cfg = len(self.layers[0])
-        if q.ndim != 4 or q.shape[2] != n_cfg:
-            raise ValueError(f"q: expected [B, T, N={n_cfg}, D] (the config's heads); received shape {tuple(q.shape)}")
+        shards = 1 if self.head_axis is None else jax.lax.axis_size(self.head_axis)
+        if q.ndim != 4 or q.shape[2] * shards != n_cfg:
+            raise ValueError(f"q: expected [B, T, N={n_cfg // shards}, D] (the config's heads over {shards} "
+                             f"devices); received shape {tuple(q.shape)}")
         layer = layer if self.only_layer is None else self.only_layer
         if isinstance(layer, int) and not 0 <= layer < len(self.layers):
             raise ValueError(f"layer: expected an int in [0, {len(self.layers)}); received {layer}")
         t, s = q.shape[1], k.shape[1]
-        plans, table = group_plans(self.layers, int(k.shape[2]))
-        row = jnp.asarray(table, jnp.int32)[layer]  # [K]
+        plans, table = group_plans(self.layers, int(k.shape[2]) * shards)
+        row = jnp.asarray(table, jnp.int32)[layer]  # [K] (all devices' key heads)
+        if self.head_axis is not None:
+            row = jax.lax.dynamic_slice_in_dim(row, jax.lax.axis_index(self.head_axis) * k.shape[2], k.shape[2])
 
         def dense(q, k, v):
             return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid).astype(q.dtype)

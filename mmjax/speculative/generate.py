@@ -82,7 +82,8 @@ def _check(model, max_new_tokens, sampling, draft, tree):
 def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sampling = Sampling(), draft=None,
              tree: TreeConfig = TreeConfig(), *, attention: Any = "dense",
              eos_token_id: int | Sequence[int] | None = None,
-             on_tokens: Callable[[list[np.ndarray]], Any] | None = None, **prefill_kwargs) -> GenerateOutput:
+             on_tokens: Callable[[list[np.ndarray]], Any] | None = None, mesh=None,
+             **prefill_kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens per row after the prompt in ``inputs`` (HF processor
     outputs, as for ``mmjax.prefill``).
 
@@ -93,11 +94,15 @@ def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sa
     decoding attends densely. eos_token_id: a row stops after emitting it (or any of a sequence of ids).
     on_tokens: called on the host after the first token and after each decoding step with a list of B int32
     arrays, row r's newly emitted tokens (empty once the row has finished), e.g. to stream text.
+    mesh: prefill and decode tensor- / sequence-parallel on this ``jax.sharding.Mesh`` (see
+    ``mmjax.prefill``; plain decoding only).
     """
     check_model(model)
     _check(model, max_new_tokens, sampling, draft, tree)
     if on_tokens is not None and not callable(on_tokens):
         raise ValueError(f"on_tokens: expected None or a callable, got {type(on_tokens).__name__}")
+    if mesh is not None and draft is not None:
+        raise ValueError("mesh: speculative decoding runs on one device; expected draft=None with a mesh")
     eos = _eos_ids(eos_token_id)
     ids = np.asarray(inputs["input_ids"]) if "input_ids" in inputs else None
     if ids is None or ids.ndim != 2:
@@ -107,7 +112,8 @@ def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sa
     bound = max_new_tokens + depth + 1 if b == 1 else (depth + 1) * max_new_tokens
     scratch = max(tree.n_tree, tree.expanded_slots) if draft is not None else 0
     hidden = () if draft is None or draft.feature_layer is None else (draft.feature_layer,)
-    pre = prefill(model, inputs, attention, hidden_layers=hidden, max_length=t + bound + scratch, **prefill_kwargs)
+    pre = prefill(model, inputs, attention, hidden_layers=hidden, max_length=t + bound + scratch, mesh=mesh,
+                  **prefill_kwargs)
     key = jax.random.key(sampling.seed)
     key, first = _sample(key, pre.logits, sampling)
     out = np.full((b, max_new_tokens), -1, np.int32)
@@ -138,7 +144,11 @@ def generate(model, inputs: Mapping[str, Any], max_new_tokens: int, sampling: Sa
     if draft is None:
         tok, pending = first, None
         while not done.all():
-            cache, key, tok = _decode_and_sample(model, cache, tok, key, sampling)  # queued, not awaited
+            if mesh is None:
+                cache, key, tok = _decode_and_sample(model, cache, tok, key, sampling)  # queued, not awaited
+            else:
+                logits, cache = decode_step(model, cache, tok, mesh=mesh)
+                key, tok = _sample(key, logits, sampling)
             if pending is not None:
                 taus.append(emit(pending, np.ones((b,), np.int32)))  # waits for the previous step only
             pending = tok

@@ -21,11 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models import safetensors_io
 from models.causal_lm.config import CausalLMConfig
 from models.causal_lm.model import CausalLM
 from models.files import read_json
+from models.sharding import check_mesh, param_sharding
 from models.snapshot import resolve_snapshot
 
 
@@ -132,10 +135,13 @@ def _read(tensors, src: Source, dtype) -> np.ndarray:
     return np.asarray(value, value.dtype if dtype is None else dtype)
 
 
-def from_hf(path: str | os.PathLike, config_from_hf: Callable[[dict], CausalLMConfig], dtype=jnp.bfloat16) -> CausalLM:
+def from_hf(path: str | os.PathLike, config_from_hf: Callable[[dict], CausalLMConfig], dtype=jnp.bfloat16,
+            mesh=None) -> CausalLM:
     """Load a local HF snapshot (config.json + safetensors, one file or shards with an index; a snapshot
     directory or a hub-cache model tree) into a ``CausalLM`` whose config ``config_from_hf(parsed
-    config.json)`` gives. ``dtype``: parameter dtype (None keeps each tensor's stored dtype)."""
+    config.json)`` gives. ``dtype``: parameter dtype (None keeps each tensor's stored dtype). ``mesh``: a
+    ``jax.sharding.Mesh`` (axes "tp" / "sp"): each parameter is filled in its layout (`models.sharding`),
+    every device receiving only its own slice of each layer."""
     path = resolve_snapshot(path)
     cfg_path = os.path.join(path, "config.json")
     try:
@@ -150,15 +156,18 @@ def from_hf(path: str | os.PathLike, config_from_hf: Callable[[dict], CausalLMCo
         raise ValueError(f"{path}: {e}") from e
     model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype or jnp.float32, key=jax.random.key(0)))
     lm = model.language_model
+    place = None if mesh is None else param_sharding(cfg.text, check_mesh(mesh, cfg.text))
+    where = lambda name: None if place is None else place("language_model", name)
     for name, src in single_sources(cfg).items():
-        setattr(lm, name, nnx.Param(jax.device_put(_read(tensors, src, dtype))))
+        setattr(lm, name, nnx.Param(jax.device_put(_read(tensors, src, dtype), where(name))))
     for name in layer_sources(cfg, 0, fused):
-        buf = None
+        buf, stacked = None, where(name)
+        one = None if stacked is None else NamedSharding(stacked.mesh, P(*stacked.spec[1:]))  # one layer's slice
         for i in range(cfg.text.num_hidden_layers):
             value = _read(tensors, layer_sources(cfg, i, fused)[name], dtype)
             if buf is None:
-                buf = jnp.zeros((cfg.text.num_hidden_layers,) + value.shape, value.dtype)
-            buf = _set_layer(buf, jax.device_put(value), jnp.asarray(i, jnp.int32))
+                buf = jnp.zeros((cfg.text.num_hidden_layers,) + value.shape, value.dtype, device=stacked)
+            buf = _set_layer(buf, jax.device_put(value, one), jnp.asarray(i, jnp.int32))
             del value
-        setattr(lm, name, nnx.Param(buf))
+        setattr(lm, name, nnx.Param(buf if stacked is None else jax.device_put(buf, stacked)))
     return model

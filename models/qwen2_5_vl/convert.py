@@ -17,6 +17,7 @@ from flax import nnx
 from models import safetensors_io
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, load_hf_config
 from models.qwen2_5_vl.model import Qwen2_5_VL
+from models.sharding import check_mesh, param_sharding
 from models.snapshot import resolve_snapshot
 
 
@@ -138,12 +139,14 @@ def check_keys(cfg: Qwen2_5_VLConfig, tensors: dict[str, safetensors_io.TensorIn
     return canon
 
 
-def from_hf(path: str, dtype=jnp.bfloat16) -> Qwen2_5_VL:
+def from_hf(path: str, dtype=jnp.bfloat16, mesh=None) -> Qwen2_5_VL:
     """Load a local HF snapshot (config.json + safetensors, one file or shards with an index) into a
     ``Qwen2_5_VL``; ``path`` is a snapshot directory or a hub-cache model tree (``models.snapshot``).
 
     ``dtype``: parameter dtype (bf16 keeps the checkpoint's precision); None keeps each tensor's
     stored dtype. Peak host memory is about one stacked parameter beyond the memory-mapped files.
+    ``mesh``: a ``jax.sharding.Mesh`` (axes "tp" / "sp"): each parameter goes straight into its layout
+    (`models.sharding`), every device receiving only its own slice.
     """
     path = resolve_snapshot(path)
     cfg = load_hf_config(os.path.join(path, "config.json"))
@@ -152,6 +155,7 @@ def from_hf(path: str, dtype=jnp.bfloat16) -> Qwen2_5_VL:
         canon = check_keys(cfg, tensors)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
+    place = None if mesh is None else param_sharding(cfg.text, check_mesh(mesh, cfg.text))
     model = nnx.eval_shape(lambda: Qwen2_5_VL(cfg, dtype=dtype or jnp.float32, key=jax.random.key(0)))
     for owner, name, keys, _, fn, stacked in _plan(cfg):
         parts = [fn(safetensors_io.load(tensors[canon[k]])) for k in keys]
@@ -162,6 +166,7 @@ def from_hf(path: str, dtype=jnp.bfloat16) -> Qwen2_5_VL:
                 host[i] = part
         else:
             host = np.asarray(parts[0], target)
-        setattr(getattr(model, owner), name, nnx.Param(jax.device_put(host)))
+        setattr(getattr(model, owner), name, nnx.Param(jax.device_put(host, None if place is None else
+                                                                      place(owner, name))))
         del host, parts
     return model

@@ -12,7 +12,7 @@ from models.causal_lm.model import CausalLM
 from models.qwen3.config import config_from_hf
 
 
-def from_hf(path: str | os.PathLike, dtype=jnp.bfloat16) -> CausalLM:
+def from_hf(path: str | os.PathLike, dtype=jnp.bfloat16, mesh=None) -> CausalLM:
     """Load a local Qwen3 or Qwen3-MoE snapshot (plain or hub-cache tree, one file or shards); ``dtype``
-    None keeps the stored dtype."""
-    return convert.from_hf(path, config_from_hf, dtype)
+    None keeps the stored dtype; ``mesh``: load straight into the tensor- / sequence-parallel layout."""
+    return convert.from_hf(path, config_from_hf, dtype, mesh)

@@ -11,7 +11,8 @@ from mmjax.drivers.bench import prefill as bench
 
 def _args(preset: str) -> types.SimpleNamespace:
     return types.SimpleNamespace(model=None, preset=preset, layers=None, mlp_chunk=128, frames_per_chunk=None,
-                                 chunk_tokens=None, kv_dtype="bf16", warm_budget_s=600.0, repeats=1)
+                                 chunk_tokens=None, kv_dtype="bf16", warm_budget_s=600.0, repeats=1, devices=1,
+                                 sequence_parallel=1)
 
 
 @pytest.mark.parametrize("preset, tokens, visual", [("7b", 256, 256), ("qwen3-30b-a3b", 200, 0)])

@@ -2,7 +2,8 @@
 public `mmjax.prefill`, dense (cuDNN) against sparse configs.
 
     mmjax bench prefill [--preset 7b | --preset llava-ov-7b | --model DIR] [--tokens 131072 262144 524288 1048576]
-                        [--configs cudnn grid ashape ...] [--out bench/results] [--plot]
+                        [--configs cudnn grid ashape ...] [--devices N [--sequence-parallel S]]
+                        [--out bench/results] [--plot]
     mmjax bench prefill --preset llama3.1-8b | qwen3-8b | qwen3-30b-a3b --tokens 131072 --configs cudnn momo vs
 
 Each (video length, attention) row runs in its own process, so its peak GPU memory
@@ -14,7 +15,10 @@ a warm call (the time to first token of a compiled program: host preparation, vi
 decoder, last-token logits). When the first call takes longer than ``--warm-budget-s`` the warm
 call is not repeated: the two programs are compiled once more ahead of time and the warm time is
 the first call minus that compile time (``warm_estimated`` in the JSON). Columns: first call,
-warm TTFT, speedup over the dense row of the same length, peak memory, tokens per second. Rows
+warm TTFT, speedup over the dense row of the same length, peak memory (the largest of the mesh's
+devices with ``--devices N``: the model loaded into its tensor-parallel layout over N devices, S of
+them splitting the tokens with ``--sequence-parallel S``; the warm call is then always run), tokens
+per second. Rows
 are written to the JSON as they finish; ``--plot`` draws TTFT and memory against tokens.
 
 Attention names: ``cudnn`` (dense cuDNN flash attention), ``dense`` (exact XLA attention, slow),
@@ -42,7 +46,7 @@ import mmjax
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.inference import runner
-from mmjax.load import architecture, snapshot_config
+from mmjax.parallel import devices_mesh, shard_model
 from mmjax.patterns import AShape, Grid, Momo, VerticalSlash
 from mmjax.timing import device_name
 from models import llama, llava_onevision, qwen3
@@ -154,12 +158,12 @@ def config_name(text: str) -> str:
                                      f"file; received {text!r}")
 
 
-def load_model(args):
+def load_model(args, mesh=None):
     """Random bf16 weights of ``--preset`` (Qwen2.5-VL 3b / 7b, LLaVA-OneVision llava-ov-7b / llava-ov-0.5b, or a
-    text LM), or ``--model DIR`` (architecture from its config.json)."""
+    text LM), or ``--model DIR`` (any architecture ``mmjax.load`` reads), in their layout on ``mesh`` (None: one
+    device)."""
     if args.model:
-        d, config = snapshot_config(args.model)
-        return architecture(config).from_hf(d, dtype=jnp.bfloat16)
+        return mmjax.load(args.model, dtype=jnp.bfloat16, mesh=mesh)[0]
     gpu = jax.default_backend() == "gpu"
     if args.preset in TEXT_PRESETS:
         cfg = TEXT_PRESETS[args.preset]() if gpu else tiny_text_config("a3b" in args.preset)
@@ -172,7 +176,8 @@ def load_model(args):
         cls = Qwen2_5_VL
     if args.layers:
         cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, num_hidden_layers=args.layers))
-    return cls(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
+    model = cls(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
+    return model if mesh is None else shard_model(model, mesh)
 
 
 def _compile_seconds(model, inputs, attention, kwargs) -> float:
@@ -199,8 +204,9 @@ def _compile_seconds(model, inputs, attention, kwargs) -> float:
 
 def run_row(args, tokens: int, name: str) -> dict:
     """One (length, attention) row in this process."""
+    mesh = devices_mesh(args.devices, args.sequence_parallel)
     t0 = time.perf_counter()
-    model = load_model(args)
+    model = load_model(args, mesh)
     jax.block_until_ready(jax.tree.leaves(model))
     init_s = time.perf_counter() - t0
     text_lm = isinstance(model, CausalLM)
@@ -210,7 +216,10 @@ def run_row(args, tokens: int, name: str) -> dict:
                   kv_dtype=jnp.float8_e4m3fn if args.kv_dtype == "fp8" else None)
     visual = 0 if text_lm else int(np.isin(inputs["input_ids"], [model.config.video_token_id]).sum())
     row = {"tokens": int(inputs["input_ids"].shape[1]), "visual_tokens": visual,
-           "attention": name, "init_s": init_s, **{k: (str(v) if k == "kv_dtype" else v) for k, v in kwargs.items()}}
+           "attention": name, "init_s": init_s, **{k: (str(v) if k == "kv_dtype" else v) for k, v in kwargs.items()},
+           "devices": args.devices, "sequence_parallel": args.sequence_parallel}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
 
     def call():
         t = time.perf_counter()
@@ -222,16 +231,17 @@ def run_row(args, tokens: int, name: str) -> dict:
 
     row["first_s"] = call()
     print(f"[prefill] {row['tokens']} {name}: first call {row['first_s']:.1f} s", file=sys.stderr, flush=True)
-    if row["first_s"] <= args.warm_budget_s:
+    if row["first_s"] <= args.warm_budget_s or mesh is not None:
         row["warm_s"] = min(call() for _ in range(args.repeats))
         row["warm_estimated"] = False
     else:
         row["compile_s"] = _compile_seconds(model, inputs, attention, kwargs)
         row["warm_s"] = row["first_s"] - row["compile_s"]
         row["warm_estimated"] = True
-    stats = jax.devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-        row["peak_gib"] = stats["peak_bytes_in_use"] / 2 ** 30
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in
+             (jax.devices()[:1] if mesh is None else mesh.devices.flat)]
+    if all(p is not None for p in peaks):
+        row["peak_gib"] = max(peaks) / 2 ** 30
     row["tokens_per_s"] = row["tokens"] / row["warm_s"]
     row["first_minus_warm_s"] = row["first_s"] - row["warm_s"]
     return row
@@ -245,11 +255,20 @@ def child_env() -> dict:
     return env
 
 
+def cpu_devices_env(env: dict, devices: int) -> dict:
+    """On a CPU, ``devices`` virtual host devices for a row's process (``--devices N`` without GPUs)."""
+    if jax.default_backend() == "cpu" and devices > 1:
+        flag = f"--xla_force_host_platform_device_count={devices}"
+        env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " " + flag).strip())
+    return env
+
+
 def _child(args, tokens: int, name: str, timeout_s: float) -> dict:
     """Run one row in a fresh process; its last stdout line is the row's JSON."""
     cmd = [sys.executable, "-m", "mmjax.drivers.bench.prefill", "--row", str(tokens), name] + args.passthrough
     try:
-        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout_s, env=child_env())
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout_s, check=False,
+                           env=cpu_devices_env(child_env(), args.devices))
     except subprocess.TimeoutExpired:
         return {"tokens": tokens, "attention": name, "error": f"timed out after {timeout_s:.0f} s"}
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -311,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames-per-chunk", type=positive_int, default=None, help="temporal patches per vision-tower chunk")
     p.add_argument("--chunk-tokens", type=positive_int, default=None, help="chunked prefill (tokens per chunk)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV cache storage")
+    p.add_argument("--devices", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel over N devices (heads split; default %(default)s)")
+    p.add_argument("--sequence-parallel", type=positive_int, default=1, metavar="S",
+                   help="of the N devices, split the tokens over S (tp = N / S; default %(default)s)")
     p.add_argument("--repeats", type=positive_int, default=1, help="warm calls (the fastest is reported)")
     p.add_argument("--warm-budget-s", type=positive_float, default=240.0,
                    help="no second call when the first took longer (warm = first - compile)")
@@ -329,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     if not on_gpu:
         print("no GPU: a tiny model on the CPU (timings only show that everything runs)", file=sys.stderr)
         args.configs = [c if c != "cudnn" else "dense" for c in args.configs]
+    if args.devices % args.sequence_parallel:
+        p.error(f"--sequence-parallel: expected a divisor of --devices {args.devices}, got {args.sequence_parallel}")
     keep = ("model", "layers", "mlp_chunk", "frames_per_chunk", "chunk_tokens", "repeats", "warm_budget_s",
-            "compile_cache")
+            "compile_cache", "devices", "sequence_parallel")
     args.passthrough = [x for k in keep if getattr(args, k) is not None
                         for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     args.passthrough += ["--preset", args.preset, "--kv-dtype", args.kv_dtype]

@@ -1,0 +1,57 @@
+"""Qwen2.5-VL's vision tower split by frames over every device of a mesh (``jax.shard_map``).
+
+The tower never attends across a temporal patch (full-attention blocks stay inside one, window blocks
+inside a window of one), so a video's temporal patches split into equal runs, one per device, encode
+independently with the replicated tower weights; the result equals the single-device encoding. The
+temporal patches are padded with zero frames to a multiple of the device count (their features are
+dropped). Images (one temporal patch each) are encoded whole on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from models.qwen2_5_vl import model as qwen_vl
+from models.qwen2_5_vl.vision import encode_grid
+
+
+@functools.partial(jax.jit, static_argnames=("grids", "frames_per_chunk", "mesh"))
+def video_features(model: qwen_vl.Qwen2_5_VL, pixels: jax.Array, grids: tuple, frames_per_chunk: int | None,
+                   mesh: Mesh) -> jax.Array:
+    """Merged features [sum(t*h*w) / m**2, H] of packed videos (pixels [sum(t*h*w), patch_dim]; grids: static
+    (t, h, w) each), each video's temporal patches split over all devices of ``mesh``."""
+    axes = tuple(mesh.axis_names)
+    n_dev = mesh.devices.size
+    c = model.config.vision
+    outs, start = [], 0
+    for t, h, w in grids:
+        n = h * w
+        x = pixels[start:start + t * n].reshape(t, n, c.patch_dim)
+        start += t * n
+        t_pad = -(-t // n_dev) * n_dev
+        x = jnp.pad(x, ((0, t_pad - t), (0, 0), (0, 0)))
+        local = t_pad // n_dev
+
+        def encode(visual, xs, h=h, w=w, local=local):
+            feats = encode_grid(visual, xs.reshape(local * xs.shape[1], c.patch_dim), (local, h, w),
+                                frames_per_chunk=frames_per_chunk)
+            return feats.reshape(local, -1, feats.shape[-1])
+
+        f = jax.shard_map(encode, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(axes), check_vma=False)(
+            model.visual, x)
+        outs.append(f[:t].reshape(-1, f.shape[-1]))
+    return jnp.concatenate(outs, axis=0)
+
+
+def visual_inputs(model: qwen_vl.Qwen2_5_VL, p: qwen_vl.PreparedInputs, frames_per_chunk: int | None, mesh: Mesh):
+    """(image features or None, video features or None), each [n_tokens, H]: `qwen_vl.visual_inputs` with
+    the videos split by frames over ``mesh``."""
+    img = (qwen_vl.vision_features(model, p.pixel_values, p.image_grids, frames_per_chunk)
+           if p.image_grids else None)
+    vid = video_features(model, p.pixel_values_videos, p.video_grids, frames_per_chunk, mesh) if p.video_grids else None
+    return img, vid
