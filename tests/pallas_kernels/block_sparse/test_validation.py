@@ -75,7 +75,7 @@ def test_layout_arrays(qkv):
 
 def test_implementation_name(qkv):
     q, k, v = qkv
-    _raises(r"implementation: expected one of \('reference', 'triton'\)", q, k, v, _layout(),
+    _raises(r"implementation: expected one of \('reference', 'triton', 'mosaic_gpu'\)", q, k, v, _layout(),
             implementation="cuda")
 
 
