@@ -20,10 +20,9 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from models import safetensors_io
+from models import param_plan, safetensors_io
 from models.llava_onevision.config import LlavaOnevisionConfig, load_hf_config
 from models.llava_onevision.model import LlavaOnevision
 from models.snapshot import resolve_snapshot
@@ -122,46 +121,21 @@ def _vision_single(cfg: LlavaOnevisionConfig):
     return out
 
 
-def _plan(cfg: LlavaOnevisionConfig):
+def _plan(cfg: LlavaOnevisionConfig) -> list[param_plan.PlanEntry]:
     """[(module attr, param name, [canonical keys], hf shape, transform, stacked)]"""
-    plan = []
-    for owner, table, layers in (("language_model", _text_table(cfg), cfg.text.num_hidden_layers),
-                                 ("vision", _vision_table(cfg), cfg.vision.num_hidden_layers)):
-        for name, (tmpl, shape, fn) in table.items():
-            plan.append((owner, name, [tmpl.format(i=i) for i in range(layers)], shape, fn, True))
-    for owner, table in (("language_model", _text_single(cfg)), ("vision", _vision_single(cfg))):
-        for name, (key, shape, fn) in table.items():
-            plan.append((owner, name, [key], shape, fn, False))
-    return plan
+    return param_plan.build_plan([("language_model", _text_table(cfg), cfg.text.num_hidden_layers),
+                                  ("vision", _vision_table(cfg), cfg.vision.num_hidden_layers)],
+                                 [("language_model", _text_single(cfg)), ("vision", _vision_single(cfg))])
 
 
 def check_keys(cfg: LlavaOnevisionConfig, tensors: dict[str, safetensors_io.TensorInfo]) -> dict[str, str]:
     """Validate names and shapes; returns canonical name -> original name. Raises ValueError listing missing
     keys, unexpected keys and shape mismatches by name (a tied ``lm_head.weight`` of the embedding's shape, the
     tower's post-layernorm / head and rotary ``inv_freq`` buffers are tolerated)."""
-    canon: dict[str, str] = {}
-    for k in tensors:
-        ck = canonical_name(k)
-        if ck in canon:
-            raise ValueError(f"checkpoint: {canon[ck]!r} and {k!r} map to the same parameter")
-        canon[ck] = k
-    expected = {k: shape for _, _, keys, shape, _, _ in _plan(cfg) for k in keys}
-    missing = sorted(set(expected) - set(canon))
-    unexpected = sorted(k for k in set(canon) - set(expected)
-                        if not k.startswith(_SKIPPED) and not k.endswith(".inv_freq")
-                        and not (cfg.text.tie_word_embeddings and k == "lm_head.weight"))
-    mismatched = [f"{canon[k]}: expected {expected[k]}, got {tuple(tensors[canon[k]].shape)}"
-                  for k in sorted(set(expected) & set(canon)) if tuple(tensors[canon[k]].shape) != tuple(expected[k])]
-    problems = []
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {[canon[k] for k in unexpected]}")
-    if mismatched:
-        problems.append(f"shape mismatches {mismatched}")
-    if problems:
-        raise ValueError("checkpoint does not match its config: " + "; ".join(problems))
-    return canon
+    return param_plan.check_keys(
+        _plan(cfg), tensors, canonical_name,
+        lambda k: (k.startswith(_SKIPPED) or k.endswith(".inv_freq")
+                   or (cfg.text.tie_word_embeddings and k == "lm_head.weight")))
 
 
 def from_hf(path: str, dtype=jnp.bfloat16) -> LlavaOnevision:
@@ -176,15 +150,4 @@ def from_hf(path: str, dtype=jnp.bfloat16) -> LlavaOnevision:
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     model = nnx.eval_shape(lambda: LlavaOnevision(cfg, dtype=dtype or jnp.float32, key=jax.random.key(0)))
-    for owner, name, keys, _, fn, stacked in _plan(cfg):
-        parts = [fn(safetensors_io.load(tensors[canon[k]])) for k in keys]
-        target = np.dtype(dtype) if dtype is not None else parts[0].dtype
-        if stacked:
-            host = np.empty((len(parts),) + parts[0].shape, target)
-            for i, part in enumerate(parts):
-                host[i] = part
-        else:
-            host = np.asarray(parts[0], target)
-        setattr(getattr(model, owner), name, nnx.Param(jax.device_put(host)))
-        del host, parts
-    return model
+    return param_plan.load_into(model, _plan(cfg), tensors, canon, dtype)

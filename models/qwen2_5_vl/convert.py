@@ -11,10 +11,9 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from models import safetensors_io
+from models import param_plan, safetensors_io
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, load_hf_config
 from models.qwen2_5_vl.model import Qwen2_5_VL
 from models.sharding import check_mesh, param_sharding
@@ -92,17 +91,11 @@ def _vision_single(cfg: Qwen2_5_VLConfig):
     }
 
 
-def _plan(cfg: Qwen2_5_VLConfig):
+def _plan(cfg: Qwen2_5_VLConfig) -> list[param_plan.PlanEntry]:
     """[(module attr, param name, [hf keys], hf shape, transform, stacked)]"""
-    plan = []
-    for owner, table, layers in (("language_model", _text_table(cfg), cfg.text.num_hidden_layers),
-                                 ("visual", _vision_table(cfg), cfg.vision.depth)):
-        for name, (tmpl, shape, fn) in table.items():
-            plan.append((owner, name, [tmpl.format(i=i) for i in range(layers)], shape, fn, True))
-    for owner, table in (("language_model", _text_single(cfg)), ("visual", _vision_single(cfg))):
-        for name, (key, shape, fn) in table.items():
-            plan.append((owner, name, [key], shape, fn, False))
-    return plan
+    return param_plan.build_plan([("language_model", _text_table(cfg), cfg.text.num_hidden_layers),
+                                  ("visual", _vision_table(cfg), cfg.vision.depth)],
+                                 [("language_model", _text_single(cfg)), ("visual", _vision_single(cfg))])
 
 
 def check_keys(cfg: Qwen2_5_VLConfig, tensors: dict[str, safetensors_io.TensorInfo]) -> dict[str, str]:
@@ -111,32 +104,8 @@ def check_keys(cfg: Qwen2_5_VLConfig, tensors: dict[str, safetensors_io.TensorIn
     Raises ValueError listing missing keys, unexpected keys and shape mismatches by name. With tied
     embeddings an ``lm_head.weight`` equal in shape to the embedding is tolerated (some exports keep it).
     """
-    canon: dict[str, str] = {}
-    for k in tensors:
-        ck = canonical_name(k)
-        if ck in canon:
-            raise ValueError(f"checkpoint: {canon[ck]!r} and {k!r} map to the same parameter")
-        canon[ck] = k
-    expected = {}
-    for _, _, keys, shape, _, _ in _plan(cfg):
-        for k in keys:
-            expected[k] = shape
-    missing = sorted(set(expected) - set(canon))
-    unexpected = sorted(set(canon) - set(expected))
-    if cfg.text.tie_word_embeddings and "lm_head.weight" in unexpected:
-        unexpected.remove("lm_head.weight")
-    mismatched = [f"{canon[k]}: expected {expected[k]}, got {tensors[canon[k]].shape}"
-                  for k in sorted(set(expected) & set(canon)) if tuple(tensors[canon[k]].shape) != tuple(expected[k])]
-    problems = []
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {[canon[k] for k in unexpected]}")
-    if mismatched:
-        problems.append(f"shape mismatches {mismatched}")
-    if problems:
-        raise ValueError("checkpoint does not match its config: " + "; ".join(problems))
-    return canon
+    return param_plan.check_keys(_plan(cfg), tensors, canonical_name,
+                                 lambda k: cfg.text.tie_word_embeddings and k == "lm_head.weight")
 
 
 def from_hf(path: str, dtype=jnp.bfloat16, mesh=None) -> Qwen2_5_VL:
@@ -157,16 +126,4 @@ def from_hf(path: str, dtype=jnp.bfloat16, mesh=None) -> Qwen2_5_VL:
         raise ValueError(f"{path}: {e}") from e
     place = None if mesh is None else param_sharding(cfg.text, check_mesh(mesh, cfg.text))
     model = nnx.eval_shape(lambda: Qwen2_5_VL(cfg, dtype=dtype or jnp.float32, key=jax.random.key(0)))
-    for owner, name, keys, _, fn, stacked in _plan(cfg):
-        parts = [fn(safetensors_io.load(tensors[canon[k]])) for k in keys]
-        target = np.dtype(dtype) if dtype is not None else parts[0].dtype
-        if stacked:
-            host = np.empty((len(parts),) + parts[0].shape, target)
-            for i, part in enumerate(parts):
-                host[i] = part
-        else:
-            host = np.asarray(parts[0], target)
-        setattr(getattr(model, owner), name, nnx.Param(jax.device_put(host, None if place is None else
-                                                                      place(owner, name))))
-        del host, parts
-    return model
+    return param_plan.load_into(model, _plan(cfg), tensors, canon, dtype, place)
