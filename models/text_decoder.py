@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.attention import LayerAttention
@@ -122,6 +123,20 @@ class TextDecoder(nnx.Module):
 
     def stacked(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in layer_param_shapes(self.config)}
+
+
+def check_token_inputs(input_ids, attention_mask, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side check of tokenizer outputs: input_ids integer [B, T] in [0, vocab_size), attention_mask
+    [B, T] (None: all valid) -> (ids, mask bool [B, T]) as NumPy; ValueError naming the argument otherwise."""
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids: expected an integer array [B, T], got {ids.dtype} {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"input_ids: expected ids in [0, {vocab_size}), got [{ids.min()}, {ids.max()}]")
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask: expected shape {ids.shape}, got {mask.shape}")
+    return ids, mask
 
 
 def embed_tokens(model: TextDecoder, input_ids: jax.Array) -> jax.Array:

@@ -25,8 +25,8 @@ from models.attention import LayerAttention, resolve_attention
 from models.causal_lm.config import CausalLMConfig
 from models.kv_cache import KVCache
 from models.rotary import rope_cos_sin
-from models.text_decoder import (LayerInputs, TextDecoder, decode_token, embed_tokens, last_token_logits, lm_logits,
-                                 run_decoder)
+from models.text_decoder import (LayerInputs, TextDecoder, check_token_inputs, decode_token, embed_tokens,
+                                 last_token_logits, lm_logits, run_decoder)
 
 VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -62,15 +62,7 @@ def prepare_inputs(config: CausalLMConfig, *, input_ids, attention_mask=None, po
         raise ValueError(f"prepare_inputs: unexpected arguments {unknown}")
     if given:
         raise ValueError(f"{given[0]}: a text-only {config.family} model takes no images or videos")
-    ids = np.asarray(input_ids)
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids: expected an integer array [B, T], got {ids.dtype} {ids.shape}")
-    vocab = config.text.vocab_size
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-        raise ValueError(f"input_ids: expected ids in [0, {vocab}), got [{ids.min()}, {ids.max()}]")
-    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask: expected shape {ids.shape}, got {mask.shape}")
+    ids, mask = check_token_inputs(input_ids, attention_mask, config.text.vocab_size)
     if position_ids is None:
         pos = np.where(mask, np.cumsum(mask, axis=-1) - 1, 0)
         deltas = np.zeros(ids.shape[0], np.int64)

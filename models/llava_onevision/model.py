@@ -45,7 +45,7 @@ from models.qwen2_5_vl.model import (
 )
 from models.qwen2_5_vl.rope_index import token_types
 from models.rotary import mrope_cos_sin
-from models.text_decoder import LayerInputs, TextDecoder, lm_logits, run_decoder
+from models.text_decoder import LayerInputs, TextDecoder, check_token_inputs, lm_logits, run_decoder
 
 __all__ = [
     "LlavaOnevision",
@@ -134,14 +134,7 @@ def prepare_inputs(config: LlavaOnevisionConfig, *, input_ids, attention_mask=No
                    if v is not None and k not in ("image_sizes_videos", "mm_token_type_ids", "cache_position"))
     if extra:
         raise ValueError(f"prepare_inputs: unexpected arguments {extra}")
-    ids = np.asarray(input_ids)
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids: expected an integer array [B, T], got {ids.dtype} {ids.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() >= config.text.vocab_size):
-        raise ValueError(f"input_ids: expected ids in [0, {config.text.vocab_size}), got [{ids.min()}, {ids.max()}]")
-    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask: expected shape {ids.shape}, got {mask.shape}")
+    ids, mask = check_token_inputs(input_ids, attention_mask, config.text.vocab_size)
     v = config.vision
     tiles, layouts = _image_tiles(config, pixel_values, image_sizes, batch_num_images)
     videos = None

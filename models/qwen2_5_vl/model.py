@@ -16,13 +16,13 @@ import numpy as np
 from flax import nnx
 
 from models.attention import LayerAttention, resolve_attention
+from models.kv_cache import KVCache
 from models.qwen2_5_vl import vision as vision_lib
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from models.qwen2_5_vl.rope_index import get_rope_index, token_types
-from models.kv_cache import KVCache
-from models.text_decoder import (LayerInputs, TextDecoder, decode_token, embed_tokens, last_token_logits, lm_logits,
-                                 run_decoder)
 from models.rotary import mrope_cos_sin
+from models.text_decoder import (LayerInputs, TextDecoder, check_token_inputs, decode_token, embed_tokens,
+                                 last_token_logits, lm_logits, run_decoder)
 
 
 class Qwen2_5_VL(nnx.Module):
@@ -71,14 +71,7 @@ def prepare_inputs(config: Qwen2_5_VLConfig, *, input_ids, attention_mask=None, 
                    image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, second_per_grid_ts=None,
                    position_ids=None) -> PreparedInputs:
     """Validate HF-processor style inputs and compute token types and M-RoPE ids on the host."""
-    ids = np.asarray(input_ids)
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids: expected an integer array [B, T], got {ids.dtype} {ids.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() >= config.text.vocab_size):
-        raise ValueError(f"input_ids: expected ids in [0, {config.text.vocab_size}), got [{ids.min()}, {ids.max()}]")
-    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask: expected shape {ids.shape}, got {mask.shape}")
+    ids, mask = check_token_inputs(input_ids, attention_mask, config.text.vocab_size)
     vc = config.vision
     image_grids, pixel_values = _grids("pixel_values", image_grid_thw, pixel_values, vc.patch_dim)
     video_grids, pixel_values_videos = _grids("pixel_values_videos", video_grid_thw, pixel_values_videos, vc.patch_dim)
