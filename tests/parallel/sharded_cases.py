@@ -5,7 +5,7 @@ subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set befo
 the rest of the suite keeps its single device. Tiny models: Qwen2.5-VL with 8 query / 4 key-value
 heads (tp 4, and tp 2 x sp 2) and the committed Llama / Qwen3 fixtures (tp 2, loaded straight into
 the layout). The default selection covers tp 2 x sp 2 (dense and sparse) and tp 2 (text LM loaded into the
-layout) and `mmjax generate --devices 2`; ``-m slow`` adds tp 4 (dense and sparse), tp 2 and sp 4
+layout), `mmjax generate --devices 2` and the greedy step of `mmjax bench decode --devices N`; ``-m slow`` adds tp 4 (dense and sparse), tp 2 and sp 4
 alone, ring attention (2 key-value heads over sp 4 and tp 2 x sp 2), chunked prefill, the frame
 split of the vision tower alone, left-padded text-LM batches (Llama with biases, Qwen3-MoE) and the
 collectives of a decode step.
@@ -311,3 +311,41 @@ def test_sequence_parallel_prefill_and_decode_never_gather_the_cache():
     for hlo in (prefill_hlo, decode_hlo):
         gathered = re.findall(r"= \w+\[(\d+),\d+,\d+,\d+,\d+\]\S* all-gather\(", hlo)
         assert gathered == [], gathered
+
+
+@pytest.mark.parametrize("tp, sp", [(2, 1), (2, 2)])
+def test_bench_decode_step_on_mesh_equals_one_device(tp, sp):
+    """`mmjax bench decode --devices N`'s greedy step: the cache made in its layout, the same tokens as
+    the one-device step for 3 steps."""
+    from mmjax.drivers.bench import decode as bench_decode
+
+    one = bench_decode.tiny_model()
+    c = one.config.text
+    cache1 = bench_decode.rewind(bench_decode.make_cache(c, 2, 64, jnp.float32, jnp.float32, jax.random.key(3)), 40)
+    mesh = make_mesh(tp, sp)
+    model = shard_model(bench_decode.tiny_model(), mesh)
+    cache2 = parallel_run.place_cache(bench_decode.rewind(
+        bench_decode.make_cache(c, 2, 64, jnp.float32, jnp.float32, jax.random.key(3), mesh), 40), mesh)
+    want = mmjax.parallel.cache_sharding(cache2, mesh).k
+    assert cache2.k.sharding.is_equivalent_to(want, 5)
+    np.testing.assert_array_equal(np.asarray(cache2.k), np.asarray(cache1.k))
+    attn = resolve_attention("dense")
+    tok1 = tok2 = jnp.array([5, 9], jnp.int32)
+    for _ in range(3):
+        cache1, tok1 = bench_decode.greedy_step(one, cache1, tok1, attn)
+        cache2, tok2 = bench_decode.greedy_step_on_mesh(model, cache2, tok2, decode_attention(attn, mesh), mesh)
+        np.testing.assert_array_equal(np.asarray(tok2), np.asarray(tok1))
+
+
+@pytest.mark.slow
+def test_bench_decode_cli_on_two_devices(tmp_path, capsys):
+    assert cli_main(["bench", "decode", "--devices", "2", "--batches", "1", "--contexts", "64", "--host-steps", "3",
+                     "--reps", "1", "--variants", "default,reduce_attn", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("decode_*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["variant"], r["devices"]) for r in rows] == [("default", 2), ("reduce_attn", 2)]
+    assert all("error" not in r and r["async_ms"] > 0 for r in rows), rows
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "decode", "--devices", "2", "--sequence-parallel", "2", "--variants", "reduce_attn"])
+    assert e.value.code == 2
+    assert "--variants: a sequence-parallel decode" in capsys.readouterr().err

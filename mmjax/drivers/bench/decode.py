@@ -22,6 +22,10 @@ compiled step). ``--variants`` times the same grid under several compilations of
 split-K Pallas kernel, GEMVs through cuBLAS instead of Triton, dynamic-slice fusion,
 no CUDA graphs), each variant its rows; ``--xla-option KEY=VALUE`` adds an XLA option to every variant.
 
+``--devices N [--sequence-parallel S]`` runs the step on a mesh of N devices (`mmjax.parallel`: the
+weights in their tensor-parallel layout, the key-value heads split over N / S devices and the cache
+slots over S), made in place there; the roofline is then the bytes over N devices' bandwidth.
+
 Prints a table, writes JSON to ``--out`` and a plot beside it (ms per step and fraction of the
 roofline against context length, one line per batch size). On a CPU a tiny configuration runs
 (timings only show that everything runs).
@@ -42,6 +46,8 @@ import jax.numpy as jnp
 import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mmjax.drivers.args import (
     ArgumentParser,
@@ -60,6 +66,9 @@ from mmjax.drivers.bench.roofline import (
     weight_bytes,
 )
 from mmjax.files import atomic_write, atomic_write_with
+from mmjax.parallel import cache_sharding, devices_mesh, shard_model
+from mmjax.parallel.attention import decode_attention as mesh_attention
+from mmjax.parallel.run import place_cache
 from mmjax.timing import device_name
 from models.attention import LayerAttention, resolve_attention
 from models.kv_cache import KVCache
@@ -76,7 +85,9 @@ class DecodeBenchConfig:
     when ``in_jit``); reps: timed samples (median reported); variants: names in `VARIANTS`;
     xla_options: (key, value) pairs added to every variant's compilation; kv_dtype: cache storage dtype name
     (None: the model's);
-    memory_fraction: skip configurations whose weights + cache exceed this share of device memory."""
+    memory_fraction: skip configurations whose weights + cache exceed this share of device memory (per device);
+    devices / sequence_parallel: run on a mesh of ``devices`` devices (tp = devices / sequence_parallel
+    splits the key-value heads, sequence_parallel the cache slots; `mmjax.parallel`)."""
 
     batches: tuple[int, ...] = (1, 4, 16)
     contexts: tuple[int, ...] = (1024, 32768, 131072)
@@ -87,6 +98,8 @@ class DecodeBenchConfig:
     xla_options: tuple[tuple[str, bool | int | str], ...] = ()
     kv_dtype: str | None = None
     memory_fraction: float = 0.85
+    devices: int = 1
+    sequence_parallel: int = 1
 
 
 def tiny_model(dtype=jnp.float32) -> qwen_vl.Qwen2_5_VL:
@@ -138,11 +151,25 @@ def greedy_step(model, cache: KVCache, tokens: jax.Array, attention: LayerAttent
     return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("attention", "steps"), donate_argnames=("cache",))
-def greedy_steps(model, cache: KVCache, tokens: jax.Array, attention: LayerAttention, steps: int):
+@functools.partial(jax.jit, static_argnames=("attention", "mesh"), donate_argnames=("cache",))
+def greedy_step_on_mesh(model, cache: KVCache, tokens: jax.Array, attention: LayerAttention, mesh: Mesh):
+    """`greedy_step` on ``mesh`` (model laid out by ``shard_model``; ``attention`` wrapped for the mesh by
+    `mmjax.parallel.attention.decode_attention`): the cache stays in its layout, the tokens replicated."""
+    logits, cache = qwen_vl.decode_step(model, cache, tokens, attention)
+    cache = jax.tree.map(jax.lax.with_sharding_constraint, cache, cache_sharding(cache, mesh))
+    return cache, jax.lax.with_sharding_constraint(jnp.argmax(logits, axis=-1).astype(jnp.int32),
+                                                   NamedSharding(mesh, P()))
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "steps", "mesh"), donate_argnames=("cache",))
+def greedy_steps(model, cache: KVCache, tokens: jax.Array, attention: LayerAttention, steps: int,
+                 mesh: Mesh | None = None):
     """``steps`` greedy decode steps inside one program (``lax.fori_loop``, the cache carried in
-    place): tokens int32 [B] -> (cache, last tokens int32 [B]); cache donated."""
+    place): tokens int32 [B] -> (cache, last tokens int32 [B]); cache donated. ``mesh``: as
+    `greedy_step_on_mesh`."""
     def body(_, carry):
+        if mesh is not None:
+            return greedy_step_on_mesh(model, carry[0], carry[1], attention, mesh)
         return greedy_step(model, carry[0], carry[1], attention)
     return jax.lax.fori_loop(0, steps, body, (cache, tokens))
 
@@ -156,19 +183,21 @@ def rewind(cache: KVCache, length: jax.Array) -> KVCache:
                                next_position=jnp.full((b,), length, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _filled(key, shape, dtype):
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
+def _filled(key, shape, dtype, sharding=None):
     """Random-looking contents of a cache array of ``shape`` without a full-size float32 temporary:
-    a random block of up to 1024 slots tiled along the slot axis."""
+    a random block of up to 1024 slots tiled along the slot axis (made in ``sharding`` when given)."""
     tile = min(shape[2], 1024)
     block = jax.random.normal(key, shape[:2] + (tile,) + shape[3:], jnp.float32).astype(dtype)
     reps = -(-shape[2] // tile)
-    return jnp.tile(block, (1, 1, reps, 1, 1))[:, :, :shape[2]]
+    out = jnp.tile(block, (1, 1, reps, 1, 1))[:, :, :shape[2]]
+    return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
 
 
-def make_cache(config: TextConfig, batch: int, slots: int, dtype, kv_dtype, key) -> KVCache:
+def make_cache(config: TextConfig, batch: int, slots: int, dtype, kv_dtype, key, mesh: Mesh | None = None) -> KVCache:
     """A cache of ``slots`` slots holding random keys / values (length set by `rewind`), allocated
-    once (no zero-filled cache beside it). ``kv_dtype``: ``dtype`` or float8_e4m3fn."""
+    once (no zero-filled cache beside it; with ``mesh``, made in its layout there, no full copy on one
+    device). ``kv_dtype``: ``dtype`` or float8_e4m3fn."""
     kv_dtype = jnp.dtype(kv_dtype)
     if kv_dtype not in (jnp.dtype(dtype), jnp.dtype(jnp.float8_e4m3fn)):
         raise ValueError(f"kv_dtype: expected the model dtype {jnp.dtype(dtype)} or float8_e4m3fn; got {kv_dtype}")
@@ -176,28 +205,43 @@ def make_cache(config: TextConfig, batch: int, slots: int, dtype, kv_dtype, key)
     k1, k2 = jax.random.split(key)
     fp8 = kv_dtype == jnp.dtype(jnp.float8_e4m3fn)
     scale = (lambda: jnp.ones(shape[:-1], jnp.float32)) if fp8 else (lambda: None)
-    return KVCache(_filled(k1, shape, kv_dtype), _filled(k2, shape, kv_dtype), jnp.zeros((batch, slots), bool),
-                   jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32), scale(), scale())
+    kv = None if mesh is None else cache_sharding(KVCache(*(None,) * 7), mesh).k
+    cache = KVCache(_filled(k1, shape, kv_dtype, kv), _filled(k2, shape, kv_dtype, kv), jnp.zeros((batch, slots), bool),
+                    jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32), scale(), scale())
+    return cache if mesh is None else place_cache(cache, mesh)
 
 
 def bench_config(model, cfg: DecodeBenchConfig, variant: str, batch: int, context: int, bandwidth: float,
-                 dump_hlo: str | None = None) -> dict:
+                 dump_hlo: str | None = None, mesh: Mesh | None = None) -> dict:
     """Time one (variant, batch, context) configuration; returns its row. ``dump_hlo``: a directory
-    for the compiled step's HLO text."""
+    for the compiled step's HLO text; ``mesh``: the mesh ``model`` is laid out on (None: one device),
+    the roofline then the bytes over the bandwidth of all its devices."""
     c = model.config.text
     dtype = model.language_model.embed[...].dtype
     kv_dtype = jnp.dtype(cfg.kv_dtype or dtype)
     attn_name, variant_options = VARIANTS[variant]
     attention = decode_attention(attn_name)
+    n_dev = 1 if mesh is None else mesh.devices.size
+    if mesh is not None:
+        attention = mesh_attention(attention, mesh)
     n = cfg.steps
     start = context - n - 1  # every timed sample decodes slots start .. start + n - 1 of a full-size cache
     if start < 1:
         raise ValueError(f"steps: expected fewer than context - 1 = {context - 1} steps, got {n}")
-    cache = rewind(make_cache(c, batch, context, dtype, kv_dtype, jax.random.key(1)), start)
+    def rewound(cache):
+        cache = rewind(cache, start)
+        return cache if mesh is None else place_cache(cache, mesh)
+
+    cache = rewound(make_cache(c, batch, context, dtype, kv_dtype, jax.random.key(1), mesh))
     tok = jnp.arange(batch, dtype=jnp.int32) % c.vocab_size
+    if mesh is not None:
+        tok = jax.device_put(tok, NamedSharding(mesh, P()))
     options = dict(variant_options + cfg.xla_options) or None
     t0 = time.perf_counter()
-    step = greedy_step.lower(model, cache, tok, attention).compile(compiler_options=options)
+    if mesh is None:
+        step = greedy_step.lower(model, cache, tok, attention).compile(compiler_options=options)
+    else:
+        step = greedy_step_on_mesh.lower(model, cache, tok, attention, mesh).compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
     hlo = step.as_text()
     if dump_hlo:
@@ -207,16 +251,17 @@ def bench_config(model, cfg: DecodeBenchConfig, variant: str, batch: int, contex
     except ValueError as e:  # an HLO text this parser does not know: keep the timings
         stats = {"ops": None, "copies": None, "large": [f"not parsed: {e}"]}
     mem = step.memory_analysis()
-    row = {"variant": variant, "batch": batch, "context": context, "compile_s": compile_s, "ops": stats["ops"],
+    row = {"variant": variant, "batch": batch, "context": context, "devices": n_dev, "compile_s": compile_s,
+           "ops": stats["ops"],
            "copies": stats["copies"], "large_outputs": stats["large"],
            "temp_mib": getattr(mem, "temp_size_in_bytes", 0) / 2**20}
     wb, kb = weight_bytes(model.language_model, batch), kv_bytes(c, batch, context, kv_dtype)
-    row.update(weight_gb=wb / 1e9, kv_gb=kb / 1e9, roofline_ms=(wb + kb) / bandwidth * 1e3)
+    row.update(weight_gb=wb / 1e9, kv_gb=kb / 1e9, roofline_ms=(wb + kb) / (bandwidth * n_dev) * 1e3)
     state = {"cache": cache, "tok": tok}
 
     def host(sync: bool):
         def run():
-            state["cache"] = rewind(state["cache"], start)
+            state["cache"] = rewound(state["cache"])
             jax.block_until_ready(state["cache"].length)
             t = time.perf_counter()
             cache_, tok_ = state["cache"], state["tok"]
@@ -235,12 +280,13 @@ def bench_config(model, cfg: DecodeBenchConfig, variant: str, batch: int, contex
         row[f"{mode}_ms"] = statistics.median(run() for _ in range(cfg.reps)) / n * 1e3
     if cfg.in_jit:
         t0 = time.perf_counter()
-        loop = greedy_steps.lower(model, state["cache"], state["tok"], attention, n).compile(compiler_options=options)
+        loop = greedy_steps.lower(model, state["cache"], state["tok"], attention, n, mesh).compile(
+            compiler_options=options)
         row["loop_compile_s"] = time.perf_counter() - t0
         row["loop_temp_mib"] = getattr(loop.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
 
         def run_loop():
-            state["cache"] = rewind(state["cache"], start)
+            state["cache"] = rewound(state["cache"])
             jax.block_until_ready(state["cache"].length)
             t = time.perf_counter()
             state["cache"], state["tok"] = loop(model, state["cache"], state["tok"])
@@ -250,7 +296,7 @@ def bench_config(model, cfg: DecodeBenchConfig, variant: str, batch: int, contex
         run_loop()
         row["in_jit_ms"] = statistics.median(run_loop() for _ in range(cfg.reps)) / n * 1e3
     row["lm_head_ms"], head_bytes = lm_head_time(model, batch, cfg.reps, options)
-    row["lm_head_roofline_ms"] = head_bytes / bandwidth * 1e3
+    row["lm_head_roofline_ms"] = head_bytes / (bandwidth * n_dev) * 1e3
     best = min(row[k] for k in ("sync_ms", "async_ms", "in_jit_ms") if k in row)
     row["tokens_per_s"] = batch * 1e3 / row["async_ms"]
     row["roofline_tokens_per_s"] = batch * 1e3 / row["roofline_ms"]
@@ -291,22 +337,25 @@ def lm_head_time(model, batch: int, reps: int, options=None, steps: int = 16) ->
 
 
 def fits(model, cfg: DecodeBenchConfig, batch: int, context: int) -> tuple[bool, str]:
-    """Whether weights + cache of a configuration fit in ``memory_fraction`` of device memory."""
+    """Whether one device's weights + cache of a configuration fit in ``memory_fraction`` of its memory
+    (the cache split over ``cfg.devices``, the weights as they are laid out)."""
     dev = jax.devices()[0]
     limit = (dev.memory_stats() or {}).get("bytes_limit") if hasattr(dev, "memory_stats") else None
     if not limit:
         return True, ""
-    params = sum(a.nbytes for a in jax.tree_util.tree_leaves(model))
+    params = sum(a.addressable_shards[0].data.nbytes for a in jax.tree_util.tree_leaves(model))
     kv_dtype = jnp.dtype(cfg.kv_dtype or model.language_model.embed[...].dtype)
-    need = params + kv_bytes(model.config.text, batch, context, kv_dtype)
+    need = params + kv_bytes(model.config.text, batch, context, kv_dtype) / cfg.devices
     if need > cfg.memory_fraction * limit:
         return False, f"needs {need / 1e9:.1f} GB > {cfg.memory_fraction:.2f} x {limit / 1e9:.1f} GB"
     return True, ""
 
 
-def run(model, cfg: DecodeBenchConfig, bandwidth: float, on_row=None, dump_hlo: str | None = None) -> list[dict]:
-    """Every variant and fitting (batch, context) of the grid; skipped configurations get a row with
-    ``skipped``, variants that fail to compile or run one with ``error``."""
+def run(model, cfg: DecodeBenchConfig, bandwidth: float, on_row=None, dump_hlo: str | None = None,
+        mesh: Mesh | None = None) -> list[dict]:
+    """Every variant and fitting (batch, context) of the grid (on ``mesh``, the model laid out there, when
+    given); skipped configurations get a row with ``skipped``, variants that fail to compile or run one
+    with ``error``."""
     rows = []
     for variant in cfg.variants:
         for context in cfg.contexts:
@@ -317,7 +366,7 @@ def run(model, cfg: DecodeBenchConfig, bandwidth: float, on_row=None, dump_hlo: 
                     row = {**head, "skipped": why}
                 else:
                     try:
-                        row = bench_config(model, cfg, variant, batch, context, bandwidth, dump_hlo)
+                        row = bench_config(model, cfg, variant, batch, context, bandwidth, dump_hlo, mesh)
                     except Exception as e:  # noqa: BLE001 - an XLA option or kernel a device rejects; keep going
                         row = {**head, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
                 rows.append(row)
@@ -399,7 +448,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--xla-option", action="append", metavar="KEY=VALUE", default=[],
                    help="XLA option for the step's compilation (repeatable)")
     p.add_argument("--bandwidth-gib", type=positive_int, default=4, help="buffer size of the bandwidth measurement")
+    p.add_argument("--devices", type=positive_int, default=1, metavar="N",
+                   help="run on N devices: key-value heads split over N / S, cache slots over S (default %(default)s)")
+    p.add_argument("--sequence-parallel", type=positive_int, default=1, metavar="S",
+                   help="of the N devices, split the cache slots over S (dense attention only; default %(default)s)")
     args = p.parse_args(argv)
+    try:
+        mesh = devices_mesh(args.devices, args.sequence_parallel)
+    except ValueError as e:
+        p.error(str(e))
+    if args.sequence_parallel > 1 and any(VARIANTS[v][0] != "dense" for v in args.variants):
+        p.error("--variants: a sequence-parallel decode (--sequence-parallel > 1) attends densely; expected variants "
+                "of the dense attention (" + ", ".join(k for k, v in VARIANTS.items() if v[0] == "dense") + ")")
     try:
         opts = xla_options(args.xla_option)
     except ValueError as e:
@@ -407,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = jax.default_backend() == "gpu"
     cfg = DecodeBenchConfig(steps=args.steps or args.host_steps, in_jit=args.steps > 0, reps=args.reps,
                             variants=args.variants, xla_options=opts,
-                            kv_dtype=None if args.kv_dtype == "model" else args.kv_dtype)
+                            kv_dtype=None if args.kv_dtype == "model" else args.kv_dtype,
+                            devices=args.devices, sequence_parallel=args.sequence_parallel)
     if args.model == "7b" or (args.model == "auto" and on_gpu):
         mc = preset("7b")
         if args.layers:
@@ -415,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         model, shape = qwen_vl.Qwen2_5_VL(mc, dtype=jnp.bfloat16, key=jax.random.key(0)), "qwen2.5-vl-7b"
     else:
         model, shape = tiny_model(), "tiny"
+    if mesh is not None:
+        shard_model(model, mesh)
     if not on_gpu:  # timings on a CPU only show that everything runs: a small grid
         cfg = dataclasses.replace(cfg, batches=(1, 4), contexts=(128, 512), steps=min(cfg.steps, 8), reps=2)
     bw_bytes = args.bandwidth_gib << 30 if on_gpu else 64 << 20
@@ -434,8 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     def save(rows, table=None):
         return write_result(args.out, args.name, {**meta, "rows": rows, "table": table}) if args.out else None
 
-    rows = run(model, cfg, bandwidth, save, args.dump_hlo)
-    cols = [("variant", "variant", "s"), ("batch", "B", "d"), ("context", "context", "d"),
+    rows = run(model, cfg, bandwidth, save, args.dump_hlo, mesh)
+    cols = [("variant", "variant", "s"), ("devices", "GPUs", "d"), ("batch", "B", "d"), ("context", "context", "d"),
             ("roofline_ms", "roofline ms", ".3f"),
             ("sync_ms", "sync ms", ".3f"), ("async_ms", "async ms", ".3f"), ("in_jit_ms", "in-jit ms", ".3f"),
             ("tokens_per_s", "tok/s", ".0f"), ("roofline_tokens_per_s", "roofline tok/s", ".0f"),
