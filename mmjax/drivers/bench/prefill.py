@@ -18,8 +18,8 @@ the first call minus that compile time (``warm_estimated`` in the JSON). Columns
 warm TTFT, speedup over the dense row of the same length, peak memory (the largest of the mesh's
 devices with ``--devices N``: the model loaded into its tensor-parallel layout over N devices, S of
 them splitting the tokens with ``--sequence-parallel S``; the warm call is then always run), tokens
-per second. Rows
-are written to the JSON as they finish; ``--plot`` draws TTFT and memory against tokens.
+per second; ``--breakdown`` adds the host preparation and the vision tower timed alone and the decoder's
+share (warm - both). Rows are written to the JSON as they finish; ``--plot`` draws TTFT and memory against tokens.
 
 Attention names: ``cudnn`` (dense cuDNN flash attention), ``dense`` (exact XLA attention, slow),
 ``grid`` (``Grid(local=1024)`` on every head), ``ashape`` (``AShape(sink=1024, local=4096)``, the
@@ -45,8 +45,9 @@ import numpy as np
 import mmjax
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
-from mmjax.inference import runner
+from mmjax.inference import PROCESSOR_KEYS, runner
 from mmjax.parallel import devices_mesh, shard_model
+from mmjax.parallel import vision as parallel_vision
 from mmjax.patterns import AShape, Grid, Momo, VerticalSlash
 from mmjax.timing import device_name
 from models import llama, llava_onevision, qwen3
@@ -202,6 +203,25 @@ def _compile_seconds(model, inputs, attention, kwargs) -> float:
     return time.perf_counter() - t0
 
 
+def phase_seconds(model, inputs: dict, frames_per_chunk, mesh) -> dict:
+    """Seconds of the first two phases of a warm `mmjax.prefill` timed alone: ``host_s`` (the port's
+    ``prepare_inputs`` on the host) and ``vision_s`` (the vision tower, features on the device; 0 for a
+    text LM). The decoder's share is the warm time minus both."""
+    run = runner(model)
+    t0 = time.perf_counter()
+    p = run.prepare_inputs(model.config, **{k: inputs[k] for k in PROCESSOR_KEYS if k in inputs})
+    host = time.perf_counter() - t0
+    if run is causal_lm_runner:
+        return {"host_s": host, "vision_s": 0.0}
+    t0 = time.perf_counter()
+    if mesh is not None and run is qwen_vl:
+        feats = parallel_vision.visual_inputs(model, p, frames_per_chunk, mesh)
+    else:
+        feats = run.visual_inputs(model, p, frames_per_chunk)
+    jax.block_until_ready(feats)
+    return {"host_s": host, "vision_s": time.perf_counter() - t0}
+
+
 def run_row(args, tokens: int, name: str) -> dict:
     """One (length, attention) row in this process."""
     mesh = devices_mesh(args.devices, args.sequence_parallel)
@@ -244,6 +264,9 @@ def run_row(args, tokens: int, name: str) -> dict:
         row["peak_gib"] = max(peaks) / 2 ** 30
     row["tokens_per_s"] = row["tokens"] / row["warm_s"]
     row["first_minus_warm_s"] = row["first_s"] - row["warm_s"]
+    if args.breakdown:
+        row.update(phase_seconds(model, inputs, args.frames_per_chunk, mesh))
+        row["decoder_s"] = row["warm_s"] - row["host_s"] - row["vision_s"]
     return row
 
 
@@ -340,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row-timeout-s", type=positive_float, default=1200.0, help="wall time of one row's process")
     p.add_argument("--compile-cache", help="directory of JAX's persistent compilation cache")
     p.add_argument("--plot", action="store_true", help="write a PNG of TTFT and memory vs tokens")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the host preparation and the vision tower alone (decoder = warm - both)")
     p.add_argument("--row", nargs=2, metavar=("TOKENS", "ATTENTION"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.compile_cache:
@@ -358,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             "compile_cache", "devices", "sequence_parallel")
     args.passthrough = [x for k in keep if getattr(args, k) is not None
                         for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    args.passthrough += ["--breakdown"] if args.breakdown else []
     args.passthrough += ["--preset", args.preset, "--kv-dtype", args.kv_dtype]
     rows: list[dict] = []
     llava = args.preset.startswith("llava-ov-")
@@ -378,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     table = print_table(rows, [("tokens", "tokens", "d"), ("attention", "attention", "s"),
                                ("first_s", "first call s", ".1f"), ("warm_s", "warm TTFT s", ".2f"),
                                ("speedup", "speedup", ".2f"), ("peak_gib", "peak GiB", ".1f"),
-                               ("tokens_per_s", "tokens/s", ".0f"), ("error", "error", "s")])
+                               ("tokens_per_s", "tokens/s", ".0f"), ("host_s", "host s", ".2f"),
+                               ("vision_s", "vision s", ".2f"), ("decoder_s", "decoder s", ".2f"),
+                               ("error", "error", "s")])
     result["table"] = table
     if args.out:
         path = write_result(args.out, args.name, result)
