@@ -24,6 +24,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flax import nnx  # noqa: E402
+
 from mmjax.drivers.bench import prefill as bench  # noqa: E402
 from mmjax.files import atomic_write  # noqa: E402
 from mmjax.inference import PROCESSOR_KEYS, runner  # noqa: E402
@@ -31,6 +33,8 @@ from mmjax.parallel import devices_mesh  # noqa: E402
 from mmjax.parallel import run as parallel_run  # noqa: E402
 from mmjax.parallel.attention import prefill_attention  # noqa: E402
 from models.attention import resolve_attention  # noqa: E402
+from models.qwen2_5_vl import Qwen2_5_VL, preset  # noqa: E402
+from models.sharding import model_shardings  # noqa: E402
 
 ALLOC = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
 VALUE = re.compile(r"^\s+value: <\d+ ([^ ]+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
@@ -56,6 +60,17 @@ def largest_buffers(path: str, n: int = 25) -> list[dict]:
     return allocs[:n]
 
 
+def abstract_model(name: str, mesh):
+    """The Qwen2.5-VL preset ``name`` with ShapeDtypeStruct parameters (bf16; laid out on ``mesh`` when given)."""
+    model = nnx.eval_shape(lambda: Qwen2_5_VL(preset(name), dtype=jnp.bfloat16, key=jax.random.key(0)))
+    state = nnx.state(model)
+    if mesh is not None:
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                             model_shardings(model, mesh))
+    nnx.update(model, state)
+    return model
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, required=True)
@@ -65,12 +80,16 @@ def main() -> int:
     p.add_argument("--sequence-parallel", type=int, default=1)
     p.add_argument("--mlp-chunk", type=int, default=16384)
     p.add_argument("--dump", help="the --xla_dump_to directory (its buffer assignment is read)")
+    p.add_argument("--abstract", action="store_true",
+                   help="shapes only (no weights allocated; the preset's real shape even on a CPU)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     mesh = devices_mesh(a.devices, a.sequence_parallel)
-    args = argparse.Namespace(model=None, preset=a.preset, layers=None)
-    model = bench.load_model(args, mesh)
-    inputs = bench.video_inputs(model.config, a.tokens)
+    if a.abstract:
+        model = abstract_model(a.preset, mesh)
+    else:
+        model = bench.load_model(argparse.Namespace(model=None, preset=a.preset, layers=None), mesh)
+    inputs = bench.video_inputs(model.config, a.tokens, pixels=False)
     run = runner(model)
     pi = run.prepare_inputs(model.config, **{k: inputs[k] for k in PROCESSOR_KEYS if k in inputs})
     t = pi.input_ids.shape[1]

@@ -13,7 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.qwen2_5_vl import model as qwen_vl
@@ -53,5 +53,10 @@ def visual_inputs(model: qwen_vl.Qwen2_5_VL, p: qwen_vl.PreparedInputs, frames_p
     the videos split by frames over ``mesh``."""
     img = (qwen_vl.vision_features(model, p.pixel_values, p.image_grids, frames_per_chunk)
            if p.image_grids else None)
-    vid = video_features(model, p.pixel_values_videos, p.video_grids, frames_per_chunk, mesh) if p.video_grids else None
+    pixels = p.pixel_values_videos
+    n_dev = mesh.devices.size
+    if len(p.video_grids) == 1 and p.video_grids[0][0] % n_dev == 0 and not isinstance(pixels, jax.Array):
+        # one video whose temporal patches split evenly: each device receives only its frames' pixels
+        pixels = jax.device_put(pixels, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+    vid = video_features(model, pixels, p.video_grids, frames_per_chunk, mesh) if p.video_grids else None
     return img, vid

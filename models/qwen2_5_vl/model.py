@@ -40,7 +40,8 @@ class Qwen2_5_VL(nnx.Module):
 class PreparedInputs:
     """Validated inputs. Arrays: input_ids int32 [B, T], attention_mask bool [B, T], position_ids
     int32 [3, B, T], token_types int32 [B, T], rope_deltas int32 [B], pixel_values [Pi, patch_dim] or
-    None, pixel_values_videos [Pv, patch_dim] or None. Static: image_grids / video_grids tuples of (t, h, w)."""
+    None, pixel_values_videos [Pv, patch_dim] or None (left where they were given: host NumPy pixels are not
+    copied to a device before the vision tower runs). Static: image_grids / video_grids tuples of (t, h, w)."""
 
     input_ids: Any
     attention_mask: Any
@@ -59,7 +60,7 @@ def _grids(name, grid_thw, pixels, patch_dim):
     if pixels is None or grid_thw is None:
         raise ValueError(f"{name}: pixels and grid_thw must be given together")
     g = np.asarray(grid_thw).reshape(-1, 3).astype(np.int64)
-    pixels = jnp.asarray(pixels)
+    pixels = pixels if isinstance(pixels, jax.Array) else np.asarray(pixels)  # host pixels stay on the host
     n = int(np.prod(g, axis=1).sum())
     if pixels.shape != (n, patch_dim):
         raise ValueError(f"{name}: expected pixels of shape {(n, patch_dim)} for grid_thw {g.tolist()}, "

@@ -12,7 +12,7 @@ from mmjax.drivers.bench import prefill as bench
 def _args(preset: str) -> types.SimpleNamespace:
     return types.SimpleNamespace(model=None, preset=preset, layers=None, mlp_chunk=128, frames_per_chunk=None,
                                  chunk_tokens=None, kv_dtype="bf16", warm_budget_s=600.0, repeats=1, devices=1,
-                                 sequence_parallel=1)
+                                 sequence_parallel=1, breakdown=True)
 
 
 @pytest.mark.parametrize("preset, tokens, visual", [("7b", 256, 256), ("qwen3-30b-a3b", 200, 0)])
@@ -22,6 +22,37 @@ def test_row_runs_and_reports(preset, tokens, visual):
     assert row["tokens"] == (tokens + 18 if visual else tokens)
     assert row["warm_s"] > 0 and row["first_s"] >= row["warm_s"] * 0.5
     assert np.isclose(row["tokens_per_s"], row["tokens"] / row["warm_s"])
+    assert row["host_s"] > 0 and (row["vision_s"] > 0) == (visual > 0)
+    assert np.isclose(row["decoder_s"], row["warm_s"] - row["host_s"] - row["vision_s"])
+
+
+def test_video_inputs_without_pixels_are_a_view():
+    cfg = bench.tiny_config()
+    full, view = bench.video_inputs(cfg, 512), bench.video_inputs(cfg, 512, pixels=False)
+    assert view["pixel_values_videos"].shape == full["pixel_values_videos"].shape
+    assert view["pixel_values_videos"].strides[0] == 0
+    np.testing.assert_array_equal(view["input_ids"], full["input_ids"])
+
+
+def test_prefill_memory_report_tool(tmp_path):
+    """tools/prefill_memory_report.py compiles the 7B shape's prefill program from shapes alone (no weights)
+    and writes XLA's memory plan."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    dump = tmp_path / "dump"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*prefill.* --xla_dump_hlo_pass_re=^$")
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "prefill_memory_report.py"), "--abstract",
+                        "--tokens", "1024", "--dump", str(dump), "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp_path / "prefill_memory_1024_1x1.json").read_text())
+    assert report["tokens"] == 1042 and report["memory_gib"]["argument_size_in_bytes"] > 14  # the 7B weights
+    assert report["largest"] and report["largest"][0]["gib"] >= report["largest"][-1]["gib"]
 
 
 def test_text_inputs_are_valid_token_ids():

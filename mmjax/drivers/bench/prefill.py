@@ -120,10 +120,11 @@ def llava_video_inputs(config: llava_onevision.LlavaOnevisionConfig, n_tokens: i
     return dict(input_ids=np.asarray([ids], np.int32), pixel_values_videos=pixels[None])
 
 
-def video_inputs(config: Qwen2_5_VLConfig, n_tokens: int, seed: int = 0) -> dict:
+def video_inputs(config: Qwen2_5_VLConfig, n_tokens: int, seed: int = 0, *, pixels: bool = True) -> dict:
     """Processor-style NumPy inputs: 8 text tokens, one video of about ``n_tokens`` visual tokens
     (whole temporal patches of FRAME_PX x FRAME_PX frames), 8 text tokens. The pixels repeat a
-    random block of 64 temporal patches (generating 1M tokens' worth of noise is slow)."""
+    random block of 64 temporal patches (generating 1M tokens' worth of noise is slow); ``pixels=False``:
+    a zero-stride view of one row instead (shapes only, no memory)."""
     if isinstance(config, llava_onevision.LlavaOnevisionConfig):
         return llava_video_inputs(config, n_tokens, seed)
     vc = config.vision
@@ -133,10 +134,13 @@ def video_inputs(config: Qwen2_5_VLConfig, n_tokens: int, seed: int = 0) -> dict
     text = [100 + i % 8 for i in range(8)]
     ids = text + [config.vision_start_token_id] + [config.video_token_id] * (t * per_t) + \
         [config.vision_end_token_id] + text
-    block = np.random.default_rng(seed).standard_normal((min(t, 64) * side * side, vc.patch_dim), np.float32)
-    reps = -(-t * side * side // block.shape[0])
-    pixels = np.tile(block, (reps, 1))[:t * side * side]
-    return dict(input_ids=np.asarray([ids], np.int32), pixel_values_videos=pixels,
+    if pixels:
+        block = np.random.default_rng(seed).standard_normal((min(t, 64) * side * side, vc.patch_dim), np.float32)
+        reps = -(-t * side * side // block.shape[0])
+        values = np.tile(block, (reps, 1))[:t * side * side]
+    else:
+        values = np.broadcast_to(np.ones((1, vc.patch_dim), np.float32), (t * side * side, vc.patch_dim))
+    return dict(input_ids=np.asarray([ids], np.int32), pixel_values_videos=values,
                 video_grid_thw=np.asarray([(t, side, side)]), second_per_grid_ts=np.asarray([1.0], np.float32))
 
 
