@@ -106,8 +106,8 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
     on stderr over the chunks. mesh: a ``jax.sharding.Mesh`` with axes "tp" (heads: whole GQA groups
     per device, weights split as in `models.sharding`, one all-reduce after the output and the down
     projection) and / or "sp" (tokens; attention swaps to whole sequences of fewer heads, so sparse
-    patterns stay exact; ``max_length`` is rounded up to a multiple of sp; the cache stays split while
-    it is written when sp divides the prompt length, else XLA gathers it at the writes) over which the model's
+    patterns stay exact; ``max_length`` is rounded up to a multiple of sp and the prompt right-padded to
+    it with masked tokens, so the split cache is written in place) over which the model's
     parameters are laid out (``mmjax.parallel.shard_model`` or ``mmjax.load(..., mesh=)``); videos are
     encoded split by frames, the cache comes back split by key head and slot (see ``mmjax.parallel``).
     """
@@ -144,7 +144,7 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
         logits, cache, hidden = parallel.prefill_language_model(
             run.prefill_language_model, model, p.input_ids, image_feats, video_feats, p.position_ids,
             p.attention_mask, p.token_types, p.rope_deltas,
-            attention=prefill_attention(resolve_attention(attention), mesh, model.config.text.num_key_value_heads),
+            attention=prefill_attention(resolve_attention(attention), mesh, model.config.text.num_key_value_heads, t),
             max_length=max_length, hidden_layers=hidden_layers, mlp_chunk=mlp_chunk, kv_dtype=kv_dtype, mesh=mesh)
     elif chunk_tokens is None or chunk_tokens >= t:
         logits, cache, hidden = run.prefill_language_model(

@@ -29,10 +29,23 @@ def map_chunks(fn: Callable[..., Any], args: Sequence[jax.Array], axis: int, chu
     shaped like the full result) is the buffer written into: pass the donated input that the
     result replaces (e.g. the residual stream) to update it in place. ``chunk=None`` or a chunk
     at least as long as the axis calls ``fn`` once.
+
+    Under a mesh whose "sp" axis splits the tokens (``jax.set_mesh``, as `mmjax.parallel` prefills), the axis
+    is viewed as [sp, n / sp] and the chunks run along the second part, every device its own tokens at once:
+    a dynamic slice along the split axis itself would make XLA gather it whole on every device.
     """
     n = args[0].shape[axis]
     if chunk is None or n <= chunk:
         return fn(*args)
+    parts = token_split()
+    if parts > 1 and n % parts == 0 and n // parts > chunk:
+        return _map_chunks_split(fn, args, axis, chunk, parts, out)
+    return _map_chunks_plain(fn, args, axis, chunk, out)
+
+
+def _map_chunks_plain(fn, args, axis: int, chunk: int, out):
+    """`map_chunks`' loop: full chunks under ``lax.fori_loop``, then the remainder."""
+    n = args[0].shape[axis]
     full, rest = divmod(n, chunk)
 
     def piece(start, size):
@@ -50,3 +63,30 @@ def map_chunks(fn: Callable[..., Any], args: Sequence[jax.Array], axis: int, chu
     if rest:
         out = write(out, piece(full * chunk, rest), full * chunk)
     return out
+
+
+def token_split() -> int:
+    """Size of the "sp" (token) axis of the mesh in context (``jax.set_mesh``), 1 without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "sp" not in mesh.axis_names:  # "sp": models.sharding.SP (not imported: it imports this module)
+        return 1
+    return int(dict(zip(mesh.axis_names, mesh.axis_sizes))["sp"])
+
+
+def _map_chunks_split(fn, args, axis: int, chunk: int, parts: int, out):
+    """`map_chunks` with ``axis`` viewed as [parts, n / parts]: the chunks run along the second part."""
+    n = args[0].shape[axis]
+
+    def split(x):
+        return x.reshape(x.shape[:axis] + (parts, n // parts) + x.shape[axis + 1:])
+
+    def merge(x):
+        return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+    def fn_parts(*xs):  # xs [..., parts, c, ...]: fn on the parts' chunks as one [..., parts * c, ...] slice
+        res = fn(*(merge(x) for x in xs))
+        return jax.tree.map(lambda r: r.reshape(r.shape[:axis] + (parts, -1) + r.shape[axis + 1:]), res)
+
+    res = _map_chunks_plain(fn_parts, [split(a) for a in args], axis + 1, chunk,
+                            None if out is None else jax.tree.map(split, out))
+    return jax.tree.map(merge, res)

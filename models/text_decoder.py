@@ -151,10 +151,14 @@ def lm_logits(model: TextDecoder, h: jax.Array) -> jax.Array:
 
 
 def last_token_logits(model: TextDecoder, h: jax.Array, mask: jax.Array) -> jax.Array:
-    """Logits float32 [B, V] at each row's last valid token (h [B, T, H] final-normed, mask bool [B, T])."""
+    """Logits float32 [B, V] at each row's last valid token (h [B, T, H] final-normed, mask bool [B, T]).
+    The row is picked by a masked sum over T, not a gather: with h split by token over devices a gather at a
+    traced index makes XLA all-gather the whole h (14 GiB at 2M tokens of the 7B shape), a sum needs one
+    all-reduce of [B, H]; exact (one term, the others exact zeros)."""
     t = mask.shape[1]
     last = t - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
-    return lm_logits(model, jnp.take_along_axis(h, last[:, None, None], axis=1))[:, 0]
+    pick = (jnp.arange(t)[None, :] == last[:, None])[:, :, None]
+    return lm_logits(model, jnp.sum(jnp.where(pick, h, jnp.zeros((), h.dtype)), axis=1, keepdims=True))[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)

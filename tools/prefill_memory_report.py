@@ -104,11 +104,13 @@ def main() -> int:
     else:
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         arrays = tuple(None if x is None else (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)) for x in arrays)
-        lowered = parallel_run.prefill_program.lower(
-            run.prefill_language_model, model, *arrays,
-            attention=prefill_attention(attention, mesh, model.config.text.num_key_value_heads),
-            max_length=parallel_run.round_slots(t + 256, mesh), hidden_layers=(), mlp_chunk=a.mlp_chunk, kv_dtype=None,
-            mesh=mesh)
+        with jax.set_mesh(mesh):
+            lowered = parallel_run.prefill_program.lower(
+                run.prefill_language_model, model, *arrays,
+                attention=prefill_attention(attention, mesh, model.config.text.num_key_value_heads, t),
+                max_length=parallel_run.round_slots(t + 256, mesh), hidden_layers=(), mlp_chunk=a.mlp_chunk,
+                kv_dtype=None,
+                mesh=mesh)
     compiled = lowered.compile()
     m = compiled.memory_analysis()
     report = {"tokens": t, "devices": a.devices, "sequence_parallel": a.sequence_parallel, "config": a.config,

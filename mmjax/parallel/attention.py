@@ -97,10 +97,14 @@ class HeadParallel:
 @dataclasses.dataclass(frozen=True)
 class SequenceHeads:
     """Prefill with the tokens split over "sp" (and heads over "tp"): ``all_to_all`` to whole sequences of
-    fewer heads, ``inner``, and back. q and k / v must have the same length (a prefill from an empty cache)."""
+    fewer heads, ``inner``, and back. q and k / v must have the same length (a prefill from an empty cache).
+    ``tokens``: the prompt's own tokens when the sequence is right-padded past them (the cache's free slots,
+    `mmjax.parallel.run.prefill_program`): ``inner`` sees exactly the first ``tokens`` queries and keys, as on
+    one device (patterns that estimate from the last queries see the prompt's), the padding gets zeros."""
 
     inner: Callable
     mesh: Mesh
+    tokens: int | None = None
 
     def __call__(self, q, k, v, *, layer=0, q_positions, kv_valid, modality=None):
         tp, sp = _axis(self.mesh, TP), SP
@@ -110,14 +114,22 @@ class SequenceHeads:
             raise ValueError(f"k: sequence-parallel prefill attends the prompt's own keys (S == T = {t}); "
                              f"received k {tuple(k.shape)} (chunked prefill is not sequence-parallel)")
         pad = -t % n_sp
-        padded = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        real = t if self.tokens is None else self.tokens
+        if not 1 <= real <= t:
+            raise ValueError(f"tokens: expected None or 1 <= tokens <= the sequence length {t}; got {self.tokens}")
+        padded = lambda x: jnp.pad(x, ((0, 0), (0, t + pad - x.shape[1]), (0, 0), (0, 0)))
         split = P(None, sp, tp, None)
         fn = _local(self.inner, tuple(a for a in (tp, sp) if a is not None))
 
+        def cut(x):  # the prompt's own tokens of [B, T] / [B, T, S] per-token arrays
+            if x is None or real == t:
+                return x
+            return x[:, :real, :real] if x.ndim == 3 else x[:, :real]
+
         def body(layer, q, k, v, q_positions, kv_valid, modality):
-            # [B, Tp / sp, heads / tp, D] -> [B, T, heads / (tp * sp), D]
-            whole = lambda x: jax.lax.all_to_all(x, sp, 2, 1, tiled=True)[:, :t]
-            o = _call(fn, whole(q), whole(k), whole(v), layer, q_positions, kv_valid, modality)
+            # [B, Tp / sp, heads / tp, D] -> [B, real, heads / (tp * sp), D]
+            whole = lambda x: jax.lax.all_to_all(x, sp, 2, 1, tiled=True)[:, :real]
+            o = _call(fn, whole(q), whole(k), whole(v), layer, cut(q_positions), cut(kv_valid), cut(modality))
             return jax.lax.all_to_all(padded(o), sp, 1, 2, tiled=True)
 
         out = _run_sharded(body, self.mesh, (split, split, split, P(), P(), P()), split, layer,
@@ -260,15 +272,16 @@ def _each_layer(attention: LayerAttention, wrap: Callable) -> LayerAttention:
     return LayerAttention(per_layer=_Wrap(attention.per_layer, wrap))
 
 
-def prefill_attention(attention: LayerAttention, mesh: Mesh, kv_heads: int) -> LayerAttention:
+def prefill_attention(attention: LayerAttention, mesh: Mesh, kv_heads: int, tokens: int | None = None) -> LayerAttention:
     """Each layer's attention of a prefill on ``mesh`` for a decoder of ``kv_heads`` key-value heads:
-    with an "sp" axis of size > 1, `SequenceHeads` when tp * sp divides ``kv_heads``, else `SequenceRing`
-    (dense attention only: ValueError for any other); `HeadParallel` without one."""
+    with an "sp" axis of size > 1, `SequenceHeads` (``tokens``: the prompt's length when the sequence is
+    right-padded past it) when tp * sp divides ``kv_heads``, else `SequenceRing` (dense attention only, the
+    padding masked: ValueError for any other); `HeadParallel` without one."""
     split = axis_size(mesh, TP) * axis_size(mesh, SP)
     if axis_size(mesh, SP) == 1:
         return _each_layer(attention, lambda fn: HeadParallel(fn, mesh))
     if kv_heads % split == 0:
-        return _each_layer(attention, lambda fn: SequenceHeads(fn, mesh))
+        return _each_layer(attention, lambda fn: SequenceHeads(fn, mesh, tokens))
     if attention.scannable and attention.uniform is dense_attention:
         return LayerAttention(uniform=SequenceRing(mesh))
     raise ValueError(f"attention: with tp * sp = {split} devices not dividing the {kv_heads} key-value heads, "

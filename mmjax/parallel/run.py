@@ -63,8 +63,9 @@ def prefill_language_model(fn, model, *arrays, attention: LayerAttention, max_le
     """``fn`` (a port's ``prefill_language_model``) on ``mesh``: arrays = (input_ids, image_feats, video_feats,
     position_ids, mask, types, rope_deltas), as ``fn`` takes them. Returns (logits float32 [B, V]
     replicated, KVCache in its layout, hidden [n, B, T, H] split by token over "sp")."""
-    return prefill_program(fn, model, *_on_mesh(arrays, mesh), attention=attention, max_length=max_length,
-                    hidden_layers=hidden_layers, mlp_chunk=mlp_chunk, kv_dtype=kv_dtype, mesh=mesh)
+    with jax.set_mesh(mesh):  # traced under the mesh: the decoder's chunked position-wise work reads its "sp" split
+        return prefill_program(fn, model, *_on_mesh(arrays, mesh), attention=attention, max_length=max_length,
+                               hidden_layers=hidden_layers, mlp_chunk=mlp_chunk, kv_dtype=kv_dtype, mesh=mesh)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("attention", "max_length", "hidden_layers",
@@ -72,19 +73,27 @@ def prefill_language_model(fn, model, *arrays, attention: LayerAttention, max_le
 def prefill_program(fn, model, input_ids, image_feats, video_feats, position_ids, mask, types, rope_deltas, *,
                     attention: LayerAttention, max_length: int, hidden_layers: tuple, mlp_chunk: int | None, kv_dtype,
                     mesh: Mesh):
-    """The jit-compiled program of `prefill_language_model` (its arrays already on ``mesh``)."""
-    # With the slots split over "sp", the decoder writes a cache of exactly the prompt's slots (a write at a
-    # traced slot into a split axis makes XLA gather the whole cache); the free slots are appended after.
-    # Measured in the compiled HLO on 4 CPU devices: no gather of the cache when sp divides the prompt
-    # length, a gather of it at the writes otherwise (still exact).
+    """The jit-compiled program of `prefill_language_model` (its arrays already on ``mesh``; traced under
+    ``jax.set_mesh(mesh)``, see `models.common.map_chunks`)."""
+    # With the slots split over "sp", a cache longer than the prompt cannot be written at a traced slot
+    # without XLA gathering it (the prompt's token split and the cache's slot split differ), and appending
+    # the free slots afterwards copies the whole cache (XLA's plan at 2M tokens of the 7B shape on 2 devices:
+    # cache carried + padded copy = 4 x 28 GiB per device). So the prompt is right-padded to the cache's
+    # ``max_length`` slots (a multiple of sp) with masked text tokens: token split and slot split coincide,
+    # the cache written is the one returned, and the pad slots stay invalid (decoding overwrites them from
+    # slot t on). Costs the compute of max_length - t masked tokens.
     t = input_ids.shape[1]
-    slots = t if axis_size(mesh, SP) > 1 else max_length
+    pad = max_length - t if axis_size(mesh, SP) > 1 else 0
+    if pad:
+        input_ids, mask, types = (_right_pad(x, pad, v) for x, v in ((input_ids, 0), (mask, False), (types, 0)))
+        position_ids = _right_pad(position_ids, pad, None)
     logits, cache, hidden = fn(model, _by_token(input_ids, mesh), image_feats, video_feats,
                                _by_token(position_ids, mesh), _by_token(mask, mesh), _by_token(types, mesh),
-                               rope_deltas, attention=attention, max_length=slots, hidden_layers=hidden_layers,
+                               rope_deltas, attention=attention, max_length=max_length, hidden_layers=hidden_layers,
                                mlp_chunk=mlp_chunk, kv_dtype=kv_dtype)
-    if slots < max_length:
-        cache = extend_cache(cache, max_length)
+    if pad:
+        cache = dataclasses.replace(cache, length=jnp.asarray(t, jnp.int32))
+        hidden = hidden[:, :, :t]
     rep = NamedSharding(mesh, P())
     sp = SP if axis_size(mesh, SP) > 1 else None
     hidden = jax.lax.with_sharding_constraint(hidden, NamedSharding(mesh, P(None, None, sp, None)))
@@ -105,18 +114,12 @@ def decode_program(fn, model, cache: KVCache, tokens: jax.Array, *, attention: L
     return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P())), _pin_cache(cache, mesh)
 
 
-def extend_cache(cache: KVCache, max_length: int) -> KVCache:
-    """``cache`` with free slots appended up to ``max_length`` (invalid; zero k / v, unit fp8 scales)."""
-    extra = max_length - cache.max_length
-
-    def pad(x, axis, value):
-        if x is None:
-            return None
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, extra)
-        return jnp.pad(x, widths, constant_values=value)
-    return dataclasses.replace(cache, k=pad(cache.k, 2, 0), v=pad(cache.v, 2, 0), k_scale=pad(cache.k_scale, 2, 1),
-                               v_scale=pad(cache.v_scale, 2, 1), valid=pad(cache.valid, 1, False))
+def _right_pad(x, pad: int, value):
+    """x [..., T] with ``pad`` entries appended on the token axis: ``value``, or the last entry (None)."""
+    if x is None:
+        return None
+    widths = [(0, 0)] * (x.ndim - 1) + [(0, pad)]
+    return jnp.pad(x, widths, mode="edge") if value is None else jnp.pad(x, widths, constant_values=value)
 
 
 def place_cache(cache: KVCache, mesh: Mesh) -> KVCache:
