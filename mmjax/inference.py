@@ -134,7 +134,7 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
         if chunk_tokens is not None and chunk_tokens < t and axis_size(mesh, SP) > 1:
             raise ValueError("chunk_tokens: a sequence-parallel mesh (sp > 1) prefills the prompt in one piece; "
                              "expected None")
-    if mesh is not None and isinstance(model, qwen_vl.Qwen2_5_VL):
+    if mesh is not None and isinstance(model, (qwen_vl.Qwen2_5_VL, llava_ov.LlavaOnevision)):
         image_feats, video_feats = parallel_vision.visual_inputs(model, p, frames_per_chunk, mesh)
     else:
         image_feats, video_feats = run.visual_inputs(model, p, frames_per_chunk)

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL's vision tower split by frames over every device of a mesh (``jax.shard_map``).
+"""The vision towers split by frames over every device of a mesh (``jax.shard_map``): Qwen2.5-VL's (below)
+and LLaVA-OneVision's (SigLIP encodes every video frame alone, `llava_video_features`).
 
 The tower never attends across a temporal patch (full-attention blocks stay inside one, window blocks
 inside a window of one), so a video's temporal patches split into equal runs, one per device, encode
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models.llava_onevision import model as llava_ov
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.vision import encode_grid
 
@@ -48,9 +50,35 @@ def video_features(model: qwen_vl.Qwen2_5_VL, pixels: jax.Array, grids: tuple, f
     return jnp.concatenate(outs, axis=0)
 
 
-def visual_inputs(model: qwen_vl.Qwen2_5_VL, p: qwen_vl.PreparedInputs, frames_per_chunk: int | None, mesh: Mesh):
-    """(image features or None, video features or None), each [n_tokens, H]: `qwen_vl.visual_inputs` with
-    the videos split by frames over ``mesh``."""
+@functools.partial(jax.jit, static_argnames=("frames_per_chunk", "mesh"))
+def llava_video_features(model: llava_ov.LlavaOnevision, videos: jax.Array, frames_per_chunk: int | None,
+                         mesh: Mesh) -> jax.Array:
+    """LLaVA-OneVision's `llava_ov.video_features` (videos [n, F, 3, S, S] -> [n * (F * side**2 + 1), H]) with
+    all n * F frames split over every device of ``mesh`` (SigLIP encodes each frame alone, so the result
+    equals one device's); frames padded with zeros to a multiple of the device count (their features dropped)."""
+    axes = tuple(mesh.axis_names)
+    n, f = videos.shape[:2]
+    frames = videos.reshape((n * f,) + videos.shape[2:])
+    frames = jnp.pad(frames, ((0, -(n * f) % mesh.devices.size),) + ((0, 0),) * (frames.ndim - 1))
+    grid = model.config.vision.grid
+
+    def encode(vision, xs):
+        return llava_ov.pooled_frames(vision, xs, grid, frames_per_chunk)
+
+    x = jax.shard_map(encode, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(axes), check_vma=False)(
+        model.vision, frames)
+    return llava_ov.with_newlines(model, x[:n * f].reshape(n, -1, x.shape[-1]))
+
+
+def visual_inputs(model, p, frames_per_chunk: int | None, mesh: Mesh):
+    """(image features or None, video features or None), each [n_tokens, H]: the port's ``visual_inputs``
+    (Qwen2.5-VL or LLaVA-OneVision) with the videos split by frames over ``mesh``."""
+    if isinstance(model, llava_ov.LlavaOnevision):
+        img = (llava_ov.image_features(model, p.pixel_values, p.image_layouts, frames_per_chunk)
+               if p.image_layouts else None)
+        vid = (llava_video_features(model, p.pixel_values_videos, frames_per_chunk, mesh)
+               if p.pixel_values_videos is not None else None)
+        return img, vid
     img = (qwen_vl.vision_features(model, p.pixel_values, p.image_grids, frames_per_chunk)
            if p.image_grids else None)
     pixels = p.pixel_values_videos

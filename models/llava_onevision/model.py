@@ -140,7 +140,8 @@ def prepare_inputs(config: LlavaOnevisionConfig, *, input_ids, attention_mask=No
     videos = None
     n_video_tokens = 0
     if pixel_values_videos is not None:
-        videos = jnp.asarray(pixel_values_videos)
+        videos = (pixel_values_videos if isinstance(pixel_values_videos, jax.Array)
+                  else np.asarray(pixel_values_videos))  # host pixels stay on the host until the tower runs
         if videos.ndim != 5 or videos.shape[2:] != (v.num_channels, v.image_size, v.image_size):
             raise ValueError(f"pixel_values_videos: expected [n_videos, frames, {v.num_channels}, {v.image_size}, "
                              f"{v.image_size}], got {videos.shape}")
@@ -199,22 +200,34 @@ def image_features(model: LlavaOnevision, tiles: jax.Array, layouts: tuple, chun
     return jnp.concatenate(out)
 
 
+def pooled_frames(vision, frames: jax.Array, grid: int, chunk: int | None = None) -> jax.Array:
+    """frames [N, 3, S, S] -> [N, ceil(grid/2)**2, H]: each frame's tile features (the vision tower ``vision``,
+    ``grid`` patches a side) pooled 2x2 (bilinear). Frames are independent (the tower may run them on any
+    device)."""
+    feats = vision_lib.encode_tiles(vision, frames, chunk)
+    hdim = feats.shape[-1]
+    side = anyres.pooled_side(grid)
+    m = jnp.asarray(anyres.bilinear_matrix(grid, side))
+    x = feats.reshape(frames.shape[0], grid, grid, hdim).astype(jnp.float32)
+    x = jnp.einsum("oi,bijh,pj->boph", m, x, m).astype(feats.dtype)
+    return x.reshape(frames.shape[0], side * side, hdim)
+
+
+def with_newlines(model: LlavaOnevision, x: jax.Array) -> jax.Array:
+    """Pooled frame features of n videos x [n, F * side**2, H] -> [n * (F * side**2 + 1), H]: one newline
+    feature after each video."""
+    n, _, hdim = x.shape
+    newline = jnp.broadcast_to(model.vision.image_newline[...].astype(x.dtype), (n, 1, hdim))
+    return jnp.concatenate([x, newline], axis=1).reshape(-1, hdim)
+
+
 @functools.partial(jax.jit, static_argnames=("chunk",))
 def video_features(model: LlavaOnevision, videos: jax.Array, chunk: int | None = None) -> jax.Array:
     """videos [n, F, 3, S, S] -> features [n * (F * ceil(g/2)**2 + 1), H]: per-frame tile features pooled 2x2
     (bilinear), then one newline per video."""
-    c = model.config
     n, f = videos.shape[:2]
-    g = c.vision.grid
-    feats = vision_lib.encode_tiles(model.vision, videos.reshape((n * f,) + videos.shape[2:]), chunk)
-    hdim = feats.shape[-1]
-    side = anyres.pooled_side(g)
-    m = jnp.asarray(anyres.bilinear_matrix(g, side))
-    x = feats.reshape(n * f, g, g, hdim).astype(jnp.float32)
-    x = jnp.einsum("oi,bijh,pj->boph", m, x, m).astype(feats.dtype)
-    x = x.reshape(n, f * side * side, hdim)
-    newline = jnp.broadcast_to(model.vision.image_newline[...].astype(x.dtype), (n, 1, hdim))
-    return jnp.concatenate([x, newline], axis=1).reshape(-1, hdim)
+    x = pooled_frames(model.vision, videos.reshape((n * f,) + videos.shape[2:]), model.config.vision.grid, chunk)
+    return with_newlines(model, x.reshape(n, -1, x.shape[-1]))
 
 
 def visual_inputs(model: LlavaOnevision, p: PreparedInputs, frames_per_chunk: int | None = None):

@@ -376,3 +376,27 @@ def test_sequence_parallel_chunked_position_wise_work_stays_on_its_device(vl):
             hidden_layers=(), mlp_chunk=16, kv_dtype=None, mesh=mesh).compile().as_text()
     gathered = re.findall(rf"= (?:f32|bf16)\[1,{slots},[\d,]+\]\S* all-gather\(", hlo)
     assert gathered == [], gathered
+
+
+@pytest.mark.parametrize("tp, sp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_llava_onevision_videos_split_by_frames_equal_one_device(tp, sp):
+    """LLaVA-OneVision on a mesh: the video's 5 frames (not a multiple of 2: one zero frame pads) encoded
+    split over the devices give the one-device features, and the prefill the one-device logits."""
+    from mmjax.drivers.bench import prefill as bench_prefill
+    from mmjax.parallel.vision import llava_video_features
+    from models.llava_onevision import LlavaOnevision
+    from models.llava_onevision import model as llava_ov
+
+    cfg = bench_prefill.tiny_llava_config()
+    one = LlavaOnevision(cfg, dtype=jnp.float32, key=jax.random.key(5))
+    mesh = make_mesh(tp, sp)
+    model = shard_model(LlavaOnevision(cfg, dtype=jnp.float32, key=jax.random.key(5)), mesh)
+    inputs = bench_prefill.llava_video_inputs(cfg, 5 * 9 + 1, seed=2)
+    inputs["pixel_values_videos"] = inputs["pixel_values_videos"].astype(np.float32)
+    videos = jnp.asarray(inputs["pixel_values_videos"])
+    assert videos.shape[1] == 5
+    np.testing.assert_allclose(np.asarray(llava_video_features(model, videos, None, mesh)),
+                               np.asarray(llava_ov.video_features(one, videos)), atol=2e-6)
+    t = inputs["input_ids"].shape[1]
+    ref = mmjax.prefill(one, inputs, max_length=t + 4)
+    check_prefill(ref, mmjax.prefill(model, inputs, max_length=t + 4, mesh=mesh), t, mesh)
