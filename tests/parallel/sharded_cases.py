@@ -400,3 +400,18 @@ def test_llava_onevision_videos_split_by_frames_equal_one_device(tp, sp):
     t = inputs["input_ids"].shape[1]
     ref = mmjax.prefill(one, inputs, max_length=t + 4)
     check_prefill(ref, mmjax.prefill(model, inputs, max_length=t + 4, mesh=mesh), t, mesh)
+
+
+def test_text_lm_sequence_parallel_prefill_and_greedy_ids_equal_one_device():
+    """A text LM (Llama fixture, 1-D positions, no token types) with its prompt split over sp 2 (right-padded
+    to the cache's slots): the one-device logits, cache and greedy ids."""
+    mesh = make_mesh(1, 2)
+    model, _ = mmjax.load(case_dir("llama"), dtype=jnp.float32, mesh=mesh)
+    ref, _ = mmjax.load(case_dir("llama"), dtype=jnp.float32)
+    _, d = load_text_case("llama")
+    inputs = row0(d)
+    t = np.asarray(inputs["input_ids"]).shape[1]
+    check_prefill(mmjax.prefill(ref, inputs, max_length=t + 5), mmjax.prefill(model, inputs, max_length=t + 5,
+                                                                             mesh=mesh), t, mesh)
+    np.testing.assert_array_equal(mmjax.generate(model, inputs, 5, mesh=mesh).tokens,
+                                  mmjax.generate(ref, inputs, 5).tokens)
