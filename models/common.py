@@ -31,15 +31,16 @@ def map_chunks(fn: Callable[..., Any], args: Sequence[jax.Array], axis: int, chu
     at least as long as the axis calls ``fn`` once.
 
     Under a mesh whose "sp" axis splits the tokens (``jax.set_mesh``, as `mmjax.parallel` prefills), the axis
-    is viewed as [sp, n / sp] and the chunks run along the second part, every device its own tokens at once:
+    is viewed as [sp, n / sp] and the chunks run along the second part (in one call when n / sp fits a chunk),
+    every device its own tokens at once:
     a dynamic slice along the split axis itself would make XLA gather it whole on every device.
     """
     n = args[0].shape[axis]
     if chunk is None or n <= chunk:
         return fn(*args)
     parts = token_split()
-    if parts > 1 and n % parts == 0 and n // parts > chunk:
-        return _map_chunks_split(fn, args, axis, chunk, parts, out)
+    if parts > 1 and n % parts == 0:  # each device's n / parts tokens: whole when they fit in one chunk
+        return fn(*args) if n // parts <= chunk else _map_chunks_split(fn, args, axis, chunk, parts, out)
     return _map_chunks_plain(fn, args, axis, chunk, out)
 
 

@@ -354,15 +354,17 @@ def test_bench_decode_cli_on_two_devices(tmp_path, capsys):
     assert "--variants: a sequence-parallel decode" in capsys.readouterr().err
 
 
-def test_sequence_parallel_chunked_position_wise_work_stays_on_its_device(vl):
+@pytest.mark.parametrize("chunk", [16, 60])
+def test_sequence_parallel_chunked_position_wise_work_stays_on_its_device(vl, chunk):
     """sp 2 with the norms / projections / MLP in chunks of 16 tokens (`models.common.map_chunks` under the
-    mesh): the same prefill as one device, and no all-gather of a whole-sequence float array in the program."""
+    mesh; 60: each device's 46 tokens fit one chunk, the 92 do not): the same prefill as one device, and no
+    all-gather of a whole-sequence float array in the program."""
     cfg, model1, inputs = vl
     mesh = make_mesh(1, 2)
     model = sharded_model(cfg, mesh)
     t = inputs["input_ids"].shape[1]
-    ref = mmjax.prefill(model1, inputs, max_length=t + 4, mlp_chunk=16)
-    check_prefill(ref, mmjax.prefill(model, inputs, max_length=t + 4, mlp_chunk=16, mesh=mesh), t, mesh)
+    ref = mmjax.prefill(model1, inputs, max_length=t + 4, mlp_chunk=chunk)
+    check_prefill(ref, mmjax.prefill(model, inputs, max_length=t + 4, mlp_chunk=chunk, mesh=mesh), t, mesh)
     p = qwen_vl.prepare_inputs(cfg, **inputs)
     _, vid = qwen_vl.visual_inputs(model, p)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -373,7 +375,7 @@ def test_sequence_parallel_chunked_position_wise_work_stays_on_its_device(vl):
         hlo = parallel_run.prefill_program.lower(
             qwen_vl.prefill_language_model, model, *arrays,
             attention=prefill_attention(resolve_attention("dense"), mesh, KV_HEADS, t), max_length=slots,
-            hidden_layers=(), mlp_chunk=16, kv_dtype=None, mesh=mesh).compile().as_text()
+            hidden_layers=(), mlp_chunk=chunk, kv_dtype=None, mesh=mesh).compile().as_text()
     gathered = re.findall(rf"= (?:f32|bf16)\[1,{slots},[\d,]+\]\S* all-gather\(", hlo)
     assert gathered == [], gathered
 
