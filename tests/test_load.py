@@ -1,6 +1,5 @@
 """``mmjax.load``: plain single-file, sharded and hub-cache snapshots; the architecture table; errors."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ from models.causal_lm import CausalLM
 from models.qwen2_5_vl import Processor, from_hf
 from models.safetensors_io import read_header
 from models.snapshot import resolve_snapshot
+from tests.snapshots import hub_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GENERATE = os.path.join(HERE, "models", "fixtures", "generate")
@@ -69,24 +69,6 @@ def _sharded_copy(src, dst, shards=3):
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
-def _hub_tree(src, root, commit="0123456789abcdef0123456789abcdef01234567"):
-    """The hub cache layout: blobs named by content hash, snapshots/<commit>/ symlinks, refs/main."""
-    blobs, snap = os.path.join(root, "blobs"), os.path.join(root, "snapshots", commit)
-    os.makedirs(blobs)
-    os.makedirs(snap)
-    for name in sorted(os.listdir(src)):
-        with open(os.path.join(src, name), "rb") as f:
-            data = f.read()
-        digest = hashlib.sha256(data).hexdigest()
-        with open(os.path.join(blobs, digest), "wb") as f:
-            f.write(data)
-        os.symlink(os.path.join("..", "..", "blobs", digest), os.path.join(snap, name))
-    os.makedirs(os.path.join(root, "refs"))
-    with open(os.path.join(root, "refs", "main"), "w") as f:
-        f.write(commit)
-    return snap
-
-
 @pytest.fixture(scope="module")
 def reference():
     return mmjax.load(SNAPSHOT, dtype=jnp.float32)
@@ -114,7 +96,7 @@ def test_sharded_snapshot_with_index(reference, tmp_path):
 
 def test_hub_cache_tree(reference, tmp_path):
     root = tmp_path / "models--tiny--qwen2_5_vl"
-    snap = _hub_tree(SNAPSHOT, root)
+    snap = hub_tree(SNAPSHOT, root)
     assert os.path.islink(os.path.join(snap, "model.safetensors"))
     assert resolve_snapshot(root) == snap
     model, processor = mmjax.load(root, dtype=jnp.float32)
@@ -138,7 +120,7 @@ def test_hub_cache_tree(reference, tmp_path):
 def test_hub_cache_tree_of_a_sharded_checkpoint(tmp_path):
     """from_hf on the sharded vl_nested fixture (transformers 5 names) through a hub tree."""
     root = tmp_path / "models--tiny--vl_nested"
-    _hub_tree(VL_NESTED, root)
+    hub_tree(VL_NESTED, root)
     _assert_same_params(from_hf(str(root), dtype=jnp.float32), from_hf(VL_NESTED, dtype=jnp.float32))
 
 
@@ -158,10 +140,10 @@ def test_text_lm_single_file_sharded_and_hub_tree_load_identically(tmp_path):
     reference, _ = mmjax.load(single, dtype=jnp.float32)
     _sharded_copy(single, tmp_path / "sharded")
     _assert_same_params(mmjax.load(tmp_path / "sharded", dtype=jnp.float32)[0], reference)
-    _hub_tree(str(tmp_path / "sharded"), tmp_path / "models--tiny--llama")
+    hub_tree(str(tmp_path / "sharded"), tmp_path / "models--tiny--llama")
     _assert_same_params(mmjax.load(tmp_path / "models--tiny--llama", dtype=jnp.float32)[0], reference)
     moe = os.path.join(TEXT_LM, "qwen3_moe")  # sharded, one tensor per expert
-    _hub_tree(moe, tmp_path / "models--tiny--qwen3_moe")
+    hub_tree(moe, tmp_path / "models--tiny--qwen3_moe")
     _assert_same_params(mmjax.load(tmp_path / "models--tiny--qwen3_moe", dtype=jnp.float32)[0],
                         mmjax.load(moe, dtype=jnp.float32)[0])
 

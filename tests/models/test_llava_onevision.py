@@ -3,7 +3,6 @@ tools/make_llava_onevision_golden.py): logits (images with anyres tiling, multi-
 tensor layouts and the snapshot styles, the NumPy processor, greedy generate with and without a Sparrow draft,
 orbax round trip, sparse / injected attention with modality, chunked prefill."""
 
-import hashlib
 import os
 
 import jax
@@ -26,6 +25,7 @@ from mmjax.speculative import (
 )
 from models import llava_onevision as lo
 from models.llava_onevision.model import visual_inputs
+from tests.snapshots import hub_tree
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "llava_onevision")
 KEYS = ("input_ids", "attention_mask", "pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos")
@@ -124,25 +124,9 @@ def test_original_llava_next_layout_loads_the_same_model_and_processor():
                                (d["pixel_values"].astype(np.float32) * std + mean)[real], atol=5e-4)
 
 
-def _hub_tree(src, root, commit="0123456789abcdef0123456789abcdef01234567"):
-    blobs, snap = os.path.join(root, "blobs"), os.path.join(root, "snapshots", commit)
-    os.makedirs(blobs)
-    os.makedirs(snap)
-    for name in sorted(os.listdir(src)):
-        with open(os.path.join(src, name), "rb") as f:
-            data = f.read()
-        digest = hashlib.sha256(data).hexdigest()
-        with open(os.path.join(blobs, digest), "wb") as f:
-            f.write(data)
-        os.symlink(os.path.join("..", "..", "blobs", digest), os.path.join(snap, name))
-    os.makedirs(os.path.join(root, "refs"))
-    with open(os.path.join(root, "refs", "main"), "w") as f:
-        f.write(commit)
-
-
-def test_mmjax_load_plain_sharded_single_file_and_hub_tree(tmp_path):
+def test_mmjax_load_plain_sharded_single_file_andhub_tree(tmp_path):
     inputs, d = load_case("ov_pool")
-    _hub_tree(os.path.join(FIXTURES, "ov_pool"), str(tmp_path / "models--t--ov_pool"))
+    hub_tree(os.path.join(FIXTURES, "ov_pool"), str(tmp_path / "models--t--ov_pool"))
     single, processor = mmjax.load(os.path.join(FIXTURES, "ov_pool"), dtype=jnp.float32)
     hub, _ = mmjax.load(str(tmp_path / "models--t--ov_pool"), dtype=jnp.float32)
     assert isinstance(single, lo.LlavaOnevision) and isinstance(processor, lo.Processor)
