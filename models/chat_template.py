@@ -150,6 +150,26 @@ def render_batch(template: str, messages, *, add_generation_prompt: bool, tools=
                    **variables) for c in conversations], batched
 
 
+def apply_chat_template(templates: str | dict[str, str] | None, chat_template: str | None, tokenizer, messages, *,
+                        add_generation_prompt: bool, tokenize: bool, media_tokens: tuple[str, ...] = (),
+                        add_special_tokens: bool = True, tools=None, documents=None, **variables):
+    """The processors' ``apply_chat_template``: one conversation or a batch rendered with the snapshot's
+    template (`resolve` of ``templates`` / ``chat_template``; the template also sees ``tokenizer``'s special
+    tokens and ``variables``): the text (a list for a batch), or with ``tokenize`` its ids (int64 [L], or
+    [B, L] padded for a batch). A conversation whose text holds one of ``media_tokens`` (image / video
+    placeholders) cannot be tokenized here: ValueError naming the processor call to make instead."""
+    rendered, batched = render_batch(resolve(templates, chat_template), messages,
+                                     add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
+                                     **{**tokenizer.special_tokens_map, **variables})
+    if not tokenize:
+        return rendered if batched else rendered[0]
+    if any(token in r for token in media_tokens for r in rendered):
+        raise ValueError("tokenize: the conversation has images or videos; call processor(text=rendered, "
+                         "images=..., videos=...) instead")
+    ids = tokenizer.encode(rendered, padding=batched, add_special_tokens=add_special_tokens)["input_ids"]
+    return ids if batched else ids[0]
+
+
 def load_chat_template(snapshot_dir: str | os.PathLike) -> str | dict[str, str] | None:
     """The chat template(s) of a snapshot, looked up as transformers 5 does for a processor:
     ``chat_template.json`` (legacy, ``{"chat_template": ...}``), else ``chat_template.jinja`` plus any

@@ -53,14 +53,9 @@ class TextProcessor:
         ``variables``). ``add_generation_prompt`` defaults to True (mmjax renders prompts to answer them).
         ``tokenize=True`` returns the ids (int64 [L], or [B, L] padded for a batch) without adding special
         tokens again, as transformers' ``apply_chat_template(tokenize=True)``."""
-        template = templates.resolve(self.chat_template, chat_template)
-        rendered, batched = templates.render_batch(template, messages, add_generation_prompt=add_generation_prompt,
-                                                   tools=tools, documents=documents,
-                                                   **{**self.tokenizer.special_tokens_map, **variables})
-        if not tokenize:
-            return rendered if batched else rendered[0]
-        ids = self.tokenizer.encode(rendered, padding=batched, add_special_tokens=False)["input_ids"]
-        return ids if batched else ids[0]
+        return templates.apply_chat_template(
+            self.chat_template, chat_template, self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize, add_special_tokens=False, tools=tools, documents=documents, **variables)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of a 1-D sequence of token ids (special tokens skipped by default)."""

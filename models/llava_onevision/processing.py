@@ -316,16 +316,9 @@ class Processor:
         """Render a conversation (or a batch of them) with the snapshot's chat template (``add_generation_prompt``
         defaults to True: mmjax renders prompts to answer them). ``tokenize=True`` returns the ids of text-only
         conversations."""
-        template = templates.resolve(self.chat_template, chat_template)
-        rendered, batched = templates.render_batch(template, messages, add_generation_prompt=add_generation_prompt,
-                                                   **{**self.tokenizer.special_tokens_map, **variables})
-        if not tokenize:
-            return rendered if batched else rendered[0]
-        if any(IMAGE_TOKEN in r or VIDEO_TOKEN in r for r in rendered):
-            raise ValueError("tokenize: the conversation has images or videos; call processor(text=rendered, "
-                             "images=..., videos=...) instead")
-        ids = self.tokenizer.encode(rendered, padding=batched)["input_ids"]
-        return ids if batched else ids[0]
+        return templates.apply_chat_template(
+            self.chat_template, chat_template, self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize, media_tokens=(IMAGE_TOKEN, VIDEO_TOKEN), **variables)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of a 1-D sequence of token ids (special tokens skipped by default)."""

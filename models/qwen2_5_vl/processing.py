@@ -244,17 +244,9 @@ class Processor:
         ``add_vision_id=True``). ``add_generation_prompt`` defaults to True here (transformers: False): mmjax renders
         prompts to answer them. ``tokenize=True`` returns the token ids of text-only conversations (int64 [L], or
         [B, L] for a batch, padded); with images or videos call the processor on the rendered text instead."""
-        template = templates.resolve(self.chat_template, chat_template)
-        rendered, batched = templates.render_batch(template, messages, add_generation_prompt=add_generation_prompt,
-                                                   tools=tools, documents=documents,
-                                                   **{**self.tokenizer.special_tokens_map, **variables})
-        if not tokenize:
-            return rendered if batched else rendered[0]
-        if any(IMAGE_TOKEN in r or VIDEO_TOKEN in r for r in rendered):
-            raise ValueError("tokenize: the conversation has images or videos; call processor(text=rendered, "
-                             "images=..., videos=...) instead")
-        ids = self.tokenizer.encode(rendered, padding=batched)["input_ids"]
-        return ids if batched else ids[0]
+        return templates.apply_chat_template(
+            self.chat_template, chat_template, self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize, media_tokens=(IMAGE_TOKEN, VIDEO_TOKEN), tools=tools, documents=documents, **variables)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of a 1-D sequence of token ids; special tokens are skipped by default (transformers' processor
