@@ -8,13 +8,17 @@ a stacked parameter ``[L, ...]`` reads one key per layer, a single one reads one
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from models import safetensors_io
+from models.sharding import check_mesh, param_sharding
+from models.snapshot import resolve_snapshot
 
 PlanEntry = tuple[str, str, list[str], tuple, Callable[[np.ndarray], np.ndarray], bool]
 
@@ -79,3 +83,22 @@ def load_into(model: nnx.Module, plan: list[PlanEntry], tensors: dict[str, safet
                                                                       place(owner, name))))
         del host, parts
     return model
+
+
+def load_snapshot(path, *, load_config: Callable, check_keys: Callable, model_cls: Callable, plan: Callable,
+                  dtype, mesh=None) -> nnx.Module:
+    """A table-driven port's ``from_hf``: resolve the snapshot (``models.snapshot``), read its config
+    (``load_config(config.json path)``), check the checkpoint's keys (``check_keys(config, tensors) ->
+    canonical names``; a mismatch raises ValueError naming ``path``) and fill a ``model_cls(config, ...)``
+    skeleton from ``plan(config)`` (`load_into`). ``mesh``: each parameter goes straight into its layout
+    (`models.sharding`), every device receiving only its own slice."""
+    path = resolve_snapshot(path)
+    cfg = load_config(os.path.join(path, "config.json"))
+    tensors = safetensors_io.index_checkpoint(path)
+    try:
+        canon = check_keys(cfg, tensors)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    place = None if mesh is None else param_sharding(cfg.text, check_mesh(mesh, cfg.text))
+    model = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype or jnp.float32, key=jax.random.key(0)))
+    return load_into(model, plan(cfg), tensors, canon, dtype, place)

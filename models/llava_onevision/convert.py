@@ -16,16 +16,12 @@ parameter is assembled from the memory-mapped shards, moved to the device and re
 
 from __future__ import annotations
 
-import os
 
-import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from models import param_plan, safetensors_io
 from models.llava_onevision.config import LlavaOnevisionConfig, load_hf_config
 from models.llava_onevision.model import LlavaOnevision
-from models.snapshot import resolve_snapshot
 
 # (prefix, canonical prefix), first match wins; canonical names: lm.*, lm_head.*, vis.*, proj.*, image_newline
 _PREFIXES = (
@@ -138,16 +134,10 @@ def check_keys(cfg: LlavaOnevisionConfig, tensors: dict[str, safetensors_io.Tens
                    or (cfg.text.tie_word_embeddings and k == "lm_head.weight")))
 
 
-def from_hf(path: str, dtype=jnp.bfloat16) -> LlavaOnevision:
+def from_hf(path: str, dtype=jnp.bfloat16, mesh=None) -> LlavaOnevision:
     """Load a local snapshot (config.json + safetensors, one file or shards with an index; transformers' or the
     original LLaVA-NeXT layout) into a ``LlavaOnevision``; ``path`` is a snapshot directory or a hub-cache model
-    tree (``models.snapshot``). ``dtype``: parameter dtype (None keeps each tensor's stored dtype)."""
-    path = resolve_snapshot(path)
-    cfg = load_hf_config(os.path.join(path, "config.json"))
-    tensors = safetensors_io.index_checkpoint(path)
-    try:
-        canon = check_keys(cfg, tensors)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
-    model = nnx.eval_shape(lambda: LlavaOnevision(cfg, dtype=dtype or jnp.float32, key=jax.random.key(0)))
-    return param_plan.load_into(model, _plan(cfg), tensors, canon, dtype)
+    tree (``models.snapshot``). ``dtype``: parameter dtype (None keeps each tensor's stored dtype). ``mesh``: a
+    ``jax.sharding.Mesh`` (axes "tp" / "sp"): each parameter goes straight into its layout (`models.sharding`)."""
+    return param_plan.load_snapshot(path, load_config=load_hf_config, check_keys=check_keys,
+                                    model_cls=LlavaOnevision, plan=_plan, dtype=dtype, mesh=mesh)

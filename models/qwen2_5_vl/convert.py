@@ -7,17 +7,12 @@ assembled from memory-mapped shards, moved to the device and released before the
 
 from __future__ import annotations
 
-import os
 
-import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from models import param_plan, safetensors_io
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, load_hf_config
 from models.qwen2_5_vl.model import Qwen2_5_VL
-from models.sharding import check_mesh, param_sharding
-from models.snapshot import resolve_snapshot
 
 
 def canonical_name(key: str) -> str:
@@ -117,13 +112,5 @@ def from_hf(path: str, dtype=jnp.bfloat16, mesh=None) -> Qwen2_5_VL:
     ``mesh``: a ``jax.sharding.Mesh`` (axes "tp" / "sp"): each parameter goes straight into its layout
     (`models.sharding`), every device receiving only its own slice.
     """
-    path = resolve_snapshot(path)
-    cfg = load_hf_config(os.path.join(path, "config.json"))
-    tensors = safetensors_io.index_checkpoint(path)
-    try:
-        canon = check_keys(cfg, tensors)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
-    place = None if mesh is None else param_sharding(cfg.text, check_mesh(mesh, cfg.text))
-    model = nnx.eval_shape(lambda: Qwen2_5_VL(cfg, dtype=dtype or jnp.float32, key=jax.random.key(0)))
-    return param_plan.load_into(model, _plan(cfg), tensors, canon, dtype, place)
+    return param_plan.load_snapshot(path, load_config=load_hf_config, check_keys=check_keys, model_cls=Qwen2_5_VL,
+                                    plan=_plan, dtype=dtype, mesh=mesh)
