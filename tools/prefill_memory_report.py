@@ -1,7 +1,7 @@
 """Compile (without running) the language-model program of a full-model prefill, as `mmjax bench prefill` builds
 it (random bf16 weights of a preset, one video of N visual tokens, optional mesh), and report XLA's memory plan:
 ``memory_analysis()`` and the largest buffers of the buffer assignment with the HLO that defines them. Run with
-XLA's dump on, e.g. on a GPU machine:
+XLA's dump on (mmjax installed, or ``PYTHONPATH=.``), e.g. on a GPU machine:
 
     XLA_FLAGS="--xla_dump_to=/tmp/d --xla_dump_hlo_module_re=.*prefill.* --xla_dump_hlo_pass_re=^$" \\
         python3 tools/prefill_memory_report.py --tokens 2097152 --devices 2 --sequence-parallel 2 --dump /tmp/d --out DIR
@@ -21,20 +21,17 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from flax import nnx  # noqa: E402
-
-from mmjax.drivers.bench import prefill as bench  # noqa: E402
-from mmjax.files import atomic_write  # noqa: E402
-from mmjax.inference import PROCESSOR_KEYS, runner  # noqa: E402
-from mmjax.parallel import devices_mesh  # noqa: E402
-from mmjax.parallel import run as parallel_run  # noqa: E402
-from mmjax.parallel.attention import prefill_attention  # noqa: E402
-from models.attention import resolve_attention  # noqa: E402
-from models.qwen2_5_vl import Qwen2_5_VL, preset  # noqa: E402
-from models.sharding import model_shardings  # noqa: E402
+from mmjax.drivers.bench import prefill as bench
+from mmjax.files import atomic_write
+from mmjax.inference import PROCESSOR_KEYS, runner
+from mmjax.parallel import devices_mesh
+from mmjax.parallel import run as parallel_run
+from mmjax.parallel.attention import prefill_attention
+from models.attention import resolve_attention
+from models.qwen2_5_vl import Qwen2_5_VL, preset
+from models.sharding import model_shardings
 
 ALLOC = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
 VALUE = re.compile(r"^\s+value: <\d+ ([^ ]+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
