@@ -113,13 +113,18 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     return model
 
 
+def kv_sharding(mesh: Mesh, ndim: int = 5) -> NamedSharding:
+    """The layout of a cache's k / v [L, B, S, K, D] (``ndim`` 5) or fp8 scales [L, B, S, K] (``ndim`` 4):
+    slots split over "sp", key heads over "tp"."""
+    tp = TP if axis_size(mesh, TP) > 1 else None
+    sp = SP if axis_size(mesh, SP) > 1 else None
+    return NamedSharding(mesh, P(None, None, sp, tp, *([None] * (ndim - 4))))
+
+
 def cache_sharding(cache: KVCache, mesh: Mesh) -> KVCache:
     """The NamedSharding of each field of ``cache`` (a KVCache of shardings): k / v [L, B, S, K, D] split by
     slot over "sp" and by key head over "tp", their fp8 scales alike, the rest replicated."""
-    tp = TP if axis_size(mesh, TP) > 1 else None
-    sp = SP if axis_size(mesh, SP) > 1 else None
-    kv = NamedSharding(mesh, P(None, None, sp, tp, None))
-    scale = NamedSharding(mesh, P(None, None, sp, tp))
+    kv, scale = kv_sharding(mesh), kv_sharding(mesh, 4)
     rep = NamedSharding(mesh, P())
     none = lambda x, s: None if x is None else s
     return KVCache(kv, kv, rep, rep, rep, none(cache.k_scale, scale), none(cache.v_scale, scale))

@@ -74,6 +74,7 @@ from models.attention import LayerAttention, resolve_attention
 from models.kv_cache import KVCache
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, VisionConfig, preset
+from models.sharding import kv_sharding
 from models.text_decoder import TextConfig, lm_logits
 
 matplotlib.use("Agg")
@@ -205,7 +206,7 @@ def make_cache(config: TextConfig, batch: int, slots: int, dtype, kv_dtype, key,
     k1, k2 = jax.random.split(key)
     fp8 = kv_dtype == jnp.dtype(jnp.float8_e4m3fn)
     scale = (lambda: jnp.ones(shape[:-1], jnp.float32)) if fp8 else (lambda: None)
-    kv = None if mesh is None else cache_sharding(KVCache(*(None,) * 7), mesh).k
+    kv = None if mesh is None else kv_sharding(mesh)
     cache = KVCache(_filled(k1, shape, kv_dtype, kv), _filled(k2, shape, kv_dtype, kv), jnp.zeros((batch, slots), bool),
                     jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32), scale(), scale())
     return cache if mesh is None else place_cache(cache, mesh)
