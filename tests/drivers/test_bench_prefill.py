@@ -9,15 +9,19 @@ import pytest
 from mmjax.drivers.bench import prefill as bench
 
 
-def _args(preset: str) -> types.SimpleNamespace:
+def _args(preset: str, profile: str | None = None) -> types.SimpleNamespace:
     return types.SimpleNamespace(model=None, preset=preset, layers=None, mlp_chunk=128, frames_per_chunk=None,
                                  chunk_tokens=None, kv_dtype="bf16", warm_budget_s=600.0, repeats=1, devices=1,
-                                 sequence_parallel=1, breakdown=True)
+                                 sequence_parallel=1, breakdown=True, profile=profile)
 
 
 @pytest.mark.parametrize("preset, tokens, visual", [("7b", 256, 256), ("qwen3-30b-a3b", 200, 0)])
-def test_row_runs_and_reports(preset, tokens, visual):
-    row = bench.run_row(_args(preset), tokens, "dense")
+def test_row_runs_and_reports(preset, tokens, visual, tmp_path):
+    profile = None if visual else str(tmp_path)  # --profile: one more call traced (no GPU kernels on a CPU)
+    row = bench.run_row(_args(preset, profile), tokens, "dense")
+    assert ("profiled_s" in row) == (profile is not None)
+    if profile:
+        assert row["profiled_s"] > 0 and row["profile"] == {} and list(tmp_path.glob("*/plugins/profile/*/*.json.gz"))
     assert row["attention"] == "dense" and row["visual_tokens"] == visual
     assert row["tokens"] == (tokens + 18 if visual else tokens)
     assert row["warm_s"] > 0 and row["first_s"] >= row["warm_s"] * 0.5

@@ -44,6 +44,7 @@ import numpy as np
 
 import mmjax
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, positive_int
+from mmjax.drivers.bench import trace_summary
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.inference import PROCESSOR_KEYS, runner
 from mmjax.parallel import devices_mesh, shard_model
@@ -271,6 +272,13 @@ def run_row(args, tokens: int, name: str) -> dict:
     if args.breakdown:
         row.update(phase_seconds(model, inputs, args.frames_per_chunk, mesh))
         row["decoder_s"] = row["warm_s"] - row["host_s"] - row["vision_s"]
+    if args.profile:
+        log_dir = os.path.join(args.profile, f"{row['tokens']}_{name}_{args.devices}x{args.sequence_parallel}")
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            row["profiled_s"] = call()
+        summary = trace_summary.summarize_dir(log_dir)
+        row["profile"] = summary["devices"]
+        print(trace_summary.format_summary(summary), file=sys.stderr, flush=True)
     return row
 
 
@@ -369,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", action="store_true", help="write a PNG of TTFT and memory vs tokens")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the host preparation and the vision tower alone (decoder = warm - both)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="one more warm call under jax.profiler (trace in DIR); the row gets its GPU time by kernel")
     p.add_argument("--row", nargs=2, metavar=("TOKENS", "ATTENTION"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.compile_cache:
@@ -384,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices % args.sequence_parallel:
         p.error(f"--sequence-parallel: expected a divisor of --devices {args.devices}, got {args.sequence_parallel}")
     keep = ("model", "layers", "mlp_chunk", "frames_per_chunk", "chunk_tokens", "repeats", "warm_budget_s",
-            "compile_cache", "devices", "sequence_parallel")
+            "compile_cache", "devices", "sequence_parallel", "profile")
     args.passthrough = [x for k in keep if getattr(args, k) is not None
                         for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     args.passthrough += ["--breakdown"] if args.breakdown else []
