@@ -64,3 +64,25 @@ def test_text_inputs_are_valid_token_ids():
     ids = bench.text_inputs(cfg, 300)["input_ids"]
     assert ids.shape == (1, 300) and ids.dtype == np.int32
     assert 0 <= ids.min() and ids.max() < cfg.text.vocab_size and len(np.unique(ids)) > 50
+
+
+def test_child_keeps_partial_rows_and_names_failures(monkeypatch):
+    """A row's process prints its row as it goes: a timeout keeps what was measured, a crash its error line."""
+    import json as _json
+    import subprocess
+
+    args = types.SimpleNamespace(passthrough=[], devices=1)
+    partial = _json.dumps({"tokens": 9, "attention": "ashape", "first_s": 3.0, "warm_s": 2.0})
+
+    def timeout(*a, **k):
+        raise subprocess.TimeoutExpired(a[0], 5.0, output=partial + "\n")
+    monkeypatch.setattr(subprocess, "run", timeout)
+    row = bench._child(args, 9, "ashape", 5.0)
+    assert row["warm_s"] == 2.0 and row["error"] == "timed out after 5 s"
+
+    crash = _json.dumps({"tokens": 9, "attention": "ashape", "error": "JaxRuntimeError: RESOURCE_EXHAUSTED: oom"})
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=1, stdout=partial + "\n"
+                                                                                   + crash + "\n"))
+    assert bench._child(args, 9, "ashape", 5.0)["error"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=-9, stdout=""))
+    assert bench._child(args, 9, "ashape", 5.0) == {"tokens": 9, "attention": "ashape", "error": "exit status -9"}

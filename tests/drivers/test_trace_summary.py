@@ -14,6 +14,7 @@ def _trace():
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
             {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+            {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Modules"}},
             {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
             {"ph": "M", "pid": 2, "tid": 1, "name": "thread_name", "args": {"name": "python"}}]
     x = [("nccl_AllReduce_RING_LL", 7, 2000.0), ("sm90_xmma_gemm_bf16bf16", 7, 5000.0),
@@ -21,6 +22,7 @@ def _trace():
          ("loop_add_fusion", 7, 500.0), ("dot.12", 8, 99000.0)]
     ev = [{"ph": "X", "pid": 1, "tid": tid, "name": n, "ts": i * 1e4, "dur": d} for i, (n, tid, d) in enumerate(x)]
     ev.append({"ph": "X", "pid": 2, "tid": 1, "name": "python_call", "ts": 0.0, "dur": 1e6})
+    ev.append({"ph": "X", "pid": 1, "tid": 9, "name": "jit_prefill_program", "ts": 0.0, "dur": 60000.0})
     return {"traceEvents": meta + ev}
 
 
@@ -29,10 +31,12 @@ def test_summarize_counts_stream_lines_once_by_kind():
     assert list(s["devices"]) == ["/device:GPU:0"]  # the host process is not a device
     d = s["devices"]["/device:GPU:0"]
     assert d["busy_s"] == pytest.approx(0.0145)  # the derived "XLA Ops" line is not added again
+    assert d["span_s"] == pytest.approx(0.0405)  # kernels at 0, 10, ..., 40 ms; the last one 0.5 ms long
+    assert d["modules"] == {"jit_prefill_program": [pytest.approx(0.06), 1]}
     assert d["kinds"] == pytest.approx({"matmul": 0.008, "attention": 0.004, "collective": 0.002, "other": 0.0005})
     assert d["top"][0] == ["sm90_xmma_gemm_bf16bf16", pytest.approx(0.008), 2]
     assert s["lines"]["/device:GPU:0"]["XLA Ops"] == pytest.approx(0.099)
-    assert "busy 0.01 s" in ts.format_summary(s)
+    assert "busy 0.01 s of a 0.04 s span" in ts.format_summary(s)
 
 
 def test_summarize_without_stream_lines_takes_non_derived_gpu_lines():

@@ -241,7 +241,7 @@ def run_row(args, tokens: int, name: str) -> dict:
                   kv_dtype=jnp.float8_e4m3fn if args.kv_dtype == "fp8" else None)
     visual = 0 if text_lm else int(np.isin(inputs["input_ids"], [model.config.video_token_id]).sum())
     row = {"tokens": int(inputs["input_ids"].shape[1]), "visual_tokens": visual,
-           "attention": name, "init_s": init_s, **{k: (str(v) if k == "kv_dtype" else v) for k, v in kwargs.items()},
+           "attention": name, "init_s": init_s, **{k: (args.kv_dtype if k == "kv_dtype" else v) for k, v in kwargs.items()},
            "devices": args.devices, "sequence_parallel": args.sequence_parallel}
     if mesh is not None:
         kwargs["mesh"] = mesh
@@ -256,6 +256,7 @@ def run_row(args, tokens: int, name: str) -> dict:
 
     row["first_s"] = call()
     print(f"[prefill] {row['tokens']} {name}: first call {row['first_s']:.1f} s", file=sys.stderr, flush=True)
+    print(json.dumps(row), flush=True)  # a partial row, kept if a later step times out
     if row["first_s"] <= args.warm_budget_s or mesh is not None:
         row["warm_s"] = min(call() for _ in range(args.repeats))
         row["warm_estimated"] = False
@@ -269,6 +270,7 @@ def run_row(args, tokens: int, name: str) -> dict:
         row["peak_gib"] = max(peaks) / 2 ** 30
     row["tokens_per_s"] = row["tokens"] / row["warm_s"]
     row["first_minus_warm_s"] = row["first_s"] - row["warm_s"]
+    print(json.dumps(row), flush=True)
     if args.breakdown:
         row.update(phase_seconds(model, inputs, args.frames_per_chunk, mesh))
         row["decoder_s"] = row["warm_s"] - row["host_s"] - row["vision_s"]
@@ -304,12 +306,21 @@ def _child(args, tokens: int, name: str, timeout_s: float) -> dict:
     try:
         r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout_s, check=False,
                            env=cpu_devices_env(child_env(), args.devices))
-    except subprocess.TimeoutExpired:
-        return {"tokens": tokens, "attention": name, "error": f"timed out after {timeout_s:.0f} s"}
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode != 0 or not lines:
-        return {"tokens": tokens, "attention": name, "error": f"exit status {r.returncode}"}
-    return json.loads(lines[-1])
+    except subprocess.TimeoutExpired as e:  # keep what the row had measured (it prints its row as it goes)
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return dict(_last_row(out) or {"tokens": tokens, "attention": name},
+                    error=f"timed out after {timeout_s:.0f} s")
+    row = _last_row(r.stdout)
+    if r.returncode != 0 or row is None:
+        return dict(row or {"tokens": tokens, "attention": name},
+                    error=(row or {}).get("error") or f"exit status {r.returncode}")
+    return row
+
+
+def _last_row(stdout: str) -> dict | None:
+    """The last JSON line a row's process printed (None if none)."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
 
 
 def _speedups(rows: list[dict]) -> None:
@@ -384,7 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_cache:
         mmjax.inference.enable_compilation_cache(args.compile_cache)
     if args.row:
-        print(json.dumps(run_row(args, int(args.row[0]), args.row[1])), flush=True)
+        try:
+            print(json.dumps(run_row(args, int(args.row[0]), args.row[1])), flush=True)
+        except Exception as e:  # the row's JSON names the failure (e.g. XLA's out-of-memory message)
+            msg = (str(e).strip().splitlines() or [""])[0][:300]
+            print(json.dumps({"tokens": int(args.row[0]), "attention": args.row[1],
+                              "error": f"{type(e).__name__}: {msg}"}), flush=True)
+            raise
         return 0
     on_gpu = jax.default_backend() == "gpu"
     tokens = args.tokens or ([131072, 262144, 524288, 1048576] if on_gpu else [1024, 2048])
