@@ -39,6 +39,15 @@ def test_summarize_counts_stream_lines_once_by_kind():
     assert "busy 0.01 s of a 0.04 s span" in ts.format_summary(s)
 
 
+def test_kind_of_names():
+    assert ts.kind_of("anonymous_mosaic_gpu_kernel") == "attention"
+    assert ts.kind_of("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collective"
+    assert ts.kind_of("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT") == "matmul"
+    assert ts.kind_of("gemm_fusion_dot_28") == "matmul"
+    assert ts.kind_of("MemcpyH2D") == "copy"
+    assert ts.kind_of("loop_multiply_fusion") == "other"
+
+
 def test_summarize_without_stream_lines_takes_non_derived_gpu_lines():
     t = _trace()
     for e in t["traceEvents"]:

@@ -20,7 +20,8 @@ from collections import defaultdict
 KINDS = (
     ("collective", re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|all[-_]?to[-_]?all|reduce[-_]?scatter|"
                               r"collective|send|recv", re.I)),
-    ("attention", re.compile(r"attention|attn|flash|fmha|cudnn|sdpa|sparse|momo|mha", re.I)),
+    # our Pallas Mosaic GPU kernels are all attention kernels; Mosaic names them "anonymous_mosaic_gpu_kernel"
+    ("attention", re.compile(r"attention|attn|flash|fmha|cudnn|sdpa|sparse|momo|mha|mosaic", re.I)),
     ("matmul", re.compile(r"gemm|xmma|cutlass|cublas|matmul|dot|wgmma|sm90_|sm80_|ampere_|hopper", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy|transpose|dynamic[-_]update[-_]slice", re.I)),
 )
