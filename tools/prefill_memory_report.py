@@ -101,6 +101,9 @@ def main() -> int:
     else:
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         arrays = tuple(None if x is None else (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)) for x in arrays)
+        if n_feats % mesh.devices.size == 0:  # the features as `mmjax.parallel.vision` leaves them: split by frames
+            split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
+            arrays = arrays[:2] + (jax.ShapeDtypeStruct(feats.shape, feats.dtype, sharding=split),) + arrays[3:]
         with jax.set_mesh(mesh):
             lowered = parallel_run.prefill_program.lower(
                 run.prefill_language_model, model, *arrays,

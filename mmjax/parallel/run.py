@@ -52,10 +52,20 @@ def _pin_cache(cache: KVCache, mesh: Mesh) -> KVCache:
 
 
 def _on_mesh(arrays, mesh: Mesh):
-    """Host or single-device arrays (prompt ids, masks, visual features, tokens) replicated on ``mesh``, so
-    that XLA's layout of the program's inputs is fixed (None stays None)."""
+    """Host or single-device arrays (prompt ids, masks, tokens) replicated on ``mesh`` (None stays None).
+
+    Arrays already laid out over exactly the mesh's devices (the visual features, split by frames by
+    `mmjax.parallel.vision`) are passed as they are: the program gathers them with one collective,
+    instead of a `jax.device_put` to the replicated layout copying them between devices before the
+    program can start."""
     rep = NamedSharding(mesh, P())
-    return tuple(None if a is None else jax.device_put(a, rep) for a in arrays)
+    devices = set(mesh.devices.flat)
+
+    def place(a):
+        if a is None or (isinstance(a, jax.Array) and a.sharding.device_set == devices):
+            return a
+        return jax.device_put(a, rep)
+    return tuple(place(a) for a in arrays)
 
 
 def prefill_language_model(fn, model, *arrays, attention: LayerAttention, max_length: int, hidden_layers: tuple,

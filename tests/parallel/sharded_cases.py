@@ -166,6 +166,20 @@ def test_videos_split_by_frames_equal_one_device(vl):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
 
 
+def test_program_inputs_laid_out_on_the_mesh_are_not_copied():
+    """`parallel.run._on_mesh`: arrays over exactly the mesh's devices (the frame-split visual features) go into
+    the program as they are; host and single-device arrays are replicated; None stays None."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = make_mesh(2, 2)
+    feats = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P(("tp", "sp"))))
+    one = jax.device_put(jnp.ones(3), jax.devices()[1])
+    kept, host, single, none = parallel_run._on_mesh((feats, np.arange(5), one, None), mesh)
+    assert kept is feats and none is None
+    for a in (host, single):
+        assert a.sharding.device_set == set(mesh.devices.flat) and a.sharding.is_fully_replicated
+
+
 def test_text_lm_loads_into_layout_and_generates_as_one_device():
     mesh = make_mesh(2, 1)
     model, _ = mmjax.load(case_dir("llama"), dtype=jnp.float32, mesh=mesh)
