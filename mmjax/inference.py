@@ -35,6 +35,7 @@ import numpy as np
 from mmjax.parallel import run as parallel
 from mmjax.parallel import vision as parallel_vision
 from mmjax.parallel.attention import decode_attention, prefill_attention
+from mmjax import video_upload
 from mmjax.progress import progress_bar
 from mmjax.sparse.config import SparseConfig
 from mmjax.sparse.patterns import Dense
@@ -134,7 +135,9 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
         if chunk_tokens is not None and chunk_tokens < t and axis_size(mesh, SP) > 1:
             raise ValueError("chunk_tokens: a sequence-parallel mesh (sp > 1) prefills the prompt in one piece; "
                              "expected None")
-    if mesh is not None and isinstance(model, (qwen_vl.Qwen2_5_VL, llava_ov.LlavaOnevision)):
+    if video_upload.streams(model, p, mesh):  # one long video: pixels uploaded piece by piece, overlapping the tower
+        image_feats, video_feats = video_upload.visual_inputs(model, p, frames_per_chunk, mesh)
+    elif mesh is not None and isinstance(model, (qwen_vl.Qwen2_5_VL, llava_ov.LlavaOnevision)):
         image_feats, video_feats = parallel_vision.visual_inputs(model, p, frames_per_chunk, mesh)
     else:
         image_feats, video_feats = run.visual_inputs(model, p, frames_per_chunk)

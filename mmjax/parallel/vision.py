@@ -14,7 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from models.llava_onevision import model as llava_ov
@@ -81,10 +81,6 @@ def visual_inputs(model, p, frames_per_chunk: int | None, mesh: Mesh):
         return img, vid
     img = (qwen_vl.vision_features(model, p.pixel_values, p.image_grids, frames_per_chunk)
            if p.image_grids else None)
-    pixels = p.pixel_values_videos
-    n_dev = mesh.devices.size
-    if len(p.video_grids) == 1 and p.video_grids[0][0] % n_dev == 0 and not isinstance(pixels, jax.Array):
-        # one video whose temporal patches split evenly: each device receives only its frames' pixels
-        pixels = jax.device_put(pixels, NamedSharding(mesh, P(tuple(mesh.axis_names))))
-    vid = video_features(model, pixels, p.video_grids, frames_per_chunk, mesh) if p.video_grids else None
+    vid = (video_features(model, p.pixel_values_videos, p.video_grids, frames_per_chunk, mesh)
+           if p.video_grids else None)
     return img, vid

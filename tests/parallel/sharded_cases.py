@@ -166,6 +166,36 @@ def test_videos_split_by_frames_equal_one_device(vl):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh_shape, pieces", [((2, 2), 2), ((4, 1), 8), ((1, 2), 3)])
+def test_video_uploaded_in_pieces_equals_one_device(vl, mesh_shape, pieces):
+    """`mmjax.video_upload.video_features` on a mesh: piece i holds run i of every device's own frames; the
+    features equal one device's and come back split by frames (8 temporal patches)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mmjax import video_upload
+    cfg, model, _ = vl
+    grid = (8, 4, 4)
+    pixels = np.random.default_rng(4).standard_normal((8 * 16, cfg.vision.patch_dim)).astype(np.float32)
+    ref = qwen_vl.vision_features(model, jnp.asarray(pixels), (grid,), 1)
+    mesh = make_mesh(*mesh_shape)
+    out = video_upload.video_features(sharded_model(cfg, mesh), pixels, grid, 1, mesh, pieces=pieces)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(tuple(mesh.axis_names))), 2)
+
+
+def test_prefill_with_a_streamed_video_equals_one_device(vl):
+    """mmjax.prefill on tp 2 x sp 2 with a video of 8 temporal patches (uploaded in 2 pieces of each device's
+    frames, `frames_per_chunk=1`) gives one device's logits and cache."""
+    cfg, model, _ = vl
+    inputs = video_prompt(cfg, frames=8, rng=np.random.default_rng(5))
+    t = inputs["input_ids"].shape[1]
+    ref = mmjax.prefill(model, inputs, "dense", max_length=t + 4, frames_per_chunk=1)
+    mesh = make_mesh(2, 2)
+    out = mmjax.prefill(sharded_model(cfg, mesh), inputs, "dense", max_length=t + 4, frames_per_chunk=1, mesh=mesh)
+    check_prefill(ref, out, t, mesh)
+
+
 def test_program_inputs_laid_out_on_the_mesh_are_not_copied():
     """`parallel.run._on_mesh`: arrays over exactly the mesh's devices (the frame-split visual features) go into
     the program as they are; host and single-device arrays are replicated; None stays None."""

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mmjax
+from mmjax import video_upload
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, positive_int
 from mmjax.drivers.bench import trace_summary
 from mmjax.drivers.bench.report import print_table, write_result
@@ -219,7 +220,9 @@ def phase_seconds(model, inputs: dict, frames_per_chunk, mesh) -> dict:
     if run is causal_lm_runner:
         return {"host_s": host, "vision_s": 0.0}
     t0 = time.perf_counter()
-    if mesh is not None and run is qwen_vl:
+    if video_upload.streams(model, p, mesh):  # as mmjax.prefill encodes it
+        feats = video_upload.visual_inputs(model, p, frames_per_chunk, mesh)
+    elif mesh is not None and run in (qwen_vl, llava_ov):
         feats = parallel_vision.visual_inputs(model, p, frames_per_chunk, mesh)
     else:
         feats = run.visual_inputs(model, p, frames_per_chunk)
