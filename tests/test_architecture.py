@@ -25,7 +25,7 @@ LAYERS = (
     ("pallas_kernels",),
     ("models",),
     ("mmjax.timing", "mmjax.progress", "mmjax.files", "mmjax.io"),
-    ("mmjax.sparse", "mmjax.parallel"),
+    ("mmjax.sparse", "mmjax.parallel", "mmjax.video_upload"),
     ("mmjax.inference", "mmjax.load"),
     ("mmjax.speculative",),
     ("mmjax", "mmjax.patterns"),
