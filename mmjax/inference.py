@@ -23,6 +23,7 @@ q: [B, T, N, D], k/v: [B, S, K, D] with rotary applied, q_positions int32 [B, T]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
@@ -158,9 +159,10 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
         embeds = run.prompt_embeddings(model, p.input_ids, p.token_types, image_feats, video_feats)
         del image_feats, video_feats
         attn = _chunk_attention(model, attention)
-        logits, cache, hidden = _chunked_prefill(run, model, p, embeds, attn if mesh is None else
-                                                 decode_attention(attn, mesh), max_length, hidden_layers, mlp_chunk,
-                                                 chunk_tokens, kv_dtype, progress, mesh)
+        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):  # a MoE's experts read the mesh
+            logits, cache, hidden = _chunked_prefill(run, model, p, embeds, attn if mesh is None else
+                                                     decode_attention(attn, mesh), max_length, hidden_layers,
+                                                     mlp_chunk, chunk_tokens, kv_dtype, progress, mesh)
     return PrefillOutput(logits, cache, {i: hidden[j] for j, i in enumerate(hidden_layers)}, p.token_types,
                          p.rope_deltas, p.input_ids, p.position_ids, p.attention_mask)
 

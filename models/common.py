@@ -66,12 +66,17 @@ def _map_chunks_plain(fn, args, axis: int, chunk: int, out):
     return out
 
 
+def context_axis_size(name: str) -> int:
+    """Size of axis ``name`` of the mesh in context (``jax.set_mesh``), 1 without one or without that axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or name not in mesh.axis_names:
+        return 1
+    return int(dict(zip(mesh.axis_names, mesh.axis_sizes))[name])
+
+
 def token_split() -> int:
     """Size of the "sp" (token) axis of the mesh in context (``jax.set_mesh``), 1 without one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "sp" not in mesh.axis_names:  # "sp": models.sharding.SP (not imported: it imports this module)
-        return 1
-    return int(dict(zip(mesh.axis_names, mesh.axis_sizes))["sp"])
+    return context_axis_size("sp")  # "sp": models.sharding.SP (not imported: it imports this module)
 
 
 def _map_chunks_split(fn, args, axis: int, chunk: int, parts: int, out):

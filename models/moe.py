@@ -33,14 +33,42 @@ def moe_mlp(h: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     h: [M, H] normed tokens; router: [H, E]; w_gate_up: [E, H, 2F] (gate columns first, then up);
     w_down: [E, F, H]. Returns [M, H] in h's dtype (the top_k expert outputs summed in float32).
     """
+    _check(h, router, w_gate_up, w_down, router.shape[-1])
+    return _experts(h, router, w_gate_up, w_down, top_k, norm_topk_prob, None).astype(h.dtype)
+
+
+def local_experts_mlp(h: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
+                      norm_topk_prob: bool, first_expert: jax.Array | int) -> jax.Array:
+    """The share of `moe_mlp` that experts ``first_expert .. first_expert + E_local - 1`` compute (expert
+    parallelism: each device holds a run of the experts; the shares of disjoint runs add up to `moe_mlp`).
+
+    h: [M, H]; router: [H, E] (all experts: routing is global); w_gate_up: [E_local, H, 2F]; w_down:
+    [E_local, F, H]; first_expert: int or traced int32 scalar. Returns float32 [M, H]: each token's weighted
+    outputs of its chosen experts that lie in the run (0 for a token whose experts all lie elsewhere).
+    """
+    _check(h, router, w_gate_up, w_down, w_gate_up.shape[0])
+    return _experts(h, router, w_gate_up, w_down, top_k, norm_topk_prob, first_expert)
+
+
+def _check(h, router, w_gate_up, w_down, e_local: int) -> None:
     m, width = h.shape
-    e = router.shape[-1]
-    if router.shape != (width, e) or w_gate_up.shape[:2] != (e, width) or w_down.shape != (e, w_gate_up.shape[2] // 2,
-                                                                                             width):
-        raise ValueError(f"router / w_gate_up / w_down: expected [H={width}, E], [E, H, 2F], [E, F, H]; got "
-                         f"{router.shape}, {w_gate_up.shape}, {w_down.shape}")
+    if (router.ndim != 2 or router.shape[0] != width or w_gate_up.shape[:2] != (e_local, width)
+            or w_down.shape != (e_local, w_gate_up.shape[2] // 2, width) or router.shape[1] % e_local):
+        raise ValueError(f"router / w_gate_up / w_down: expected [H={width}, E], [E_local, H, 2F], [E_local, F, H] "
+                         f"with E_local dividing E; got {router.shape}, {w_gate_up.shape}, {w_down.shape}")
+
+
+def _experts(h, router, w_gate_up, w_down, top_k: int, norm_topk_prob: bool, first_expert):
+    """float32 [M, H]: the weighted outputs of the chosen experts among w_gate_up's (all of them when
+    ``first_expert`` is None, else the run starting there)."""
+    m, width = h.shape
+    e = w_gate_up.shape[0]
     weights, experts = route(h, router, top_k, norm_topk_prob)
     flat = experts.reshape(-1)  # [M * k], pair i = (token i // k, its (i % k)-th expert)
+    if first_expert is not None:  # pairs of other devices' experts sort last (group e) and count nothing
+        local = flat - first_expert
+        mine = (local >= 0) & (local < e)
+        flat = jnp.where(mine, local, e)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = jnp.take(h, order // top_k, axis=0)  # [M * k, H], grouped by expert
@@ -49,4 +77,6 @@ def moe_mlp(h: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     y = jax.lax.ragged_dot(jax.nn.silu(gu[:, :f]) * gu[:, f:], w_down, sizes)  # [M * k, H]
     y = jnp.zeros_like(y).at[order].set(y)  # back to (token, k) order
     y = y.reshape(m, top_k, width).astype(jnp.float32) * weights[..., None].astype(jnp.float32)
-    return jnp.sum(y, axis=1).astype(h.dtype)
+    if first_expert is not None:  # rows past the groups are not defined by ragged_dot: drop them
+        y = jnp.where(mine.reshape(m, top_k, 1), y, 0.0)
+    return jnp.sum(y, axis=1)

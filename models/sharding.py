@@ -6,8 +6,10 @@ down by its input features, so a layer needs one all-reduce after the output and
 projection (XLA inserts them); the LM head's vocabulary is split when the tp size divides it. The
 embedding table stays whole on every device: a lookup in a vocabulary-split table is a masked gather
 plus an all-reduce of the whole prompt's embeddings (28 GiB in float32 at 2M tokens of the 7B shape, in XLA's plan). ``SP`` ("sp") splits the sequence: the KV cache by slot, the residual stream by token (see
-``mmjax.parallel``). Norms, the MoE router and experts, and the vision tower are replicated (the vision
-tower is split by frames instead). A mesh may have either axis or both; a size-1 or missing axis means
+``mmjax.parallel``). A mixture of experts is split by expert over tp (each device a run of E / tp experts;
+routing is global, one all-reduce adds the devices' shares: `models.text_decoder`, which needs the mesh in
+context, ``jax.set_mesh``, as `mmjax.parallel` runs its programs). Norms, the MoE router and the vision tower
+are replicated (the vision tower is split by frames instead). A mesh may have either axis or both; a size-1 or missing axis means
 no split.
 """
 
@@ -36,7 +38,7 @@ def axis_size(mesh: Mesh, axis: str) -> int:
 def check_mesh(mesh: Any, config: TextConfig) -> Mesh:
     """``mesh`` (its axes made ``AxisType.Auto``: XLA propagates the shardings) if it is a
     ``jax.sharding.Mesh`` whose axes are among ("tp", "sp") and whose tp size divides the decoder's
-    key-value heads (whole GQA groups per device) and MLP width; ValueError otherwise."""
+    key-value heads (whole GQA groups per device) and MLP width (its number of experts for a MoE); ValueError otherwise."""
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")  # noqa: TRY004 - house rule
     extra = [a for a in mesh.axis_names if a not in (TP, SP)]
@@ -45,7 +47,9 @@ def check_mesh(mesh: Any, config: TextConfig) -> Mesh:
                          f"{tuple(mesh.axis_names)}")
     tp = axis_size(mesh, TP)
     widths = {"num_key_value_heads": config.num_key_value_heads}
-    if not config.is_moe:
+    if config.is_moe:
+        widths["num_experts"] = config.num_experts
+    else:
         widths["intermediate_size"] = config.intermediate_size
     for name, width in widths.items():
         if width % tp:
@@ -70,7 +74,7 @@ def decoder_specs(config: TextConfig, tp_size: int) -> dict[str, P]:
              "wq": head_w, "wk": head_w, "wv": head_w, "bq": head_b, "bk": head_b, "bv": head_b,
              "wo": P(None, t, None, None), "bo": P(),
              "w_gate": P(None, None, t), "w_up": P(None, None, t), "w_down": P(None, t, None),
-             "router": P(), "e_gate_up": P(), "e_down": P()}
+             "router": P(), "e_gate_up": P(None, t, None, None), "e_down": P(None, t, None, None)}
     return specs
 
 

@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from models.attention import LayerAttention
-from models.common import map_chunks, rms_norm
+from models.common import context_axis_size, map_chunks, rms_norm, token_split
 from models.kv_cache import KVCache, read_kv, write_kv
-from models.moe import moe_mlp
+from models.moe import local_experts_mlp, moe_mlp
 from models.rotary import apply_rotary
 
 
@@ -201,6 +202,8 @@ def _qkv(c: TextConfig, p, x, cos, sin, chunk):
 
 def _mlp(c: TextConfig, p, h):
     """The position-wise MLP of one layer: h [B, C, H] (normed) -> [B, C, H]."""
+    if c.is_moe and context_axis_size("tp") > 1:
+        return _moe_expert_parallel(c, p, h)
     if c.is_moe:
         b, t, width = h.shape
         out = moe_mlp(h.reshape(b * t, width), p["router"], p["e_gate_up"], p["e_down"], top_k=c.num_experts_per_tok,
@@ -209,6 +212,24 @@ def _mlp(c: TextConfig, p, h):
     g = jnp.einsum("bth,hf->btf", h, p["w_gate"])
     u = jnp.einsum("bth,hf->btf", h, p["w_up"])
     return jnp.einsum("btf,fh->bth", jax.nn.silu(g) * u, p["w_down"])
+
+
+def _moe_expert_parallel(c: TextConfig, p, h):
+    """The MoE MLP under a mesh in context (``jax.set_mesh``) whose "tp" axis splits the experts (each device a
+    run of E / tp, `models.sharding`): every device routes its tokens over all experts, runs its own experts'
+    pairs, and one all-reduce over "tp" adds the shares (float32, then h's dtype). h [B, C, H] (replicated
+    over "tp"; split by token over "sp" when that axis splits the tokens) -> [B, C, H]."""
+    sp = "sp" if token_split() > 1 and h.shape[1] % token_split() == 0 else None  # a decode step: tokens whole
+    tokens = P(None, sp, None)
+
+    def local(hl, router, w_gate_up, w_down):
+        b, t, width = hl.shape
+        first = jax.lax.axis_index("tp") * w_gate_up.shape[0]
+        share = local_experts_mlp(hl.reshape(b * t, width), router, w_gate_up, w_down, top_k=c.num_experts_per_tok,
+                                  norm_topk_prob=c.norm_topk_prob, first_expert=first)
+        return jax.lax.psum(share, "tp").astype(hl.dtype).reshape(b, t, width)
+    return jax.shard_map(local, in_specs=(tokens, P(), P("tp"), P("tp")), out_specs=tokens, check_vma=False)(
+        h, p["router"], p["e_gate_up"], p["e_down"])
 
 
 def _out_and_mlp(c: TextConfig, p, x, o, chunk):

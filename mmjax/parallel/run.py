@@ -114,7 +114,8 @@ def decode_step(fn, model, cache: KVCache, tokens: jax.Array, *, attention: Laye
     """``fn`` (a port's ``decode_step``) on ``mesh``: (logits float32 [B, V] replicated, cache in its layout);
     the cache (moved into its layout first when it is not there) is donated."""
     (tokens,) = _on_mesh((tokens,), mesh)
-    return decode_program(fn, model, place_cache(cache, mesh), tokens, attention=attention, mesh=mesh)
+    with jax.set_mesh(mesh):  # traced under the mesh: a MoE's expert-parallel MLP reads its "tp" split
+        return decode_program(fn, model, place_cache(cache, mesh), tokens, attention=attention, mesh=mesh)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("attention", "mesh"), donate_argnames=("cache",))
