@@ -210,7 +210,8 @@ def test_program_inputs_laid_out_on_the_mesh_are_not_copied():
         assert a.sharding.device_set == set(mesh.devices.flat) and a.sharding.is_fully_replicated
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 1), (2, 2), (1, 2)])  # 2 key-value heads: tp <= 2
+@pytest.mark.parametrize("mesh_shape", [(2, 1), pytest.param((2, 2), marks=pytest.mark.slow),
+                                        pytest.param((1, 2), marks=pytest.mark.slow)])  # 2 key-value heads: tp <= 2
 def test_moe_experts_split_over_tp_equal_one_device(mesh_shape):
     """Qwen3-MoE fixture (8 experts): each tp device holds 8 / tp of them; prefill (one piece, with sequence
     chunks of the MLP, and on a heads-only mesh chunked), decode and greedy ids equal one device."""
