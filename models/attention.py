@@ -31,6 +31,7 @@ from typing import Any, Callable, Protocol
 import jax
 import jax.numpy as jnp
 
+from models.decode_attention import reduce_attention
 from pallas_kernels import nonfinite
 from pallas_kernels.checks import check_sm_scale
 from pallas_kernels.nonfinite import finish, poison_keys, score_poison
@@ -133,7 +134,8 @@ def _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k):
 
 def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None, sm_scale: float | None = None,
                     causal: bool = True, block_q: int = 512, block_k: int = 1024,
-                    direct_max_scores: int = 1 << 24, check_finite: bool = False) -> jax.Array:
+                    direct_max_scores: int = 1 << 24, check_finite: bool = False,
+                    decode_form: str = "auto") -> jax.Array:
     """Exact softmax attention in pure JAX (the reference every other implementation is checked against).
 
     Shapes as in the module docstring. Softmax statistics in float32; a fully masked row gives 0. Non-finite
@@ -141,14 +143,25 @@ def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None
     (padding, unwritten cache slots, the future) contribute nothing whatever they hold. ``check_finite``
     raises ``NonFiniteError`` instead (a ``checkify`` error under ``jax.jit``). Small problems
     (T * S <= ``direct_max_scores``) build the score matrix at once; larger ones run an online softmax over
-    ``block_k``-wide key blocks for each ``block_q`` queries.
+    ``block_k``-wide key blocks for each ``block_q`` queries. ``decode_form``: "auto" computes a batched
+    decode step (one query per row, B > 1) on CUDA with the multiply-reduce form of
+    ``models.decode_attention`` (no transposed copy of the cache; same results), everything else with
+    the einsum form; "einsum" always uses the einsum form.
     """
     del layer, modality
+    if decode_form not in ("auto", "einsum"):
+        raise ValueError(f"decode_form: expected 'auto' or 'einsum', got {decode_form!r}")
     _check_qkv(q, k, v, q_positions, kv_valid)
     scale = check_sm_scale(sm_scale, q.shape[-1])
     if check_finite:
         nonfinite.check_finite(q=q, k=k, v=v)
     if q.shape[1] * k.shape[1] <= direct_max_scores:
+        if decode_form == "auto" and q.shape[1] == 1 and q.shape[0] > 1:
+            return jax.lax.platform_dependent(
+                q, k, v, q_positions, kv_valid,
+                default=lambda *a: _direct(*a, scale, causal),
+                cuda=lambda *a: reduce_attention(*a[:3], q_positions=a[3], kv_valid=a[4], sm_scale=scale,
+                                                 causal=causal))
         return _direct(q, k, v, q_positions, kv_valid, scale, causal)
     return _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k)
 

@@ -1,6 +1,7 @@
 """`mmjax bench decode` and its helpers: roofline bytes, compiled-program statistics, the decode step
 updating its cache in place (no copy of the cache), N steps in one jit equal to N host-driven steps,
-the decode-attention variants equal to dense attention."""
+the decode-attention variants equal to dense attention (the multiply-reduce form:
+tests/models/test_decode_attention.py)."""
 
 import json
 import math
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mmjax.drivers.bench.decode_attention import reduce_attention, split_k_attention
+from mmjax.drivers.bench.decode_attention import split_k_attention
 from mmjax.drivers.bench.roofline import kv_bytes, program_stats, weight_bytes
 
 from mmjax.drivers.bench import decode as bench_decode
@@ -127,25 +128,6 @@ def _qkv(b=2, t=1, n=8, kh=2, d=16, s=300, seed=0):
     return q, k, v, valid
 
 
-@pytest.mark.parametrize("t", [1, 3])
-def test_reduce_attention_equals_dense_with_its_nonfinite_rules(t):
-    q, k, v, valid = _qkv(t=t)
-    pos = jnp.broadcast_to(250 + jnp.arange(t, dtype=jnp.int32), (2, t))
-    v = v.at[0, 260].set(jnp.nan).at[1, 10].set(jnp.inf).at[1, 280].set(jnp.nan)  # masked / visible / future
-    valid = valid.at[0, 260].set(True).at[1, 10].set(True)
-    k = k.at[0, 5].set(jnp.nan)
-    valid = valid.at[0, 5].set(False)  # a masked non-finite key contributes nothing
-    ref = np.asarray(dense_attention(q, k, v, q_positions=pos, kv_valid=valid))
-    got = np.asarray(reduce_attention(q, k, v, q_positions=pos, kv_valid=valid))
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
-    assert np.isnan(got[1]).all() and not np.isnan(got[0]).all()  # row 0: slot 260 is after position 250
-    np.testing.assert_allclose(got[~np.isnan(ref)], ref[~np.isnan(ref)], atol=2e-6)
-    none = reduce_attention(q, k, v, q_positions=pos, kv_valid=jnp.zeros_like(valid))
-    np.testing.assert_array_equal(np.asarray(none), 0.0)  # a query that sees no key gives 0
-    with pytest.raises(ValueError, match=r"kv_valid: expected shape \(2, 300\)"):
-        reduce_attention(q, k, v, q_positions=pos, kv_valid=valid[:, :10])
-
-
 def test_split_k_attention_equals_dense():
     q, k, v, valid = _qkv(s=320)
     pos = jnp.full((2, 1), 300, jnp.int32)
@@ -177,14 +159,15 @@ def test_xla_option_values_are_typed():
 @pytest.mark.slow
 def test_bench_decode_runs_on_cpu_and_writes_json_and_plot(tmp_path, capsys):
     assert main(["bench", "decode", "--out", str(tmp_path), "--batches", "2", "--contexts", "64", "--steps", "3",
-                 "--reps", "1", "--variants", "default,reduce_attn"]) == 0
+                 "--reps", "1", "--variants", "default,einsum_attn,reduce_attn"]) == 0
     out = capsys.readouterr().out
     assert "roofline ms" in out and "in-jit ms" in out
     files = sorted(os.listdir(tmp_path))
     assert [f.rsplit(".", 1)[1] for f in files] == ["json", "png"]
     result = json.loads((tmp_path / files[0]).read_text())
     rows = result["rows"]
-    assert [(r["variant"], r["batch"], r["context"]) for r in rows] == [("default", 2, 64), ("reduce_attn", 2, 64)]
+    assert [(r["variant"], r["batch"], r["context"]) for r in rows] == [("default", 2, 64), ("einsum_attn", 2, 64),
+                                                                        ("reduce_attn", 2, 64)]
     for r in rows:
         assert r["roofline_ms"] > 0 and r["in_jit_ms"] > 0 and r["sync_ms"] > 0 and r["ops"] > 0
         assert r["tokens_per_s"] == pytest.approx(2e3 / r["async_ms"])

@@ -18,8 +18,9 @@ roofline time / measured time. The LM head (152k vocabulary) and argmax alone ar
 kernels (``ops``), ``copy`` instructions, large non-in-place outputs (weight or cache copies) and
 temporary memory are recorded, so the causes of a gap are visible (``--dump-hlo DIR`` writes each
 compiled step). ``--variants`` times the same grid under several compilations of the step
-(`VARIANTS`: XLA's dense attention, a multiply-reduce attention over the cache as it lies or the
-split-K Pallas kernel, GEMVs through cuBLAS instead of Triton, dynamic-slice fusion,
+(`VARIANTS`: the default dense attention (on CUDA the multiply-reduce form of
+``models.decode_attention`` at batch > 1), XLA's einsum form at every batch, the multiply-reduce form at
+every batch or the split-K Pallas kernel, GEMVs through cuBLAS instead of Triton, dynamic-slice fusion,
 no CUDA graphs), each variant its rows; ``--xla-option KEY=VALUE`` adds an XLA option to every variant.
 
 ``--devices N [--sequence-parallel S]`` runs the step on a mesh of N devices (`mmjax.parallel`: the
@@ -57,7 +58,7 @@ from mmjax.drivers.args import (
     out_dir,
     positive_int,
 )
-from mmjax.drivers.bench.decode_attention import reduce_attention, split_k_attention
+from mmjax.drivers.bench.decode_attention import einsum_attention, reduce_attention, split_k_attention
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.drivers.bench.roofline import (
     kv_bytes,
@@ -112,9 +113,11 @@ def tiny_model(dtype=jnp.float32) -> qwen_vl.Qwen2_5_VL:
     return qwen_vl.Qwen2_5_VL(Qwen2_5_VLConfig(text=text, vision=vision), dtype=dtype, key=jax.random.key(0))
 
 
-# variant -> (decode attention: "dense" = XLA's, "reduce" / "split_k" = `decode_attention`'s; XLA options)
+# variant -> (decode attention: "dense" = the models' default, "einsum" / "reduce" / "split_k" =
+# `decode_attention`'s; XLA options)
 VARIANTS: dict[str, tuple[str, tuple[tuple[str, bool | int | str], ...]]] = {
     "default": ("dense", ()),
+    "einsum_attn": ("einsum", ()),
     "reduce_attn": ("reduce", ()),
     "split_k": ("split_k", ()),
     "split_k_slice_fusion": ("split_k", (("xla_gpu_enable_dynamic_slice_fusion", True),)),
@@ -125,15 +128,18 @@ VARIANTS: dict[str, tuple[str, tuple[tuple[str, bool | int | str], ...]]] = {
 
 
 def decode_attention(name: str) -> LayerAttention:
-    """The decode attention of a variant: "dense" (XLA's), "reduce" (multiply-reduce over the cache
-    as it lies) or "split_k" (the split-K Pallas kernel)."""
+    """The decode attention of a variant: "dense" (the models' default), "einsum" (XLA's einsum form at
+    every batch), "reduce" (multiply-reduce over the cache as it lies) or "split_k" (the split-K Pallas
+    kernel)."""
     if name == "dense":
         return resolve_attention("dense")
+    if name == "einsum":
+        return LayerAttention(uniform=einsum_attention)
     if name == "reduce":
         return LayerAttention(uniform=reduce_attention)
     if name == "split_k":
         return LayerAttention(uniform=split_k_attention)
-    raise ValueError(f"attention: expected 'dense', 'reduce' or 'split_k', got {name!r}")
+    raise ValueError(f"attention: expected 'dense', 'einsum', 'reduce' or 'split_k', got {name!r}")
 
 
 def variant_list(text: str) -> tuple[str, ...]:

@@ -1,0 +1,66 @@
+"""``models.decode_attention.reduce_attention`` equals the einsum form of dense attention (with the
+non-finite rules), and ``dense_attention`` takes it for batched single-query steps on CUDA only: the
+program exported for CUDA then holds no matrix product and no transposed copy of the cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from models.attention import dense_attention
+from models.decode_attention import reduce_attention
+
+
+def _qkv(b=2, t=1, n=8, kh=2, d=16, s=300, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, t, n, d))
+    k = jax.random.normal(ks[1], (b, s, kh, d))
+    v = jax.random.normal(ks[2], (b, s, kh, d))
+    valid = jax.random.uniform(ks[3], (b, s)) < 0.7
+    return q, k, v, valid
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_reduce_attention_equals_dense_with_its_nonfinite_rules(t):
+    q, k, v, valid = _qkv(t=t)
+    pos = jnp.broadcast_to(250 + jnp.arange(t, dtype=jnp.int32), (2, t))
+    v = v.at[0, 260].set(jnp.nan).at[1, 10].set(jnp.inf).at[1, 280].set(jnp.nan)  # masked / visible / future
+    valid = valid.at[0, 260].set(True).at[1, 10].set(True)
+    k = k.at[0, 5].set(jnp.nan)
+    valid = valid.at[0, 5].set(False)  # a masked non-finite key contributes nothing
+    ref = np.asarray(dense_attention(q, k, v, q_positions=pos, kv_valid=valid,
+                                     decode_form="einsum"))
+    got = np.asarray(reduce_attention(q, k, v, q_positions=pos, kv_valid=valid))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    assert np.isnan(got[1]).all() and not np.isnan(got[0]).all()  # row 0: slot 260 is after position 250
+    np.testing.assert_allclose(got[~np.isnan(ref)], ref[~np.isnan(ref)], atol=2e-6)
+    none = reduce_attention(q, k, v, q_positions=pos, kv_valid=jnp.zeros_like(valid))
+    np.testing.assert_array_equal(np.asarray(none), 0.0)  # a query that sees no key gives 0
+    with pytest.raises(ValueError, match=r"kv_valid: expected shape \(2, 300\)"):
+        reduce_attention(q, k, v, q_positions=pos, kv_valid=valid[:, :10])
+
+
+
+@pytest.mark.parametrize("b,t,reduce_form", [(3, 1, True), (1, 1, False), (3, 2, False)])
+def test_dense_attention_takes_the_reduce_form_for_batched_decode_on_cuda_only(b, t, reduce_form):
+    q, k, v, valid = _qkv(b=b, t=t, s=64, seed=1)
+    pos = jnp.broadcast_to(40 + jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def attn(q, k, v, pos, valid):
+        return dense_attention(q, k, v, q_positions=pos, kv_valid=valid)
+
+    cuda = export.export(jax.jit(attn), platforms=["cuda"])(q, k, v, pos, valid).mlir_module()
+    assert ("dot_general" not in cuda and "transpose" not in cuda) == reduce_form
+    cpu = export.export(jax.jit(attn), platforms=["cpu"])(q, k, v, pos, valid).mlir_module()
+    assert "dot_general" in cpu  # the CPU keeps the einsum form (it updates the cache in place)
+    ref = dense_attention(q, k, v, q_positions=pos, kv_valid=valid, decode_form="einsum")
+    np.testing.assert_allclose(np.asarray(jax.jit(attn)(q, k, v, pos, valid)), np.asarray(ref), atol=1e-6)
+    red = reduce_attention(q, k, v, q_positions=pos, kv_valid=valid)
+    np.testing.assert_allclose(np.asarray(red), np.asarray(ref), atol=2e-6)
+
+
+def test_decode_form_is_checked():
+    q, k, v, valid = _qkv()
+    with pytest.raises(ValueError, match="decode_form: expected 'auto' or 'einsum'"):
+        dense_attention(q, k, v, q_positions=jnp.zeros((2, 1), jnp.int32), kv_valid=valid, decode_form="fast")
