@@ -86,3 +86,11 @@ def test_child_keeps_partial_rows_and_names_failures(monkeypatch):
     assert bench._child(args, 9, "ashape", 5.0)["error"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED")
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=-9, stdout=""))
     assert bench._child(args, 9, "ashape", 5.0) == {"tokens": 9, "attention": "ashape", "error": "exit status -9"}
+
+
+@pytest.mark.parametrize("name, preset, model, want", [
+    ("prefill", "7b", None, "prefill"), ("prefill", "llava-ov-7b", None, "prefill-llava-ov-7b"),
+    ("prefill", "7b", "/ckpt/Qwen2.5-VL-7B Instruct/", "prefill-Qwen2.5-VL-7B-Instruct"),
+    ("mine", "qwen3-30b-a3b", None, "mine")])
+def test_result_name_keeps_models_apart(name, preset, model, want):
+    assert bench.result_name(name, preset, model) == want

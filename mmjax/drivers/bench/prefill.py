@@ -19,7 +19,8 @@ warm TTFT, speedup over the dense row of the same length, peak memory (the large
 devices with ``--devices N``: the model loaded into its tensor-parallel layout over N devices, S of
 them splitting the tokens with ``--sequence-parallel S``; the warm call is then always run), tokens
 per second; ``--breakdown`` adds the host preparation and the vision tower timed alone and the decoder's
-share (warm - both). Rows are written to the JSON as they finish; ``--plot`` draws TTFT and memory against tokens.
+share (warm - both). Rows are written to the JSON (``--name``, by default ``prefill`` for the 7b preset and
+``prefill-<preset or checkpoint directory>`` otherwise) as they finish; ``--plot`` draws TTFT and memory against tokens.
 
 Attention names: ``cudnn`` (dense cuDNN flash attention), ``dense`` (exact XLA attention, slow),
 ``grid`` (``Grid(local=1024)`` on every head), ``ashape`` (``AShape(sink=1024, local=4096)``, the
@@ -34,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -155,6 +157,16 @@ def attention_spec(name: str, config: Qwen2_5_VLConfig):
         return mmjax.SparseConfig.uniform(PATTERNS[name], num_layers=c.num_hidden_layers,
                                           num_heads=c.num_attention_heads)
     return mmjax.SparseConfig.load(name)
+
+
+def result_name(name: str, preset: str, model: str | None) -> str:
+    """The JSON file prefix: ``name`` as given, except that the default ``prefill`` becomes
+    ``prefill-<preset>`` (or ``prefill-<checkpoint directory name>``) for any model but the 7b preset, so two
+    models timed on one device and day do not overwrite each other's file."""
+    if name != "prefill" or (not model and preset == "7b"):
+        return name
+    tag = os.path.basename(os.path.normpath(model)) if model else preset
+    return "prefill-" + (re.sub(r"[^A-Za-z0-9._-]+", "-", tag).strip("-.") or "model")
 
 
 def config_name(text: str) -> str:
@@ -420,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     args.passthrough += ["--breakdown"] if args.breakdown else []
     args.passthrough += ["--preset", args.preset, "--kv-dtype", args.kv_dtype]
     rows: list[dict] = []
+    args.name = result_name(args.name, args.preset, args.model)
     llava = args.preset.startswith("llava-ov-")
     shape = (args.preset if args.preset in TEXT_PRESETS else
              f"LLaVA-OneVision-{args.preset[len('llava-ov-'):]}" if llava else f"Qwen2.5-VL-{args.preset}")
