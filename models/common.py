@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -96,3 +97,15 @@ def _map_chunks_split(fn, args, axis: int, chunk: int, parts: int, out):
     res = _map_chunks_plain(fn_parts, [split(a) for a in args], axis + 1, chunk,
                             None if out is None else jax.tree.map(split, out))
     return jax.tree.map(merge, res)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "std"))
+def _scaled_normal(key: jax.Array, *, shape: tuple[int, ...], dtype, std: float) -> jax.Array:
+    return std * jax.random.normal(key, shape, dtype)
+
+
+def scaled_normal(key: jax.Array, shape: Sequence[int], dtype, std: float) -> jax.Array:
+    """Random init ``std * N(0, 1)`` of ``shape`` in ``dtype`` as one compiled program: the draw, the
+    scaling fuse (the same values as ``std * jax.random.normal(key, shape, dtype)``), so the device holds only the result (eagerly, the draw and the product
+    were two arrays of the weight's size at once: 72 GiB for Qwen3-30B-A3B's stacked expert weights)."""
+    return _scaled_normal(key, shape=tuple(int(s) for s in shape), dtype=jnp.dtype(dtype), std=float(std))

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from models.attention import LayerAttention
-from models.common import context_axis_size, map_chunks, rms_norm, token_split
+from models.common import context_axis_size, map_chunks, rms_norm, scaled_normal, token_split
 from models.kv_cache import KVCache, read_kv, write_kv
 from models.moe import local_experts_mlp, moe_mlp
 from models.rotary import apply_rotary
@@ -112,7 +112,7 @@ class TextDecoder(nnx.Module):
         self.config = config
         shapes = layer_param_shapes(config)
         keys = iter(jax.random.split(key, max(16, len(shapes) + 2)))
-        normal = lambda shape: nnx.Param(init_std * jax.random.normal(next(keys), shape, dtype))
+        normal = lambda shape: nnx.Param(scaled_normal(next(keys), shape, dtype, init_std))
         self.embed = normal((config.vocab_size, config.hidden_size))
         for name, shape in shapes.items():
             if name.endswith("norm"):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.common import scaled_normal
 from models.llava_onevision.config import LlavaOnevisionConfig
 
 
@@ -53,7 +54,7 @@ class VisionTower(nnx.Module):
             elif name.endswith("_b") or name.startswith("b"):
                 value = jnp.zeros(shape, dtype)
             else:
-                value = init_std * jax.random.normal(k, shape, dtype)
+                value = scaled_normal(k, shape, dtype, init_std)
             setattr(self, name, nnx.Param(value))
 
     def stacked(self) -> dict[str, jax.Array]:

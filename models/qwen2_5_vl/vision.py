@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import dense_attention
-from models.common import rms_norm
+from models.common import rms_norm, scaled_normal
 from models.qwen2_5_vl.config import VisionConfig
 from models.rotary import apply_rotary, vision_cos_sin
 
@@ -46,7 +46,7 @@ class VisionTower(nnx.Module):
             if "norm" in name:
                 value = jnp.ones(shape, dtype)
             else:
-                value = init_std * jax.random.normal(next(keys), shape, dtype)
+                value = scaled_normal(next(keys), shape, dtype, init_std)
             setattr(self, name, nnx.Param(value))
 
 
