@@ -105,7 +105,8 @@ def _scaled_normal(key: jax.Array, *, shape: tuple[int, ...], dtype, std: float)
 
 
 def scaled_normal(key: jax.Array, shape: Sequence[int], dtype, std: float) -> jax.Array:
-    """Random init ``std * N(0, 1)`` of ``shape`` in ``dtype`` as one compiled program: the draw, the
-    scaling fuse (the same values as ``std * jax.random.normal(key, shape, dtype)``), so the device holds only the result (eagerly, the draw and the product
-    were two arrays of the weight's size at once: 72 GiB for Qwen3-30B-A3B's stacked expert weights)."""
+    """Random init ``std * N(0, 1)`` of ``shape`` in ``dtype`` (the values of ``std * jax.random.normal(key,
+    shape, dtype)``) as one compiled program: the draw and the scaling fuse, so the device holds only the
+    result (eagerly, the draw and the product were two arrays of the weight's size at once: 72 GiB for
+    Qwen3-30B-A3B's stacked expert weights)."""
     return _scaled_normal(key, shape=tuple(int(s) for s in shape), dtype=jnp.dtype(dtype), std=float(std))
