@@ -77,6 +77,8 @@ BAD_VALUES = [
     (["bench", "momo", "--tile", "24", "4"], r"--tile: expected ROWS 0 or a power of two >= 16"),
     (["bench", "mixed", "--calib-len", "x"], r"--calib-len: expected an integer; received 'x'"),
     (["bench", "patterns", "--seq-lens", "0"], r"--seq-lens: expected an integer in \[1, "),
+    (["bench", "patterns", "--sections", "fidelity", "--fidelity-patterns", "Grid(frame,hvs,local=0)"],
+     r"--fidelity-patterns: unknown \['Grid\(frame,hvs,local=0\)'\]"),
     (["bench", "prefill", "--tokens", "16384", "0"], r"--tokens: expected an integer in \[1, "),
     (["bench", "prefill", "--configs", "flash"], r"--configs: expected one of cudnn, dense"),
     (["bench", "speculative", "--trees", "30-0-8"], r"--trees: TreeConfig.depth: expected a positive int"),

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import re
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,7 @@ from mmjax.sparse.metrics import block_mass_matrix, oracle_recall
 from mmjax.sparse.modality import Modality
 from mmjax.sparse.patterns import AShape, Grid, KernelOptions, Momo, Pattern, VerticalSlash
 from mmjax.sparse.plot import attention_probs, plot_layout
-from mmjax.sparse.synthetic import VIDEO_FAMILIES, GridVideo, grid_video_qkv, mixed_video_text_qkv, needle_qkv
+from mmjax.sparse.synthetic import VIDEO_FAMILIES, grid_video_qkv, mixed_video_text_qkv, needle_qkv
 
 ORACLE_BLOCK_Q, ORACLE_BLOCK_K = 128, 64
 DENSITY_GRID = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.45, 0.6, 0.8, 1.0)
@@ -66,6 +68,31 @@ def fidelity_patterns() -> dict[str, Pattern]:
         out[f"Grid(frame,hvs,local={local})"] = Grid(stride="frame", local=local)
     out["Momo"] = Momo()
     out["Momo(k=16)"] = Momo(k=16)  # the default's share of the key blocks at 128k, at 16k
+    return out
+
+
+_GRID_LOCAL = re.compile(r"Grid\(frame,hvs,local=([1-9][0-9]*)\)")
+
+
+def select_patterns(names: Sequence[str] | None) -> dict[str, Pattern]:
+    """The `fidelity_patterns` named (all when ``names`` is empty / None); a name of the form
+    ``Grid(frame,hvs,local=N)`` with another band width N (tokens) is built on the fly. ValueError
+    naming the unknown ones."""
+    table = fidelity_patterns()
+    if not names:
+        return table
+    out, unknown = {}, []
+    for name in names:
+        m = _GRID_LOCAL.fullmatch(name)
+        if name in table:
+            out[name] = table[name]
+        elif m:
+            out[name] = Grid(stride="frame", local=int(m.group(1)))
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"unknown {sorted(unknown)}; expected some of {sorted(table)} or "
+                         "Grid(frame,hvs,local=N)")
     return out
 
 

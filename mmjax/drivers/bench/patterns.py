@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_int
-from mmjax.drivers.bench.fidelity import FidelityConfig, fidelity_patterns, run_fidelity
+from mmjax.drivers.bench.fidelity import FidelityConfig, run_fidelity, select_patterns
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.sparse.attention import attention_recall
 from mmjax.sparse.layouts import attend
@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", nargs="+", choices=("needle", "video", "mixed"),
                    help="fidelity: input kinds to run (default all)")
     p.add_argument("--fidelity-patterns", nargs="+", metavar="NAME",
-                   help="fidelity: subset of its pattern names (e.g. 'Grid(frame,hvs)')")
+                   help="fidelity: subset of its pattern names (e.g. 'Grid(frame,hvs)'; 'Grid(frame,hvs,local=N)' "
+                        "for any band width N)")
     p.add_argument("--heads", type=positive_int, nargs=2, metavar=("N", "K"),
                    help="fidelity: query and key heads of the synthetic inputs (default 4 2)")
     args = p.parse_args(argv)
@@ -267,12 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.heads[0] % args.heads[1]:
                 p.error(f"--heads: expected N a multiple of K; received {args.heads}")
             fcfg = dataclasses.replace(fcfg, heads=args.heads[0], kv_heads=args.heads[1])
-        fpats = fidelity_patterns()
-        if args.fidelity_patterns:
-            unknown = set(args.fidelity_patterns) - set(fpats)
-            if unknown:
-                p.error(f"--fidelity-patterns: unknown {sorted(unknown)}; expected some of {sorted(fpats)}")
-            fpats = {n: fpats[n] for n in args.fidelity_patterns}
+        try:
+            fpats = select_patterns(args.fidelity_patterns)
+        except ValueError as e:
+            p.error(f"--fidelity-patterns: {e}")
         run_fidelity(fcfg, fpats, args.out, plot_dir=args.plot, result_name=args.name + "-fidelity")
     if "timing" in sections:
         run_benchmark(cfg, pats, args.out, result_name=args.name)
