@@ -29,8 +29,9 @@ Launch order: the grid is (query head, row tile, batch) with the head fastest, s
 running at the same time are the heads of one row tile; the 7 query heads of a GQA group read the
 same K / V blocks in the same order (also with ``scan="golden"``, whose order is per tile) and
 share them through L2. With the tile fastest, the golden order gave every concurrent program its
-own block order and the kernel became bandwidth-bound (1M tokens, H200: 2.68 s against 2.29 s
-for the natural order, 2026-11-23).
+own block order (1M tokens, H200, 2026-11-23: 2.68 s against 2.29 s for the natural order). Measured
+with this grid and the flag-based poison, same run on an H100 (2026-11-25): golden 2628 -> 2536 ms,
+natural 2454 ms; the H200 gap is not re-measured.
 
 Measured on an H200 (2026-11-21; B=1, N=28, K=4, D=128, bf16, gamma=16, beta=64, 64
 sampled rows per program): at 128k tokens the kernel takes 25 ms without top-k (about
