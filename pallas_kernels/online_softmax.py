@@ -5,8 +5,7 @@ A step takes raw scores and a visibility mask: masked scores become -inf, and a 
 non-finite score adds NaN to the row's normaliser ``l`` (it stays NaN: the row ends NaN out,
 NaN lse). Kernels that mask only some tiles split the step in two: `masked_tile` /
 `unmasked_tile` (chosen by a ``lax.cond`` on the tile) and `softmax_update`, so that the
-matrix products stay outside the condition. The block-sparse and QSA kernels pass `softmax_update` a
-poison made from per-row input flags instead (no ``[R, bk]`` check per tile; see their modules).
+matrix products stay outside the condition.
 """
 
 from __future__ import annotations
