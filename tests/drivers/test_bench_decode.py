@@ -23,7 +23,7 @@ from models.causal_lm.config import CausalLMConfig
 from models.kv_cache import KVCache
 from models.qwen2_5_vl import model as qwen_vl
 from models.text_decoder import layer_param_shapes
-from tests.models.helpers import small_config
+from tests.models.helpers import random_decode_qkv, small_config
 
 
 @pytest.fixture(scope="module")
@@ -119,17 +119,10 @@ def test_steps_in_one_jit_equal_host_driven_steps(tiny):
     assert program_stats(compiled.as_text(), large_bytes=big.k.nbytes)["large"] == []
 
 
-def _qkv(b=2, t=1, n=8, kh=2, d=16, s=300, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (b, t, n, d))
-    k = jax.random.normal(ks[1], (b, s, kh, d))
-    v = jax.random.normal(ks[2], (b, s, kh, d))
-    valid = jax.random.uniform(ks[3], (b, s)) < 0.7
-    return q, k, v, valid
 
 
 def test_split_k_attention_equals_dense():
-    q, k, v, valid = _qkv(s=320)
+    q, k, v, valid = random_decode_qkv(s=320)
     pos = jnp.full((2, 1), 300, jnp.int32)
     valid = valid.at[:, 300].set(True)
     ref = dense_attention(q, k, v, q_positions=pos, kv_valid=valid)

@@ -1,5 +1,6 @@
 """Small random Qwen2.5-VL configs and prompts shared by the model tests."""
 
+import jax
 import numpy as np
 
 from models.qwen2_5_vl import Qwen2_5_VLConfig, VisionConfig
@@ -26,3 +27,14 @@ def video_prompt(cfg, frames, rng, grid_hw=(4, 8)):
     pixels = rng.standard_normal((frames * h * w, cfg.vision.patch_dim)).astype(np.float32)
     return dict(input_ids=np.asarray([ids]), pixel_values_videos=pixels, video_grid_thw=np.asarray([grid]),
                 second_per_grid_ts=np.asarray([2.0], np.float32))
+
+
+def random_decode_qkv(b=2, t=1, n=8, kh=2, d=16, s=300, seed=0):
+    """Random float32 q [b, t, n, d], k / v [b, s, kh, d] and a random key-validity mask [b, s] (about 70% valid)
+    for decode-shaped attention tests."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, t, n, d))
+    k = jax.random.normal(ks[1], (b, s, kh, d))
+    v = jax.random.normal(ks[2], (b, s, kh, d))
+    valid = jax.random.uniform(ks[3], (b, s)) < 0.7
+    return q, k, v, valid

@@ -10,20 +10,12 @@ from jax import export
 
 from models.attention import dense_attention
 from models.decode_attention import reduce_attention
-
-
-def _qkv(b=2, t=1, n=8, kh=2, d=16, s=300, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (b, t, n, d))
-    k = jax.random.normal(ks[1], (b, s, kh, d))
-    v = jax.random.normal(ks[2], (b, s, kh, d))
-    valid = jax.random.uniform(ks[3], (b, s)) < 0.7
-    return q, k, v, valid
+from tests.models.helpers import random_decode_qkv
 
 
 @pytest.mark.parametrize("t", [1, 3])
 def test_reduce_attention_equals_dense_with_its_nonfinite_rules(t):
-    q, k, v, valid = _qkv(t=t)
+    q, k, v, valid = random_decode_qkv(t=t)
     pos = jnp.broadcast_to(250 + jnp.arange(t, dtype=jnp.int32), (2, t))
     v = v.at[0, 260].set(jnp.nan).at[1, 10].set(jnp.inf).at[1, 280].set(jnp.nan)  # masked / visible / future
     valid = valid.at[0, 260].set(True).at[1, 10].set(True)
@@ -41,10 +33,9 @@ def test_reduce_attention_equals_dense_with_its_nonfinite_rules(t):
         reduce_attention(q, k, v, q_positions=pos, kv_valid=valid[:, :10])
 
 
-
 @pytest.mark.parametrize("b,t,reduce_form", [(3, 1, True), (1, 1, False), (3, 2, False)])
 def test_dense_attention_takes_the_reduce_form_for_batched_decode_on_cuda_only(b, t, reduce_form):
-    q, k, v, valid = _qkv(b=b, t=t, s=64, seed=1)
+    q, k, v, valid = random_decode_qkv(b=b, t=t, s=64, seed=1)
     pos = jnp.broadcast_to(40 + jnp.arange(t, dtype=jnp.int32), (b, t))
 
     def attn(q, k, v, pos, valid):
@@ -61,6 +52,6 @@ def test_dense_attention_takes_the_reduce_form_for_batched_decode_on_cuda_only(b
 
 
 def test_decode_form_is_checked():
-    q, k, v, valid = _qkv()
+    q, k, v, valid = random_decode_qkv()
     with pytest.raises(ValueError, match="decode_form: expected 'auto' or 'einsum'"):
         dense_attention(q, k, v, q_positions=jnp.zeros((2, 1), jnp.int32), kv_valid=valid, decode_form="fast")
