@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.checks import check_sm_scale
+from pallas_kernels.nonfinite import score_poison
 
 
 def reduce_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None, sm_scale: float | None = None,
@@ -52,7 +53,7 @@ def reduce_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=Non
     qg = (q.astype(jnp.float32) * scale).reshape(b, t, 1, kh, g, d)
     # scores [B, T, S, K, G]: a multiply-reduce over D of the cache's rows as they lie
     s = jnp.sum(k.astype(jnp.float32)[:, None, :, :, None, :] * qg, axis=-1)
-    poison = jnp.sum(jnp.where(m5, s * 0.0, 0.0), axis=2)  # NaN where a visible score is not finite
+    poison = jnp.sum(score_poison(s, m5), axis=2)  # NaN where a visible score is not finite
     s = jnp.where(m5, s, -jnp.inf)
     m = jnp.max(s, axis=2, keepdims=True)
     m = jnp.where(jnp.isneginf(m), 0.0, m)

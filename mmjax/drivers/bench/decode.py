@@ -58,7 +58,7 @@ from mmjax.drivers.args import (
     out_dir,
     positive_int,
 )
-from mmjax.drivers.bench.decode_attention import einsum_attention, reduce_attention, split_k_attention
+from mmjax.drivers.bench.decode_attention import einsum_attention, split_k_attention
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.drivers.bench.roofline import (
     kv_bytes,
@@ -72,6 +72,7 @@ from mmjax.parallel.attention import decode_attention as mesh_attention
 from mmjax.parallel.run import place_cache
 from mmjax.timing import device_name
 from models.attention import LayerAttention, resolve_attention
+from models.decode_attention import reduce_attention
 from models.kv_cache import KVCache
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, VisionConfig, preset

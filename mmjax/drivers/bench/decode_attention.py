@@ -16,10 +16,7 @@ import functools
 import jax.numpy as jnp
 
 from models.attention import dense_attention
-from models.decode_attention import reduce_attention
 from pallas_kernels.tree_decode import tree_decode_attention
-
-__all__ = ["einsum_attention", "reduce_attention", "split_k_attention"]
 
 einsum_attention = functools.partial(dense_attention, decode_form="einsum")
 
