@@ -25,6 +25,12 @@ def safe_name(name: str, what: str = "name") -> str:
     return name
 
 
+def slug(text: str, default: str) -> str:
+    """``text`` as a file-name piece: runs of characters other than letters, digits and ``._-`` become
+    one ``-``, leading / trailing ``-`` and ``.`` are dropped; ``default`` when nothing is left."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or default
+
+
 def check_output_dir(path: str | os.PathLike, what: str = "out") -> str:
     """Create directory ``path`` if needed and check that files can be created in it; returns
     the absolute path. Raises an OSError naming ``what`` and the path (before any work)."""

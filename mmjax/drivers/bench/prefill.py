@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from mmjax import video_upload
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, positive_int
 from mmjax.drivers.bench import trace_summary
 from mmjax.drivers.bench.report import print_table, write_result
+from mmjax.files import slug
 from mmjax.inference import PROCESSOR_KEYS, runner
 from mmjax.parallel import devices_mesh, shard_model
 from mmjax.parallel import vision as parallel_vision
@@ -166,7 +166,7 @@ def result_name(name: str, preset: str, model: str | None) -> str:
     if name != "prefill" or (not model and preset == "7b"):
         return name
     tag = os.path.basename(os.path.normpath(model)) if model else preset
-    return "prefill-" + (re.sub(r"[^A-Za-z0-9._-]+", "-", tag).strip("-.") or "model")
+    return "prefill-" + slug(tag, "model")
 
 
 def config_name(text: str) -> str:

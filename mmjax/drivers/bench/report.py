@@ -11,11 +11,10 @@ import datetime
 import json
 import os
 import platform
-import re
 
 import jax
 
-from mmjax.files import atomic_write, check_output_dir, safe_name
+from mmjax.files import atomic_write, check_output_dir, safe_name, slug
 from mmjax.timing import device_name
 
 
@@ -33,8 +32,7 @@ def write_result(out_dir: str, name: str, payload: dict, *, overwrite: bool = Tr
         "jax": jax.__version__,
         "python": platform.python_version(),
     }
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", meta["device"]).strip("-.") or "device"
-    path = os.path.join(out_dir, f"{name}_{slug}_{meta['date']}.json")
+    path = os.path.join(out_dir, f"{name}_{slug(meta['device'], 'device')}_{meta['date']}.json")
     return atomic_write(path, json.dumps({"meta": meta, **payload}, indent=1), overwrite=overwrite)
 
 
