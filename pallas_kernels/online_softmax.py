@@ -5,7 +5,8 @@ A step takes raw scores and a visibility mask: masked scores become -inf, and a 
 non-finite score adds NaN to the row's normaliser ``l`` (it stays NaN: the row ends NaN out,
 NaN lse). Kernels that mask only some tiles split the step in two: `masked_tile` /
 `unmasked_tile` (chosen by a ``lax.cond`` on the tile) and `softmax_update`, so that the
-matrix products stay outside the condition.
+matrix products stay outside the condition. `masked_flag_tile` / `unmasked_flag_tile` make the same
+poison from per-row input flags (the QSA kernel), without looking at every score.
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ def masked_tile(s: jax.Array, ok: jax.Array) -> tuple[jax.Array, jax.Array]:
 def unmasked_tile(s: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Every pair visible: (s, poison ``[R]``) as in `masked_tile`."""
     return s, jnp.sum(score_poison(s), axis=1)
+
+
+def masked_flag_tile(s: jax.Array, ok: jax.Array, q_flag: jax.Array, k_flag: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`masked_tile` with the poison from per-row input flags instead of the scores: q_flag ``[R]``
+    and k_flag ``[bk]`` are 0, or NaN for a query / key row holding a NaN or an inf (a score is
+    non-finite exactly then, unless finite inputs overflow: +inf still ends NaN in the exponent,
+    -inf counts as weight 0). The flags are made once by the kernel's wrapper."""
+    return jnp.where(ok, s, -jnp.inf), jnp.sum(jnp.where(ok, q_flag[:, None] + k_flag[None, :], 0.0), axis=1)
+
+
+def unmasked_flag_tile(s: jax.Array, q_flag: jax.Array, k_flag: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every pair visible: (s, poison ``[R]``) as in `masked_flag_tile`, ``[bk]`` work instead of
+    `unmasked_tile`'s ``[R, bk]``."""
+    return s, q_flag + jnp.sum(k_flag)
 
 
 def softmax_update(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, poison: jax.Array,

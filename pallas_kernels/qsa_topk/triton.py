@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.nonfinite import finish, value_poison
+from pallas_kernels.online_softmax import masked_flag_tile, unmasked_flag_tile
 from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table
 from pallas_kernels.tiling import LN2, LOG2E, cdiv
@@ -106,16 +107,13 @@ def _kernel(q_ref, qp_ref, k_ref, v_ref, kp_ref, vp_ref, *refs, sm_scale, gamma,
         s = pltriton.dot(q, k, trans_b=True) * scale  # [R, bk] f32, base 2
         k_pos = start + iota_k
 
-        # A score is non-finite exactly when its query or key row holds a NaN / inf (finite bf16 /
-        # f32 inputs whose product overflows are the exception, see the module docstring), so the
-        # per-row poison comes from the two flags: [bk] work per tile instead of [R, bk].
+        # The score poison from the wrapper's per-row flags (`online_softmax.masked_flag_tile`).
         def mask():
             ok = (k_pos[None, :] <= pos[:, None]) & (k_pos[None, :] < kv_len)
-            return (jnp.where(ok, s, -jnp.inf), jnp.sum(jnp.where(ok, qp[:, None] + kp[None, :], 0.0), axis=1),
-                    jnp.sum(jnp.where(ok, vp[None, :], 0.0), axis=1))
+            return masked_flag_tile(s, ok, qp, kp) + (jnp.sum(jnp.where(ok, vp[None, :], 0.0), axis=1),)
 
         def no_mask():
-            return s, qp + jnp.sum(kp), jnp.zeros((rows,), jnp.float32) + jnp.sum(vp)
+            return unmasked_flag_tile(s, qp, kp) + (jnp.zeros((rows,), jnp.float32) + jnp.sum(vp),)
 
         need = (start + block_kv - 1 > first_pos) | (start + block_kv > kv_len)
         s, poison, v_poison = lax.cond(need, mask, no_mask)
