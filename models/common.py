@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -109,4 +111,11 @@ def scaled_normal(key: jax.Array, shape: Sequence[int], dtype, std: float) -> ja
     shape, dtype)``) as one compiled program: the draw and the scaling fuse, so the device holds only the
     result (eagerly, the draw and the product were two arrays of the weight's size at once: 72 GiB for
     Qwen3-30B-A3B's stacked expert weights)."""
+    shape = tuple(shape)
+    if not all(isinstance(s, (int, np.integer)) and s >= 0 for s in shape):
+        raise ValueError(f"shape: expected non-negative integers, got {shape}")
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"dtype: expected a floating dtype, got {jnp.dtype(dtype)}")
+    if not (math.isfinite(std) and std >= 0):
+        raise ValueError(f"std: expected a finite number >= 0, got {std}")
     return _scaled_normal(key, shape=tuple(int(s) for s in shape), dtype=jnp.dtype(dtype), std=float(std))
