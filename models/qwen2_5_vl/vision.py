@@ -2,9 +2,22 @@
 
 Attention never crosses a frame (full-attention blocks attend within one temporal patch, window
 blocks within one ``window_units`` x ``window_units`` window of merged units), so the tower runs
-frame-chunk by frame-chunk under ``lax.map``. Tokens stay in the processor's order; window blocks
-gather each window's patches into a padded [windows, window_patches] tile (cost linear in the frame
-size) and full blocks use ``models.attention.dense_attention`` (blocked online softmax on big frames).
+frame-chunk by frame-chunk under ``lax.map``.
+
+Token order. When every window of the frame is full (the frame's merged grid is a multiple of
+``window_units`` on both sides, e.g. 448 x 448 pixels), the patches are put in window order once,
+before the first block (rotary angles with them), so a window block is a reshape to
+``[windows, window_patches]``; the merger's units stay contiguous in that order and the merged
+features are put back in the processor's order once at the end. Otherwise (``windows="gather"``, or
+partial windows at the frame's edge) tokens stay in the processor's order and every window block
+gathers its patches into padded ``[windows, window_patches]`` tiles and scatters them back.
+
+Attention. ``attention="cudnn"`` runs both kinds of block through cuDNN flash attention
+(``jax.nn.dot_product_attention``; bf16 / fp16 on a GPU; padded window tiles as sequence lengths);
+``"xla"`` computes window tiles as an einsum + softmax and full blocks with
+``models.attention.dense_attention`` (blocked online softmax on big frames); ``"auto"`` is cuDNN for
+bf16 / fp16 weights on a GPU, XLA otherwise. The XLA form materialises float32 scores (a
+``[frames, heads, P, P]`` tensor in full blocks), which made the tower memory-bound.
 """
 
 from __future__ import annotations
@@ -88,30 +101,70 @@ def window_layout(wid: np.ndarray):
     return gather, valid, (inverse * width + slot).astype(np.int32)
 
 
-def _window_attention(q, k, v, gather, valid, scatter, scale):
-    """q/k/v [F, P, N, D] -> [F, P, N, D], attention inside each window tile."""
-    qw, kw, vw = q[:, gather], k[:, gather], v[:, gather]  # [F, n_win, W, N, D]
+ATTENTIONS = ("auto", "xla", "cudnn")
+WINDOW_FORMS = ("auto", "gather")
+
+
+def attention_form(attention: str, dtype, head_dim: int) -> str:
+    """"xla" or "cudnn" for ``attention`` in `ATTENTIONS` and the tower's weight dtype."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    fits = head_dim % 8 == 0 and head_dim <= 128
+    if attention == "auto":
+        return "cudnn" if half and fits and jax.default_backend() == "gpu" else "xla"
+    if attention == "cudnn" and not (half and fits):
+        raise ValueError(f"attention: 'cudnn' needs bfloat16 / float16 weights and a head dim that is a multiple of 8 "
+                         f"<= 128; got {jnp.dtype(dtype).name} weights, head dim {head_dim}")
+    return attention
+
+
+def _tile_attention(qw, kw, vw, sizes, scale, attention):
+    """Attention inside each tile: q/k/v [F, n_win, W, N, D] -> [F, n_win, W, N, D]; sizes int32 [n_win]
+    (the tile's valid patches, a prefix of it) or None when every tile is full."""
+    f, nw, w = qw.shape[:3]
+    if attention == "cudnn":
+        flat = lambda x: x.reshape((f * nw,) + x.shape[2:])
+        lens = None if sizes is None else jnp.tile(sizes, f)
+        o = jax.nn.dot_product_attention(flat(qw), flat(kw), flat(vw), scale=scale, query_seq_lengths=lens,
+                                         key_value_seq_lengths=lens, implementation="cudnn")
+        return o.reshape(qw.shape)
     s = jnp.einsum("fwpnd,fwqnd->fwnpq", qw, kw, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(valid[None, :, None, None, :], s, -jnp.inf)
-    a = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("fwnpq,fwqnd->fwpnd", a, vw)
-    f, nw, w = o.shape[:3]
-    return o.reshape(f, nw * w, *o.shape[3:])[:, scatter]
+    if sizes is not None:
+        s = jnp.where((jnp.arange(w) < sizes[:, None])[None, :, None, None, :], s, -jnp.inf)
+    a = jax.nn.softmax(s, axis=-1).astype(vw.dtype)
+    return jnp.einsum("fwnpq,fwqnd->fwpnd", a, vw)
 
 
-def _full_attention(q, k, v):
+def _window_attention(q, k, v, windows, scale, attention):
+    """q/k/v [F, P, N, D] -> [F, P, N, D], attention inside each window. ``windows``: the window size W when
+    the tokens are in window order (every window full: a reshape to [F, P / W, W]), else (gather, sizes,
+    scatter) from `window_layout` (sizes None when every tile is full)."""
+    f, p = q.shape[:2]
+    if isinstance(windows, int):
+        tiles = lambda x: x.reshape((f, p // windows, windows) + x.shape[2:])
+        return _tile_attention(tiles(q), tiles(k), tiles(v), None, scale, attention).reshape(q.shape)
+    gather, sizes, scatter = windows
+    o = _tile_attention(q[:, gather], k[:, gather], v[:, gather], sizes, scale, attention)
+    return o.reshape((f, -1) + o.shape[3:])[:, scatter]
+
+
+def _full_attention(q, k, v, scale, attention):
     f, n = q.shape[:2]
+    if attention == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn")
     return dense_attention(q, k, v, q_positions=jnp.zeros((f, n), jnp.int32), kv_valid=jnp.ones((f, n), bool),
-                           causal=False)
+                           sm_scale=scale, causal=False)
 
 
-def _block(c: VisionConfig, p, x, cos, sin, is_full, layout):
+def _block(c: VisionConfig, p, x, cos, sin, is_full, windows, attention):
     """x: [F, P, C]; cos/sin: [P, D]; is_full: bool scalar (frame-wide vs window attention)."""
     h = rms_norm(x, p["norm1"], c.rms_norm_eps)
     qkv = jnp.einsum("fpc,cind->ifpnd", h, p["wqkv"]) + p["bqkv"][:, None, None]
     q, k, v = apply_rotary(qkv[0], cos, sin), apply_rotary(qkv[1], cos, sin), qkv[2]
-    o = jax.lax.cond(is_full, _full_attention,
-                     lambda q, k, v: _window_attention(q, k, v, *layout, c.head_dim ** -0.5), q, k, v)
+    scale = c.head_dim ** -0.5
+    o = jax.lax.cond(is_full, lambda q, k, v: _full_attention(q, k, v, scale, attention),
+                     lambda q, k, v: _window_attention(q, k, v, windows, scale, attention), q, k, v)
     x = x + jnp.einsum("fpnd,ndc->fpc", o, p["wproj"]) + p["bproj"]
     h = rms_norm(x, p["norm2"], c.rms_norm_eps)
     g = jnp.einsum("npc,ci->npi", h, p["w_gate"]) + p["b_gate"]
@@ -119,30 +172,57 @@ def _block(c: VisionConfig, p, x, cos, sin, is_full, layout):
     return x + jnp.einsum("npi,ic->npc", jax.nn.silu(g) * u, p["w_down"]) + p["b_down"]
 
 
+def window_order(wid: np.ndarray, merge_unit: int) -> np.ndarray | None:
+    """The patch permutation that puts one frame in window order (window after window, processor order
+    inside a window), or None when some window is partial or a merged unit would not stay contiguous."""
+    gather, valid, _ = window_layout(wid)
+    if not valid.all():
+        return None
+    order = gather.reshape(-1)
+    units = order.reshape(-1, merge_unit)
+    if not np.array_equal(units, units[:, :1] // merge_unit * merge_unit + np.arange(merge_unit)):
+        return None
+    return order
+
+
 def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, frames_per_chunk: int | None = None,
-                return_pre_merge: bool = False) -> jax.Array:
+                return_pre_merge: bool = False, attention: str = "auto", windows: str = "auto") -> jax.Array:
     """Encode one image or video.
 
     pixels: [t * h * w, patch_dim] flattened patches in the processor's order; grid: static (t, h, w)
     in patches. Returns merged features [t * h * w / m**2, out_hidden_size] (or, with
-    ``return_pre_merge``, the last block's output [t * h * w, hidden_size]).
+    ``return_pre_merge``, the last block's output [t * h * w, hidden_size]), in the processor's order.
     ``frames_per_chunk`` temporal patches are encoded together (default: about 16k patches a chunk).
+    ``attention``: "auto" | "xla" | "cudnn"; ``windows``: "auto" (window order once when every window is
+    full) | "gather" (per-block gathers); see the module docstring. Both change speed, not the result.
     """
     c = model.config
     t, h, w = (int(g) for g in grid)
     n = h * w
     if pixels.ndim != 2 or pixels.shape != (t * n, c.patch_dim):
         raise ValueError(f"pixels: expected shape {(t * n, c.patch_dim)} for grid {(t, h, w)}, got {pixels.shape}")
+    if windows not in WINDOW_FORMS:
+        raise ValueError(f"windows: expected one of {WINDOW_FORMS}, got {windows!r}")
+    dtype = model.patch_embed[...].dtype
+    attention = attention_form(attention, dtype, c.head_dim)
     hpos, wpos, wid = frame_geometry(c, h, w)
+    order = window_order(wid, c.merge_unit) if windows == "auto" else None
+    if order is not None:  # tokens in window order from here on
+        hpos, wpos = hpos[order], wpos[order]
+        win = window_layout(wid)[0].shape[1]
+    else:
+        gather, valid, scatter = window_layout(wid)
+        sizes = None if valid.all() else jnp.asarray(valid.sum(1), jnp.int32)
+        win = (jnp.asarray(gather), sizes, jnp.asarray(scatter))
     cos, sin = vision_cos_sin(jnp.asarray(hpos), jnp.asarray(wpos), c.head_dim, c.rope_theta)
-    layout = tuple(jnp.asarray(a) for a in window_layout(wid))
     full = jnp.asarray([i in c.fullatt_block_indexes for i in range(c.depth)])
     blocks = {name: getattr(model, name)[...] for name in BLOCK_PARAMS}
-    dtype = model.patch_embed[...].dtype
     f = frames_per_chunk or max(1, 16384 // n)
     f = min(f, t)
     chunks = -(-t // f)
     x = pixels.astype(dtype).reshape(t, n, c.patch_dim)
+    if order is not None:
+        x = x[:, order]
     x = jnp.pad(x, ((0, chunks * f - t), (0, 0), (0, 0))).reshape(chunks, f, n, c.patch_dim)
 
     def one_chunk(xc):
@@ -150,16 +230,18 @@ def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, f
 
         def step(hc, xs):
             p, is_full = xs
-            return _block(c, p, hc, cos, sin, is_full, layout), None
+            return _block(c, p, hc, cos, sin, is_full, win, attention), None
 
         hc, _ = jax.lax.scan(step, hc, (blocks, full))
         if return_pre_merge:
-            return hc
+            return hc if order is None else hc[:, np.argsort(order)]
         hm = rms_norm(hc, model.merger_norm[...], 1e-6).reshape(f, n // c.merge_unit, c.merge_unit * c.hidden_size)
         hm = jnp.einsum("fuk,kj->fuj", hm, model.merger_w1[...]) + model.merger_b1[...]
         hm = jax.nn.gelu(hm, approximate=False)
-        return jnp.einsum("fuj,jo->fuo", hm, model.merger_w2[...]) + model.merger_b2[...]
+        out = jnp.einsum("fuj,jo->fuo", hm, model.merger_w2[...]) + model.merger_b2[...]
+        if order is not None:  # merged units back in the processor's order
+            out = out[:, np.argsort(order[::c.merge_unit] // c.merge_unit)]
+        return out
 
     out = jax.lax.map(one_chunk, x)
     return out.reshape((chunks * f * out.shape[2], out.shape[3]))[: t * out.shape[2]]
-

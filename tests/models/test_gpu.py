@@ -40,3 +40,19 @@ def test_cudnn_prefill_then_decode_matches_dense():
     l1, _ = decode_step(model, dense.cache, tok)
     l2, _ = decode_step(model, cud.cache, tok)
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), atol=0.15)
+
+
+@needs_gpu
+@pytest.mark.parametrize("grid", [(3, 8, 8), (2, 6, 4)])  # every window full / partial windows (padded tiles)
+def test_vision_tower_cudnn_matches_xla(grid):
+    from models.qwen2_5_vl.config import VisionConfig
+    from models.qwen2_5_vl.vision import VisionTower, encode_grid
+    c = VisionConfig(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, out_hidden_size=48,
+                     fullatt_block_indexes=(1,), window_size=56)
+    tower = VisionTower(c, dtype=jnp.bfloat16, key=jax.random.key(0), init_std=0.1)
+    t, h, w = grid
+    pixels = jax.random.normal(jax.random.key(1), (t * h * w, c.patch_dim), jnp.bfloat16)
+    xla = encode_grid(tower, pixels, grid, attention="xla")
+    for windows in ("auto", "gather"):
+        cud = encode_grid(tower, pixels, grid, attention="cudnn", windows=windows)
+        np.testing.assert_allclose(np.asarray(cud, np.float32), np.asarray(xla, np.float32), atol=5e-2, rtol=5e-2)

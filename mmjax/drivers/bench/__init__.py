@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tree_decode": ("mmjax.drivers.bench.tree_decode", "tree-verification attention: split-K kernel vs XLA, cuDNN"),
     "decode_layers": ("mmjax.drivers.bench.decode_layers", "7B decode step: layers under lax.scan vs unrolled"),
     "decode": ("mmjax.drivers.bench.decode", "7B decode vs the memory roofline: B 1/4/16, 1k-128k, host vs in-jit"),
+    "vision": ("mmjax.drivers.bench.vision", "7B vision tower alone: XLA vs cuDNN attention, window order forms"),
 }
 
 
