@@ -1,8 +1,10 @@
-"""Top-k mixture-of-experts MLP (Qwen3-MoE) as grouped matmuls (``jax.lax.ragged_dot``).
+"""Top-k mixture-of-experts MLP (Qwen3-MoE) as grouped matmuls (``pallas_kernels.grouped_matmul``).
 
 The (token, expert) pairs are sorted by expert, so each expert's rows are contiguous, and two
-grouped matmuls (fused gate+up, then down) run every expert at once: no Python loop over experts, and the
-work is that of the chosen experts only (on a GPU, ``ragged_dot`` lowers to a grouped GEMM). Callers
+grouped matmuls (fused gate+up, then down; ``pallas_kernels.grouped_matmul``) run every expert at once: no
+Python loop over experts, and the work is that of the chosen experts only. On a GPU that is the Triton grouped
+matmul kernel: XLA lowers ``jax.lax.ragged_dot`` densely over an ``[pairs, experts * hidden]`` operand (jax
+0.11.2), which asked for 64 GiB per 16k-token chunk of Qwen3-30B-A3B; elsewhere it is ``ragged_dot``. Callers
 bound memory by passing sequence chunks (``models.common.map_chunks``).
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 
 def route(h: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -72,11 +76,11 @@ def _experts(h, router, w_gate_up, w_down, top_k: int, norm_topk_prob: bool, fir
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = jnp.take(h, order // top_k, axis=0)  # [M * k, H], grouped by expert
-    gu = jax.lax.ragged_dot(xs, w_gate_up, sizes)
+    gu = grouped_matmul(xs, w_gate_up, sizes)
     f = gu.shape[-1] // 2
-    y = jax.lax.ragged_dot(jax.nn.silu(gu[:, :f]) * gu[:, f:], w_down, sizes)  # [M * k, H]
+    y = grouped_matmul(jax.nn.silu(gu[:, :f]) * gu[:, f:], w_down, sizes)  # [M * k, H]
     y = jnp.zeros_like(y).at[order].set(y)  # back to (token, k) order
     y = y.reshape(m, top_k, width).astype(jnp.float32) * weights[..., None].astype(jnp.float32)
-    if first_expert is not None:  # rows past the groups are not defined by ragged_dot: drop them
+    if first_expert is not None:  # rows past the groups (other devices' experts) are 0: drop them anyway
         y = jnp.where(mine.reshape(m, top_k, 1), y, 0.0)
     return jnp.sum(y, axis=1)

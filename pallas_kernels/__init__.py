@@ -1,4 +1,4 @@
-"""Attention kernels only: no notion of patterns, models or modalities.
+"""Attention kernels (and the MoE grouped matmul) only: no notion of patterns, models or modalities.
 
 One op per folder, each with ``api.py`` (validation, dispatch by ``implementation=``),
 ``reference.py`` (pure JAX, the definition of correct) and ``triton.py`` (Pallas Triton):
@@ -7,6 +7,8 @@ One op per folder, each with ``api.py`` (validation, dispatch by ``implementatio
   `merge_attention` combines results over disjoint key sets.
 * ``qsa_topk/``: MOMO's fused query-sparse attention with an online top-k of key blocks.
 * ``tree_decode/``: split-K attention of a few new tokens (a draft tree) over a long cache.
+* ``grouped_matmul/``: rows grouped by a traced size per group, each group times its own matrix
+  (the experts of a mixture-of-experts layer; ``jax.lax.ragged_dot``'s contract without its dense lowering).
 
 Shared by the ops: ``checks.py`` (argument checks), ``platform.py`` (default implementation,
 core count), ``tiling.py`` (ceil division, padding, softmax constants), ``nonfinite.py`` (the
@@ -15,10 +17,11 @@ Triton kernels' softmax step).
 """
 
 from pallas_kernels.block_sparse import BlockLayout, block_sparse_attention, merge_attention
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.nonfinite import NonFiniteError
 from pallas_kernels.platform import default_implementation
 from pallas_kernels.qsa_topk import QSATopKResult, qsa_topk
 from pallas_kernels.tree_decode import tree_decode_attention
 
-__all__ = ["BlockLayout", "NonFiniteError", "QSATopKResult", "block_sparse_attention", "default_implementation", "merge_attention",
-           "qsa_topk", "tree_decode_attention"]
+__all__ = ["BlockLayout", "NonFiniteError", "QSATopKResult", "block_sparse_attention", "default_implementation",
+           "grouped_matmul", "merge_attention", "qsa_topk", "tree_decode_attention"]
