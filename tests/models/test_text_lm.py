@@ -167,6 +167,22 @@ def test_moe_mlp_matches_a_loop_over_tokens_and_experts(norm):
         moe_mlp(h, router, gate_up, down[:, :-1], top_k=k, norm_topk_prob=norm)
 
 
+def test_moe_mlp_on_a_gpu_is_the_grouped_matmul_kernel(monkeypatch):
+    """Lowered for CUDA with the GPU default, the experts run as two Triton grouped-matmul calls, never as
+    ``ragged_dot`` (which XLA expands densely over [pairs, experts * hidden])."""
+    from pallas_kernels.grouped_matmul import api as gm_api
+    monkeypatch.setattr(gm_api, "default_implementation", lambda interpret=False: "triton")
+    m, width, e, f, k = 4096, 256, 32, 128, 4
+    args = (jax.ShapeDtypeStruct((m, width), jnp.bfloat16), jax.ShapeDtypeStruct((width, e), jnp.bfloat16),
+            jax.ShapeDtypeStruct((e, width, 2 * f), jnp.bfloat16), jax.ShapeDtypeStruct((e, f, width), jnp.bfloat16))
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    f_moe = jax.jit(lambda *a: moe_mlp(*a, top_k=k, norm_topk_prob=True))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f_moe.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "ragged_dot" not in text
+
+
 # ------------------------------------------------------------------------------------------------ conversion
 def _rewrite(tmp_path, case, edit, name="edited"):
     """The fixture as one float32 model.safetensors (no index) after ``edit(tensors)``."""
