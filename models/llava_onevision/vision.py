@@ -16,6 +16,7 @@ from flax import nnx
 
 from models.common import scaled_normal
 from models.llava_onevision.config import LlavaOnevisionConfig
+from models.vision_attention import attention_form, tile_attention
 
 
 def layer_param_shapes(config: LlavaOnevisionConfig) -> dict[str, tuple[int, ...]]:
@@ -72,16 +73,14 @@ def _gelu(x: jax.Array, act: str) -> jax.Array:
     return jax.nn.gelu(x, approximate=act == "gelu_pytorch_tanh")
 
 
-def _encoder_layer(config: LlavaOnevisionConfig, p, x):
-    """x: [B, P, C] -> [B, P, C]."""
+def _encoder_layer(config: LlavaOnevisionConfig, p, x, attention: str):
+    """x: [B, P, C] -> [B, P, C]; attention: "xla" | "cudnn" (`models.vision_attention`)."""
     v = config.vision
     h = layer_norm(x, p["ln1_w"], p["ln1_b"], v.layer_norm_eps)
     q = jnp.einsum("bpc,cnd->bpnd", h, p["wq"]) + p["bq"]
     k = jnp.einsum("bpc,cnd->bpnd", h, p["wk"]) + p["bk"]
     val = jnp.einsum("bpc,cnd->bpnd", h, p["wv"]) + p["bv"]
-    s = jnp.einsum("bqnd,bknd->bnqk", q, k, preferred_element_type=jnp.float32) * (v.head_dim ** -0.5)
-    a = jax.nn.softmax(s, axis=-1).astype(val.dtype)
-    o = jnp.einsum("bnqk,bknd->bqnd", a, val, preferred_element_type=jnp.float32).astype(x.dtype)
+    o = tile_attention(q, k, val, scale=v.head_dim ** -0.5, lengths=None, attention=attention).astype(x.dtype)
     x = x + jnp.einsum("bqnd,ndc->bqc", o, p["wo"]) + p["bo"]
     h = layer_norm(x, p["ln2_w"], p["ln2_b"], v.layer_norm_eps)
     h = _gelu(jnp.einsum("bpc,cf->bpf", h, p["fc1_w"]) + p["fc1_b"], v.hidden_act)
@@ -98,15 +97,16 @@ def patch_embed(tower: VisionTower, tiles: jax.Array) -> jax.Array:
     return jnp.einsum("bpk,kc->bpc", x, tower.patch_w[...]) + tower.patch_b[...] + tower.pos_embed[...]
 
 
-def tower_features(tower: VisionTower, tiles: jax.Array) -> jax.Array:
+def tower_features(tower: VisionTower, tiles: jax.Array, attention: str = "auto") -> jax.Array:
     """tiles [B, 3, S, S] -> the selected hidden states concatenated: [B, P, C * len(vision_feature_layers)]
     (P = (S/p)**2, minus the first patch for the "default" strategy). Layers after the last selected one are
-    skipped."""
+    skipped. attention: "auto" | "xla" | "cudnn" (`models.vision_attention.attention_form`)."""
     config = tower.config
     v = config.vision
     if tiles.ndim != 4 or tiles.shape[1:] != (v.num_channels, v.image_size, v.image_size):
         raise ValueError(f"pixel tiles: expected [B, {v.num_channels}, {v.image_size}, {v.image_size}], got "
                          f"{tiles.shape}")
+    attention = attention_form(attention, tower.patch_w[...].dtype, v.head_dim)
     wanted = config.feature_layers
     depth = max(wanted)
     x = patch_embed(tower, tiles)
@@ -117,7 +117,7 @@ def tower_features(tower: VisionTower, tiles: jax.Array) -> jax.Array:
     def step(carry, xs):
         h, buf = carry
         p, i = xs
-        h = _encoder_layer(config, p, h)
+        h = _encoder_layer(config, p, h, attention)
         buf = jnp.where((idx == i + 1)[:, None, None, None], h[None], buf)
         return (h, buf), None
 
@@ -137,8 +137,10 @@ def project(tower: VisionTower, feats: jax.Array) -> jax.Array:
     return h + tower.proj2_b[...] if c.projector_bias else h
 
 
-def encode_tiles(tower: VisionTower, tiles: jax.Array, chunk: int | None = None) -> jax.Array:
-    """tiles [B, 3, S, S] -> projected features [B, P, H]; ``chunk`` tiles at a time (None: all at once)."""
+def encode_tiles(tower: VisionTower, tiles: jax.Array, chunk: int | None = None, attention: str = "auto") -> jax.Array:
+    """tiles [B, 3, S, S] -> projected features [B, P, H]; ``chunk`` tiles at a time (None: all at once);
+    attention as in `tower_features` (cuDNN on a GPU with bf16 / fp16 weights by default)."""
     if chunk is None or chunk >= tiles.shape[0]:
-        return project(tower, tower_features(tower, tiles))
-    return jax.lax.map(lambda t: project(tower, tower_features(tower, t[None]))[0], tiles, batch_size=chunk)
+        return project(tower, tower_features(tower, tiles, attention))
+    return jax.lax.map(lambda t: project(tower, tower_features(tower, t[None], attention))[0], tiles,
+                       batch_size=chunk)

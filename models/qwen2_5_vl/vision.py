@@ -33,6 +33,7 @@ from models.attention import dense_attention
 from models.common import rms_norm, scaled_normal
 from models.qwen2_5_vl.config import VisionConfig
 from models.rotary import apply_rotary, vision_cos_sin
+from models.vision_attention import attention_form, tile_attention
 
 
 def vision_param_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -101,39 +102,17 @@ def window_layout(wid: np.ndarray):
     return gather, valid, (inverse * width + slot).astype(np.int32)
 
 
-ATTENTIONS = ("auto", "xla", "cudnn")
 WINDOW_FORMS = ("auto", "gather")
 
 
-def attention_form(attention: str, dtype, head_dim: int) -> str:
-    """"xla" or "cudnn" for ``attention`` in `ATTENTIONS` and the tower's weight dtype."""
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    fits = head_dim % 8 == 0 and head_dim <= 128
-    if attention == "auto":
-        return "cudnn" if half and fits and jax.default_backend() == "gpu" else "xla"
-    if attention == "cudnn" and not (half and fits):
-        raise ValueError(f"attention: 'cudnn' needs bfloat16 / float16 weights and a head dim that is a multiple of 8 "
-                         f"<= 128; got {jnp.dtype(dtype).name} weights, head dim {head_dim}")
-    return attention
-
-
 def _tile_attention(qw, kw, vw, sizes, scale, attention):
-    """Attention inside each tile: q/k/v [F, n_win, W, N, D] -> [F, n_win, W, N, D]; sizes int32 [n_win]
+    """Attention inside each window tile: q/k/v [F, n_win, W, N, D] -> [F, n_win, W, N, D]; sizes int32 [n_win]
     (the tile's valid patches, a prefix of it) or None when every tile is full."""
-    f, nw, w = qw.shape[:3]
-    if attention == "cudnn":
-        flat = lambda x: x.reshape((f * nw,) + x.shape[2:])
-        lens = None if sizes is None else jnp.tile(sizes, f)
-        o = jax.nn.dot_product_attention(flat(qw), flat(kw), flat(vw), scale=scale, query_seq_lengths=lens,
-                                         key_value_seq_lengths=lens, implementation="cudnn")
-        return o.reshape(qw.shape)
-    s = jnp.einsum("fwpnd,fwqnd->fwnpq", qw, kw, preferred_element_type=jnp.float32) * scale
-    if sizes is not None:
-        s = jnp.where((jnp.arange(w) < sizes[:, None])[None, :, None, None, :], s, -jnp.inf)
-    a = jax.nn.softmax(s, axis=-1).astype(vw.dtype)
-    return jnp.einsum("fwnpq,fwqnd->fwpnd", a, vw)
+    f, nw = qw.shape[:2]
+    flat = lambda x: x.reshape((f * nw,) + x.shape[2:])
+    lengths = None if sizes is None else jnp.tile(sizes, f)
+    return tile_attention(flat(qw), flat(kw), flat(vw), scale=scale, lengths=lengths,
+                          attention=attention).reshape(qw.shape)
 
 
 def _window_attention(q, k, v, windows, scale, attention):
@@ -152,7 +131,7 @@ def _window_attention(q, k, v, windows, scale, attention):
 def _full_attention(q, k, v, scale, attention):
     f, n = q.shape[:2]
     if attention == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn")
+        return tile_attention(q, k, v, scale=scale, lengths=None, attention="cudnn")
     return dense_attention(q, k, v, q_positions=jnp.zeros((f, n), jnp.int32), kv_valid=jnp.ones((f, n), bool),
                            sm_scale=scale, causal=False)
 

@@ -56,3 +56,16 @@ def test_vision_tower_cudnn_matches_xla(grid):
     for windows in ("auto", "gather"):
         cud = encode_grid(tower, pixels, grid, attention="cudnn", windows=windows)
         np.testing.assert_allclose(np.asarray(cud, np.float32), np.asarray(xla, np.float32), atol=5e-2, rtol=5e-2)
+
+
+@needs_gpu
+def test_siglip_tower_cudnn_matches_xla():
+    from mmjax.drivers.bench.prefill import tiny_llava_config
+    from models import llava_onevision as lo
+    from models.llava_onevision.vision import encode_tiles
+    cfg = tiny_llava_config()  # head dim 32, 25 patches a tile
+    model = lo.LlavaOnevision(cfg, dtype=jnp.bfloat16, key=jax.random.key(0))
+    tiles = jax.random.normal(jax.random.key(1), (3, 3, 70, 70), jnp.bfloat16)
+    xla = encode_tiles(model.vision, tiles, attention="xla")
+    cud = encode_tiles(model.vision, tiles, attention="cudnn")
+    np.testing.assert_allclose(np.asarray(cud, np.float32), np.asarray(xla, np.float32), atol=5e-2, rtol=5e-2)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from models.qwen2_5_vl.config import VisionConfig
-from models.qwen2_5_vl.vision import (VisionTower, encode_grid, frame_geometry, attention_form, window_layout,
-                                      window_order)
+from models.qwen2_5_vl.vision import VisionTower, encode_grid, frame_geometry, window_layout, window_order
+from models.vision_attention import attention_form
 
 
 @pytest.mark.parametrize("h,w", [(4, 4), (6, 10), (16, 12), (18, 2)])
@@ -73,3 +73,17 @@ def test_attention_choice_is_checked():
         encode_grid(tower, pixels, (1, 4, 4), attention="cudnn")
     with pytest.raises(ValueError, match="windows: expected one of"):
         encode_grid(tower, pixels, (1, 4, 4), windows="sorted")
+
+
+def test_siglip_tower_attention_choice_is_checked():
+    from mmjax.drivers.bench.prefill import tiny_llava_config
+    from models import llava_onevision as lo
+    from models.llava_onevision.vision import encode_tiles
+    model = lo.LlavaOnevision(tiny_llava_config(), dtype=jnp.float32, key=jax.random.key(0))
+    tiles = jnp.ones((1, 3, 70, 70))
+    auto = encode_tiles(model.vision, tiles)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(encode_tiles(model.vision, tiles, attention="xla")))
+    with pytest.raises(ValueError, match="attention: 'cudnn' needs bfloat16"):
+        encode_tiles(model.vision, tiles, attention="cudnn")
+    with pytest.raises(ValueError, match="attention: expected one of"):
+        encode_tiles(model.vision, tiles, attention="sdpa")
