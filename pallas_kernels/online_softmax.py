@@ -6,7 +6,7 @@ non-finite score adds NaN to the row's normaliser ``l`` (it stays NaN: the row e
 NaN lse). Kernels that mask only some tiles split the step in two: `masked_tile` /
 `unmasked_tile` (chosen by a ``lax.cond`` on the tile) and `softmax_update`, so that the
 matrix products stay outside the condition. `masked_flag_tile` / `unmasked_flag_tile` make the same
-poison from per-row input flags (the block-sparse and QSA kernels), without looking at every score.
+poison from per-row input flags (the QSA kernel), without looking at every score.
 """
 
 from __future__ import annotations

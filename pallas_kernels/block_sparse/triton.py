@@ -7,12 +7,7 @@ gathered row by row through `kv_perm`, and single key columns are gathered into 
 that can contain a masked pair: a tile whose largest key position is beyond the smallest
 query position of the block, or that holds padding. Softmax runs in base 2 with float32
 statistics; masked scores are -inf and fully masked rows end as out = 0, lse = -inf. Non-finite
-inputs follow `pallas_kernels.nonfinite` (a visible NaN / inf makes the row NaN, NaN lse): the
-wrapper moves non-finite values onto their keys once and flags every query row and key row holding
-a NaN / inf (``q_flag``, ``k_flag``: 0 or NaN); a tile without masking adds ``q_flag + sum(k_flag)``
-to each row's normaliser instead of checking its ``[bq, bk]`` scores, a masked tile the visible
-pairs' flags. A score that overflows from finite inputs is not flagged: +inf still ends NaN
-(``inf - inf`` in the exponent), -inf counts as weight 0.
+inputs follow `pallas_kernels.nonfinite` (a visible NaN / inf makes the row NaN, NaN lse).
 
 Queries permuted per head are gathered once by the wrapper (one pass over q, which also
 moves heads in front), so the kernel reads them as contiguous tiles; keys are gathered in
@@ -30,16 +25,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.block_sparse.layout import BlockLayout
-from pallas_kernels.nonfinite import finish, poison_keys, value_poison
-from pallas_kernels.online_softmax import masked_flag_tile, softmax_update, unmasked_flag_tile
-from pallas_kernels.tiling import LOG2E, inverse_permutation
+from pallas_kernels.nonfinite import finish, poison_keys
+from pallas_kernels.online_softmax import masked_tile, softmax_step, softmax_update, unmasked_tile
+from pallas_kernels.tiling import LN2, LOG2E, inverse_permutation
 from pallas_kernels.tiling import next_pow2 as _next_pow2
 from pallas_kernels.tiling import pad_to as _pad_to
 
 
 def _kernel(
-    q_ref, qf_ref, k_ref, v_ref, kf_ref, blocks_ref, count_ref, *refs,
-    sm_scale: float, causal: bool, block_q: int, block_k: int, num_q_blocks: int, groups: int,
+    q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs,
+    sm_scale: float, causal: bool, block_q: int, block_k: int, num_q_blocks: int,
     kv_len: int, num_kv_blocks: int, q_offset: int, gap: int, window: int, leads: dict[str, tuple[bool, bool]],
     has_qperm: bool, has_kvperm: bool, has_cols: bool,
 ):
@@ -58,8 +53,6 @@ def _kernel(
         return (batch if has_b else 0, head if has_n else 0, qi if has_q else 0)
 
     q = q_ref[...]
-    q_flag = qf_ref[...]  # [bq] 0, or NaN for a query row holding a NaN / inf
-    kv_head = head // groups
     d_pad = q.shape[-1]
     scale = sm_scale * LOG2E
     iota_k = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -78,18 +71,6 @@ def _kernel(
                 ok = ok & (k_pos[None, :] + window > q_pos[:, None])
         return ok
 
-    def step(carry, s, k_flag, v, need, k_pos):
-        """Fold a key tile into the carry; ``k_flag`` [bk] the tile's key flags; ``need`` True (always
-        masked) or a traced bool (the mask only when the tile can hold a masked pair)."""
-        def masked_tile():
-            return masked_flag_tile(s, masked(k_pos), q_flag, k_flag)
-
-        def unmasked_tile():
-            return unmasked_flag_tile(s, q_flag, k_flag)
-
-        s_, poison = masked_tile() if need is True else lax.cond(need, masked_tile, unmasked_tile)
-        return softmax_update(carry, s_, poison, v)
-
     def block_body(j, carry):
         blk = blocks_ref[*lead('kv_blocks'), j]
         in_range = (blk >= 0) & (blk < num_kv_blocks)  # an id out of range contributes nothing
@@ -98,20 +79,19 @@ def _kernel(
             k_pos = kvperm_ref[*lead('kv_perm')[:2], pl.ds(start, block_k)]
             k = k_ref[k_pos, :]
             v = v_ref[k_pos, :]
-            k_flag = kf_ref[batch, kv_head, k_pos]
             k_last, k_first = jnp.max(k_pos), jnp.min(k_pos)
         else:
             k_pos = start + iota_k
             k = k_ref[pl.ds(start, block_k), :]
             v = v_ref[pl.ds(start, block_k), :]
-            k_flag = kf_ref[batch, kv_head, pl.ds(start, block_k)]
             k_last, k_first = start + block_k - 1, start
         need = ((k_last + gap > q_min) if causal else (k_last >= kv_len)) | ~in_range
         if causal and window:
             need = need | (k_first + window <= q_max)
         k_pos = jnp.where(in_range, k_pos, kv_len)
         s = pltriton.dot(q, k, trans_b=True) * scale  # [bq, bk] f32
-        return step(carry, s, k_flag, v, need, k_pos)
+        s, poison = lax.cond(need, lambda: masked_tile(s, masked(k_pos)), lambda: unmasked_tile(s))
+        return softmax_update(carry, s, poison, v)
 
     carry = (
         jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -129,9 +109,8 @@ def _kernel(
             k_pos = kvperm_ref[*lead('kv_perm')[:2], idx] if has_kvperm else idx
             k = k_ref[k_pos, :]
             v = v_ref[k_pos, :]
-            k_flag = kf_ref[batch, kv_head, k_pos]
             s = pltriton.dot(q, k, trans_b=True) * scale
-            return step(carry, s, k_flag, v, True, jnp.where(valid, k_pos, kv_len))
+            return softmax_step(carry, s, v, masked(jnp.where(valid, k_pos, kv_len)))
 
         n_tiles = (ccount_ref[*lead('kv_column_count')] + block_k - 1) // block_k
         carry = lax.fori_loop(0, n_tiles, col_body, carry)
@@ -165,10 +144,9 @@ def _lead_flags(x: jax.Array) -> tuple[bool, bool, bool]:
 
 def prepare_operands(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayout):
     """Everything the wrapper does besides the kernel: moving non-finite values onto their
-    keys (`poison_keys`), flagging query and key rows that hold a NaN / inf (``ops["q_flag"]`` ``[B, N, Tp]``
-    in the kernel's row order, ``ops["k_flag"]`` ``[B, K, Sp]``), padding T, S and D to the tiles, gathering
-    permuted queries per head, clamping counts and permutations, padding the permutations and column
-    lists. Returns (q_in, k_in, v_in, operands). Benchmarks time this separately as "layout handling"."""
+    keys (`poison_keys`), padding T, S and D to the tiles, gathering permuted queries per
+    head, clamping counts and permutations, padding the permutations and column lists. Returns (q_in, k_in, v_in, layout operands, static
+    metadata). Benchmarks time this separately as "layout handling"."""
     b, t, n, d = q.shape
     s = k.shape[1]
     bq, bk = layout.block_q, layout.block_k
@@ -179,7 +157,6 @@ def prepare_operands(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayo
     k_in = _pad_to(_pad_to(k, 3, d_pad), 1, s_pad)
     v_in = _pad_to(_pad_to(v, 3, d_pad), 1, s_pad)
     ops = {  # ids out of range are skipped in the kernel; counts are clamped here
-        "k_flag": jnp.einsum("bsk->bks", value_poison(k_in)),  # [B, K, Sp]: 0, or NaN for a bad key row
         "kv_blocks": layout.kv_blocks,
         "kv_block_count": jnp.clip(layout.kv_block_count, 0, layout.max_blocks),
     }
@@ -191,10 +168,8 @@ def prepare_operands(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayo
             jnp.einsum("btnd->bntd", q), jnp.broadcast_to(q_perm, (b, n, t))[..., None], axis=2
         )
         q_in = _pad_to(_pad_to(qh, 3, d_pad), 2, t_pad)  # [B, N, Tp, Dp]
-        ops["q_flag"] = value_poison(q_in)  # [B, N, Tp]
     else:
         q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)  # [B, Tp, N, Dp]
-        ops["q_flag"] = jnp.einsum("btn->bnt", value_poison(q_in))
     if layout.kv_perm is not None:
         kv_perm = jnp.clip(layout.kv_perm, 0, s - 1)
         tail = jnp.broadcast_to(jnp.arange(s, s_pad, dtype=jnp.int32), kv_perm.shape[:2] + (s_pad - s,))
@@ -227,13 +202,12 @@ def launch(
         q_spec = pl.BlockSpec((None, None, bq, d_pad), lambda i, h, z: (z, h, nq - 1 - i, 0))
     else:
         q_spec = pl.BlockSpec((None, bq, None, d_pad), lambda i, h, z: (z, nq - 1 - i, h, 0))
-    row_spec = pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, nq - 1 - i))  # q_flag and lse
     kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, z: (z, 0, h // groups, 0))
     order = ["kv_blocks", "kv_block_count", "q_perm", "kv_perm", "kv_columns", "kv_column_count"]
     names = [name for name in order if name in ops]
     kernel = functools.partial(
         _kernel,
-        sm_scale=sm_scale, causal=causal, block_q=bq, block_k=bk, num_q_blocks=nq, groups=groups,
+        sm_scale=sm_scale, causal=causal, block_q=bq, block_k=bk, num_q_blocks=nq,
         kv_len=layout.kv_len, num_kv_blocks=layout.num_kv_blocks, q_offset=layout.q_offset, gap=layout.gap,
         window=layout.window,
         leads={name: _lead_flags(ops[name]) for name in names},
@@ -246,8 +220,8 @@ def launch(
     return pl.pallas_call(
         kernel,
         grid=(nq, n, b),
-        in_specs=[q_spec, row_spec, kv_spec, kv_spec, pl.no_block_spec] + [pl.no_block_spec] * len(names),
-        out_specs=[q_spec, row_spec],
+        in_specs=[q_spec, kv_spec, kv_spec] + [pl.no_block_spec] * len(names),
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, nq - 1 - i))],
         out_shape=[
             jax.ShapeDtypeStruct(q_in.shape, q_in.dtype),
             jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32),
@@ -255,7 +229,7 @@ def launch(
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="block_sparse_attention",
-    )(q_in, ops["q_flag"], k_in, v_in, ops["k_flag"], *[ops[name] for name in names])
+    )(q_in, k_in, v_in, *[ops[name] for name in names])
 
 
 @functools.partial(
