@@ -7,7 +7,10 @@ gathered row by row through `kv_perm`, and single key columns are gathered into 
 that can contain a masked pair: a tile whose largest key position is beyond the smallest
 query position of the block, or that holds padding. Softmax runs in base 2 with float32
 statistics; masked scores are -inf and fully masked rows end as out = 0, lse = -inf. Non-finite
-inputs follow `pallas_kernels.nonfinite` (a visible NaN / inf makes the row NaN, NaN lse).
+inputs follow `pallas_kernels.nonfinite` (a visible NaN / inf makes the row NaN, NaN lse). The QSA
+kernel's flag-based poison (per-row q / k flags made by the wrapper, `online_softmax.masked_flag_tile`)
+was tried here and measured 33-34% slower on an H200 (2026-11-25: dense 32k 20.1 -> 26.7 ms), so each
+tile checks its own scores.
 
 Queries permuted per head are gathered once by the wrapper (one pass over q, which also
 moves heads in front), so the kernel reads them as contiguous tiles; keys are gathered in
