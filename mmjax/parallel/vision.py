@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 from models.llava_onevision import model as llava_ov
 from models.qwen2_5_vl import model as qwen_vl
-from models.qwen2_5_vl.vision import encode_grid
+from models.qwen2_5_vl.vision import XLA_OPTIONS, encode_grid
 
 
-@functools.partial(jax.jit, static_argnames=("grids", "frames_per_chunk", "mesh"))
+@functools.partial(jax.jit, static_argnames=("grids", "frames_per_chunk", "mesh"), compiler_options=XLA_OPTIONS)
 def video_features(model: qwen_vl.Qwen2_5_VL, pixels: jax.Array, grids: tuple, frames_per_chunk: int | None,
                    mesh: Mesh) -> jax.Array:
     """Merged features [sum(t*h*w) / m**2, H] of packed videos (pixels [sum(t*h*w), patch_dim]; grids: static

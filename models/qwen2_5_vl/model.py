@@ -101,7 +101,7 @@ def prepare_inputs(config: Qwen2_5_VLConfig, *, input_ids, attention_mask=None, 
                           image_grids, video_grids)
 
 
-@functools.partial(jax.jit, static_argnames=("grids", "frames_per_chunk"))
+@functools.partial(jax.jit, static_argnames=("grids", "frames_per_chunk"), compiler_options=vision_lib.XLA_OPTIONS)
 def vision_features(model: Qwen2_5_VL, pixels: jax.Array, grids: tuple, frames_per_chunk: int | None = None):
     """Merged visual features of packed images or videos: [sum(t*h*w)/m**2, H] in the model dtype."""
     outs, start = [], 0

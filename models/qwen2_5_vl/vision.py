@@ -12,6 +12,9 @@ features are put back in the processor's order once at the end. Otherwise (``win
 partial windows at the frame's edge) tokens stay in the processor's order and every window block
 gathers its patches into padded ``[windows, window_patches]`` tiles and scatters them back.
 
+Matmuls. The programs that run the tower are compiled with `XLA_OPTIONS` (cuBLAS, not XLA's Triton GEMM
+fusions).
+
 Attention. ``attention="cudnn"`` runs both kinds of block through cuDNN flash attention
 (``jax.nn.dot_product_attention``; bf16 / fp16 on a GPU; padded window tiles as sequence lengths);
 ``"xla"`` computes window tiles as an einsum + softmax and full blocks with
@@ -103,6 +106,11 @@ def window_layout(wid: np.ndarray):
 
 
 WINDOW_FORMS = ("auto", "gather")
+# XLA options of every program that runs the tower (`model.vision_features`, `mmjax.parallel.vision`): with
+# XLA's Triton GEMM fusions (norms and the gated activation fused into the matmuls) the MLP's matmuls ran at
+# about 550 (gate, up) and 280 (down) TFLOP/s; with cuBLAS the tower took 198 instead of 253 ms for 64 frames of
+# 448 x 448 (1.28x; one H100, 2026-11-25, `mmjax bench vision`). Harmless on other backends.
+XLA_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 def _tile_attention(qw, kw, vw, sizes, scale, attention):
@@ -136,22 +144,19 @@ def _full_attention(q, k, v, scale, attention):
                            sm_scale=scale, causal=False)
 
 
-def _block(c: VisionConfig, p, x, cos, sin, is_full, windows, attention, barriers):
-    """x: [F, P, C]; cos/sin: [P, D]; is_full: bool scalar (frame-wide vs window attention). ``barriers``: the
-    matmuls' inputs pass an optimization barrier, so XLA cannot fuse the norms and the gated activation into
-    the matmuls as prologues (it then picks cuBLAS or a plain Triton GEMM by autotuning)."""
-    fence = jax.lax.optimization_barrier if barriers else (lambda a: a)
-    h = fence(rms_norm(x, p["norm1"], c.rms_norm_eps))
+def _block(c: VisionConfig, p, x, cos, sin, is_full, windows, attention):
+    """x: [F, P, C]; cos/sin: [P, D]; is_full: bool scalar (frame-wide vs window attention)."""
+    h = rms_norm(x, p["norm1"], c.rms_norm_eps)
     qkv = jnp.einsum("fpc,cind->ifpnd", h, p["wqkv"]) + p["bqkv"][:, None, None]
     q, k, v = apply_rotary(qkv[0], cos, sin), apply_rotary(qkv[1], cos, sin), qkv[2]
     scale = c.head_dim ** -0.5
     o = jax.lax.cond(is_full, lambda q, k, v: _full_attention(q, k, v, scale, attention),
                      lambda q, k, v: _window_attention(q, k, v, windows, scale, attention), q, k, v)
     x = x + jnp.einsum("fpnd,ndc->fpc", o, p["wproj"]) + p["bproj"]
-    h = fence(rms_norm(x, p["norm2"], c.rms_norm_eps))
+    h = rms_norm(x, p["norm2"], c.rms_norm_eps)
     g = jnp.einsum("npc,ci->npi", h, p["w_gate"]) + p["b_gate"]
     u = jnp.einsum("npc,ci->npi", h, p["w_up"]) + p["b_up"]
-    return x + jnp.einsum("npi,ic->npc", fence(jax.nn.silu(g) * u), p["w_down"]) + p["b_down"]
+    return x + jnp.einsum("npi,ic->npc", jax.nn.silu(g) * u, p["w_down"]) + p["b_down"]
 
 
 def window_order(wid: np.ndarray, merge_unit: int) -> np.ndarray | None:
@@ -168,8 +173,7 @@ def window_order(wid: np.ndarray, merge_unit: int) -> np.ndarray | None:
 
 
 def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, frames_per_chunk: int | None = None,
-                return_pre_merge: bool = False, attention: str = "auto", windows: str = "auto",
-                matmul_barriers: bool = False) -> jax.Array:
+                return_pre_merge: bool = False, attention: str = "auto", windows: str = "auto") -> jax.Array:
     """Encode one image or video.
 
     pixels: [t * h * w, patch_dim] flattened patches in the processor's order; grid: static (t, h, w)
@@ -177,8 +181,7 @@ def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, f
     ``return_pre_merge``, the last block's output [t * h * w, hidden_size]), in the processor's order.
     ``frames_per_chunk`` temporal patches are encoded together (default: about 16k patches a chunk).
     ``attention``: "auto" | "xla" | "cudnn"; ``windows``: "auto" (window order once when every window is
-    full) | "gather" (per-block gathers); see the module docstring. ``matmul_barriers``: keep the norms and the
-    gated activation out of the matmuls' fusions (see `_block`). All three change speed, not the result.
+    full) | "gather" (per-block gathers); see the module docstring. Both change speed, not the result.
     """
     c = model.config
     t, h, w = (int(g) for g in grid)
@@ -214,7 +217,7 @@ def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, f
 
         def step(hc, xs):
             p, is_full = xs
-            return _block(c, p, hc, cos, sin, is_full, win, attention, matmul_barriers), None
+            return _block(c, p, hc, cos, sin, is_full, win, attention), None
 
         hc, _ = jax.lax.scan(step, hc, (blocks, full))
         if return_pre_merge:

@@ -3,9 +3,10 @@
 Random bf16 weights of the 7B model's tower (32 blocks, width 1280, 16 heads of 80, MLP 3420, windows of
 8 x 8 patches, full attention in blocks 7 / 15 / 23 / 31) on ``--frames`` temporal patches of ``--size`` x
 ``--size`` pixels (448: 1,024 patches and 256 merged tokens each). Variants (attention, windows):
-``xla_gather`` (the tower before 2026-11-25: XLA attention with float32 scores, per-block window gathers),
-``xla`` (window order once), ``cudnn_gather``, ``cudnn`` (the GPU default), ``cudnn_barriers`` (norms and
-the gated activation kept out of the matmul fusions), ``cudnn_cublas`` (XLA's Triton GEMMs off). Columns: ms per call, patches
+``xla_gather`` (the tower before 2026-11-25: XLA attention with float32 scores, per-block window gathers, XLA's
+Triton GEMM fusions), ``xla`` (window order once), ``cudnn_gather``, ``cudnn_triton_gemm`` (cuDNN attention,
+window order once, Triton GEMM fusions) and ``cudnn`` (the GPU default: also cuBLAS matmuls, the model's
+``vision.XLA_OPTIONS``). Columns: ms per call, patches
 per second, TFLOP/s of the matmuls alone (attention FLOPs not counted, so the column is the same yardstick
 for every form), speedup over the first variant, max |diff| against its output. ``--profile DIR`` traces one
 more call per variant and puts its GPU time by kernel kind into the row. JSON to ``--out`` with a bar chart
@@ -30,15 +31,13 @@ from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.files import atomic_write_with
 from mmjax.timing import device_name, time_fn
 from models.qwen2_5_vl.config import VisionConfig, preset
-from models.qwen2_5_vl.vision import VisionTower, encode_grid
+from models.qwen2_5_vl.vision import XLA_OPTIONS, VisionTower, encode_grid
 
 matplotlib.use("Agg")
 
-# variant -> (attention, windows, matmul_barriers) of `encode_grid`, XLA options of its compilation
-VARIANTS = {"xla_gather": ("xla", "gather", False, {}), "xla": ("xla", "auto", False, {}),
-            "cudnn_gather": ("cudnn", "gather", False, {}), "cudnn": ("cudnn", "auto", False, {}),
-            "cudnn_barriers": ("cudnn", "auto", True, {}),
-            "cudnn_cublas": ("cudnn", "auto", False, {"xla_gpu_enable_triton_gemm": False})}
+# variant -> (attention, windows) of `encode_grid`, XLA options of its program
+VARIANTS = {"xla_gather": ("xla", "gather", {}), "xla": ("xla", "auto", {}), "cudnn_gather": ("cudnn", "gather", {}),
+            "cudnn_triton_gemm": ("cudnn", "auto", {}), "cudnn": ("cudnn", "auto", XLA_OPTIONS)}
 
 
 def matmul_flops(c: VisionConfig, patches: int) -> float:
@@ -66,11 +65,11 @@ def run(tower: VisionTower, grid: tuple[int, int, int], variants: tuple[str, ...
     flops = matmul_flops(c, patches)
     rows, first = [], None
     for name in variants:
-        attention, windows, barriers, options = VARIANTS[name]
-        row = {"variant": name, "attention": attention, "windows": windows, "matmul_barriers": barriers,
-               "xla_options": options, "frames": t, "patches": patches, "merged_tokens": patches // c.merge_unit}
-        f = jax.jit(lambda tw, px, a=attention, wf=windows, mb=barriers: encode_grid(
-            tw, px, grid, attention=a, windows=wf, matmul_barriers=mb), compiler_options=options or None)
+        attention, windows, options = VARIANTS[name]
+        row = {"variant": name, "attention": attention, "windows": windows, "xla_options": options, "frames": t,
+               "patches": patches, "merged_tokens": patches // c.merge_unit}
+        f = jax.jit(lambda tw, px, a=attention, wf=windows: encode_grid(tw, px, grid, attention=a, windows=wf),
+                    compiler_options=options or None)
         try:
             t0 = time.perf_counter()
             out = jax.block_until_ready(f(tower, pixels))
