@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol
 import jax
 import jax.numpy as jnp
 
-from models.decode_attention import reduce_attention
+from models.decode_attention import SPLIT_K_MIN_SLOTS, reduce_attention, split_k_decode_attention
 from pallas_kernels import nonfinite
 from pallas_kernels.checks import check_sm_scale
 from pallas_kernels.nonfinite import finish, poison_keys, score_poison
@@ -143,10 +143,11 @@ def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None
     (padding, unwritten cache slots, the future) contribute nothing whatever they hold. ``check_finite``
     raises ``NonFiniteError`` instead (a ``checkify`` error under ``jax.jit``). Small problems
     (T * S <= ``direct_max_scores``) build the score matrix at once; larger ones run an online softmax over
-    ``block_k``-wide key blocks for each ``block_q`` queries. ``decode_form``: "auto" computes a batched
-    decode step (one query per row, B > 1) on CUDA with the multiply-reduce form of
-    ``models.decode_attention`` (no transposed copy of the cache; same results), everything else with
-    the einsum form; "einsum" always uses the einsum form.
+    ``block_k``-wide key blocks for each ``block_q`` queries. ``decode_form``: "auto" computes a decode
+    step (one query per row) on CUDA over at least ``SPLIT_K_MIN_SLOTS`` cache slots with the split-K kernel,
+    over fewer slots with B > 1 in the multiply-reduce form (both ``models.decode_attention``; no transposed
+    copy of the cache; same results), everything else with the einsum form; "einsum" always uses the einsum
+    form.
     """
     del layer, modality
     if decode_form not in ("auto", "einsum"):
@@ -156,7 +157,14 @@ def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None
     if check_finite:
         nonfinite.check_finite(q=q, k=k, v=v)
     if q.shape[1] * k.shape[1] <= direct_max_scores:
-        if decode_form == "auto" and q.shape[1] == 1 and q.shape[0] > 1:
+        one_query = decode_form == "auto" and q.shape[1] == 1 and kv_valid.ndim == 2
+        if one_query and k.shape[1] >= SPLIT_K_MIN_SLOTS:
+            return jax.lax.platform_dependent(
+                q, k, v, q_positions, kv_valid,
+                default=lambda *a: _direct(*a, scale, causal),
+                cuda=lambda *a: split_k_decode_attention(*a[:3], q_positions=a[3], kv_valid=a[4], sm_scale=scale,
+                                                         causal=causal, implementation="triton", interpret=False))
+        if one_query and q.shape[0] > 1:
             return jax.lax.platform_dependent(
                 q, k, v, q_positions, kv_valid,
                 default=lambda *a: _direct(*a, scale, causal),

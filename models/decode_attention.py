@@ -1,4 +1,4 @@
-"""Decode-shaped attention over a KV cache as it lies: `reduce_attention`.
+"""Decode-shaped attention over a KV cache as it lies: `reduce_attention` and `split_k_decode_attention`.
 
 XLA's batched matrix products want the batch axes (batch, key head) major, so the einsum form of
 ``models.attention.dense_attention`` over a ``[B, S, K, D]`` cache makes a transposed (and masked)
@@ -11,6 +11,12 @@ the multiply-reduce form below and none; batch 16 at 1k slots on an H200, 2026-1
 reduce form makes XLA copy the cache before each layer's in-place write, so ``dense_attention``
 uses this form only for one query per row, more than one row, on CUDA
 (``jax.lax.platform_dependent``).
+
+At long context both XLA forms fall well short of reading the cache at the memory's speed; the split-K
+Pallas kernel of ``pallas_kernels.tree_decode`` (key slices in parallel, merged) does better. Same shape, one
+H100, 2026-11-25 (``mmjax bench decode --contexts 25600 --variants default,split_k``): batch 1 8.76 -> 8.10 ms
+per step, batch 4 18.65 -> 12.22 ms. So on CUDA a step over at least `SPLIT_K_MIN_SLOTS` cache slots uses
+`split_k_decode_attention` at every batch size (shorter caches were not measured with it).
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.checks import check_sm_scale
 from pallas_kernels.nonfinite import score_poison
+from pallas_kernels.tree_decode import tree_decode_attention
+
+# Cache slots from which a one-query-per-row step on CUDA runs the split-K kernel (see the module docstring).
+SPLIT_K_MIN_SLOTS = 16384
 
 
 def reduce_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None, sm_scale: float | None = None,
@@ -66,3 +76,30 @@ def reduce_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=Non
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]
     out = jnp.where(jnp.isnan(jnp.sum(acc, axis=-1, keepdims=True)), jnp.nan, out)
     return out.reshape(b, t, n, d).astype(q.dtype)
+
+
+def split_k_decode_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None,
+                             sm_scale: float | None = None, causal: bool = True, implementation: str | None = None,
+                             interpret: bool | None = None) -> jax.Array:
+    """One query per row over the cache through the split-K kernel ``pallas_kernels.tree_decode_attention``
+    (``models.attention`` protocol; same results as ``dense_attention``).
+
+    q: [B, 1, N, D]; k, v: [B, S, K, D]; q_positions: int32 [B, 1]; kv_valid: bool [B, S] (rows may sit at
+    different slots). The kernel takes a prefix mask and a block of slots: the prefix is every slot the row
+    sees but the last one, the block is the last slot with the row's own visibility, so any visible set is
+    exact. implementation / interpret: as in ``tree_decode_attention`` (None: Triton on a GPU).
+    Returns [B, 1, N, D] in q's dtype.
+    """
+    del layer, modality
+    b, t, n, d = q.shape
+    s_len = k.shape[1]
+    if t != 1 or q_positions.shape != (b, 1) or kv_valid.shape != (b, s_len):
+        raise ValueError(f"q / q_positions / kv_valid: expected [B, 1, N, D] / [B, 1] / [B, S] (one query per row), "
+                         f"got {q.shape} / {q_positions.shape} / {kv_valid.shape}")
+    visible = kv_valid
+    if causal:
+        visible = visible & (jnp.arange(s_len, dtype=q_positions.dtype)[None] <= q_positions)
+    prefix = visible.at[:, s_len - 1].set(False)
+    block = visible[:, s_len - 1][:, None, None]  # [B, 1, 1]
+    return tree_decode_attention(q, k, v, prefix, s_len - 1, block, sm_scale=sm_scale,
+                                 implementation=implementation, interpret=interpret)

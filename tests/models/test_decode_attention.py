@@ -1,6 +1,7 @@
-"""``models.decode_attention.reduce_attention`` equals the einsum form of dense attention (with the
-non-finite rules), and ``dense_attention`` takes it for batched single-query steps on CUDA only: the
-program exported for CUDA then holds no matrix product and no transposed copy of the cache."""
+"""``models.decode_attention.reduce_attention`` and ``split_k_decode_attention`` equal the einsum form of
+dense attention (with the non-finite rules); ``dense_attention`` takes the reduce form for batched
+single-query steps on CUDA only (the program exported for CUDA then holds no matrix product and no
+transposed copy of the cache) and the split-K kernel for single-query steps over long caches on CUDA."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import pytest
 from jax import export
 
 from models.attention import dense_attention
-from models.decode_attention import reduce_attention
+from models.decode_attention import SPLIT_K_MIN_SLOTS, reduce_attention, split_k_decode_attention
 from tests.models.helpers import random_decode_qkv
 
 
@@ -55,3 +56,38 @@ def test_decode_form_is_checked():
     q, k, v, valid = random_decode_qkv()
     with pytest.raises(ValueError, match="decode_form: expected 'auto' or 'einsum'"):
         dense_attention(q, k, v, q_positions=jnp.zeros((2, 1), jnp.int32), kv_valid=valid, decode_form="fast")
+
+
+@pytest.mark.parametrize("implementation", ["triton", "reference"])
+def test_split_k_decode_attention_equals_dense(implementation):
+    """Rows at different slots, GQA, random validity; one row sees its last slot, one row sees nothing; a
+    visible NaN value poisons its row, a masked one does not."""
+    q, k, v, valid = random_decode_qkv(b=4, t=1, s=300, seed=2)
+    pos = jnp.asarray([[299], [150], [40], [299]], jnp.int32)
+    valid = valid.at[0, 299].set(True).at[3].set(False)
+    v = v.at[1, 100].set(jnp.nan).at[2, 200].set(jnp.nan)  # row 1: visible if valid; row 2: in its future
+    valid = valid.at[1, 100].set(True)
+    ref = np.asarray(dense_attention(q, k, v, q_positions=pos, kv_valid=valid, decode_form="einsum"))
+    got = np.asarray(split_k_decode_attention(q, k, v, q_positions=pos, kv_valid=valid,
+                                              implementation=implementation, interpret=True))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    assert np.isnan(got[1]).all() and not np.isnan(got[2]).any()
+    np.testing.assert_array_equal(got[3], 0.0)  # a row that sees no slot gives 0
+    ok = ~np.isnan(ref)
+    np.testing.assert_allclose(got[ok], ref[ok], atol=2e-5)
+    with pytest.raises(ValueError, match=r"one query per row"):
+        split_k_decode_attention(q.repeat(2, axis=1), k, v, q_positions=pos.repeat(2, axis=1), kv_valid=valid)
+
+
+@pytest.mark.parametrize("b,s,split_k", [(1, SPLIT_K_MIN_SLOTS, True), (4, SPLIT_K_MIN_SLOTS, True),
+                                         (4, SPLIT_K_MIN_SLOTS // 2, False)])
+def test_dense_attention_takes_the_split_k_kernel_for_long_decode_on_cuda(b, s, split_k):
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    args = (jax.ShapeDtypeStruct((b, 1, 28, 128), jnp.bfloat16), jax.ShapeDtypeStruct((b, s, 4, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, s, 4, 128), jnp.bfloat16), jax.ShapeDtypeStruct((b, 1), jnp.int32),
+            jax.ShapeDtypeStruct((b, s), jnp.bool_))
+    f = jax.jit(lambda q, k, v, pos, valid: dense_attention(q, k, v, q_positions=pos, kv_valid=valid))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("__gpu$xla.gpu.triton" in text) == split_k

@@ -69,3 +69,20 @@ def test_siglip_tower_cudnn_matches_xla():
     xla = encode_tiles(model.vision, tiles, attention="xla")
     cud = encode_tiles(model.vision, tiles, attention="cudnn")
     np.testing.assert_allclose(np.asarray(cud, np.float32), np.asarray(xla, np.float32), atol=5e-2, rtol=5e-2)
+
+
+@needs_gpu
+def test_split_k_decode_attention_matches_dense_on_gpu():
+    from models.decode_attention import SPLIT_K_MIN_SLOTS, split_k_decode_attention
+    s = SPLIT_K_MIN_SLOTS + 300
+    k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(k1, (3, 1, 28, 128), jnp.bfloat16)
+    k = jax.random.normal(k2, (3, s, 4, 128), jnp.bfloat16)
+    v = jax.random.normal(k3, (3, s, 4, 128), jnp.bfloat16)
+    pos = jnp.asarray([[s - 1], [9000], [s - 500]], jnp.int32)
+    valid = jnp.arange(s)[None] <= jnp.asarray([[s - 1], [s - 1], [12000]])
+    ref = dense_attention(q, k, v, q_positions=pos, kv_valid=valid, decode_form="einsum")
+    got = split_k_decode_attention(q, k, v, q_positions=pos, kv_valid=valid)
+    auto = jax.jit(lambda *a: dense_attention(*a[:3], q_positions=a[3], kv_valid=a[4]))(q, k, v, pos, valid)
+    for out in (got, auto):
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
