@@ -59,14 +59,14 @@ from mmjax.drivers.args import (
     positive_int,
 )
 from mmjax.drivers.bench.decode_attention import einsum_attention, split_k_attention
-from mmjax.drivers.bench.report import print_table, write_result
+from mmjax.drivers.bench.report import print_table, save_figure_beside, write_result
 from mmjax.drivers.bench.roofline import (
     kv_bytes,
     measure_bandwidth,
     program_stats,
     weight_bytes,
 )
-from mmjax.files import atomic_write, atomic_write_with
+from mmjax.files import atomic_write
 from mmjax.parallel import cache_sharding, devices_mesh, shard_model
 from mmjax.parallel.attention import decode_attention as mesh_attention
 from mmjax.parallel.run import place_cache
@@ -523,11 +523,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{where} large outputs: {', '.join(r['large_outputs'])}")
     path = save(rows, table)
     if path:
-        png = os.path.splitext(path)[0] + ".png"
-        fig = figure([r for r in rows if r["variant"] == cfg.variants[0]],
-                     f"decode {shape} on {device_name()} ({cfg.variants[0]})")
-        atomic_write_with(png, lambda f: fig.savefig(f, format="png", dpi=110), binary=True, overwrite=True)
-        plt.close(fig)
+        png = save_figure_beside(path, figure([r for r in rows if r["variant"] == cfg.variants[0]],
+                                              f"decode {shape} on {device_name()} ({cfg.variants[0]})"))
         print("wrote", path, "and", png)
     return 0
 

@@ -14,7 +14,7 @@ import platform
 
 import jax
 
-from mmjax.files import atomic_write, check_output_dir, safe_name, slug
+from mmjax.files import atomic_write, atomic_write_with, check_output_dir, safe_name, slug
 from mmjax.timing import device_name
 
 
@@ -34,6 +34,17 @@ def write_result(out_dir: str, name: str, payload: dict, *, overwrite: bool = Tr
     }
     path = os.path.join(out_dir, f"{name}_{slug(meta['device'], 'device')}_{meta['date']}.json")
     return atomic_write(path, json.dumps({"meta": meta, **payload}, indent=1), overwrite=overwrite)
+
+
+def save_figure_beside(result_path: str, fig) -> str:
+    """Write the matplotlib figure ``fig`` as a PNG next to the result JSON ``result_path`` (same stem; atomic)
+    and close it. Returns the PNG's path."""
+    import matplotlib.pyplot as plt
+
+    png = os.path.splitext(result_path)[0] + ".png"
+    atomic_write_with(png, lambda fh: fig.savefig(fh, format="png", dpi=110), binary=True, overwrite=True)
+    plt.close(fig)
+    return png
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

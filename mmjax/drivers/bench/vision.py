@@ -27,8 +27,7 @@ import matplotlib.pyplot as plt
 
 from mmjax.drivers.args import ArgumentParser, add_result_args, positive_int
 from mmjax.drivers.bench import trace_summary
-from mmjax.drivers.bench.report import print_table, write_result
-from mmjax.files import atomic_write_with
+from mmjax.drivers.bench.report import print_table, save_figure_beside, write_result
 from mmjax.timing import device_name, time_fn
 from models.qwen2_5_vl.config import VisionConfig, preset
 from models.qwen2_5_vl.vision import XLA_OPTIONS, VisionTower, encode_grid
@@ -155,10 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         path = write_result(args.out, args.name, {"model": shape, "grid": grid, "config": dataclasses.asdict(c),
                                                   "rows": rows, "table": table})
-        png = os.path.splitext(path)[0] + ".png"
-        fig = figure(rows, f"{shape} {grid} on {device_name()}")
-        atomic_write_with(png, lambda fh: fig.savefig(fh, format="png", dpi=110), binary=True, overwrite=True)
-        plt.close(fig)
+        png = save_figure_beside(path, figure(rows, f"{shape} {grid} on {device_name()}"))
         print("wrote", path, "and", png)
     return 0
 
