@@ -85,3 +85,13 @@ def test_lowers_for_h100(dtype):
     with jax.sharding.use_abstract_mesh(mesh):
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "grouped_matmul" in text and "__gpu$xla.gpu.triton" in text
+
+
+def test_traced_sizes_past_m_are_clipped_not_read_out_of_bounds():
+    """Traced group sizes cannot be checked on the host: a sum past M is clipped (the last groups shrink), and the
+    kernel agrees with the reference on the clipped sizes."""
+    lhs, rhs, _ = _inputs(100, 32, 16, [0, 0, 0])
+    sizes = jnp.asarray([60, 70, 30], jnp.int32)  # 160 > 100
+    out = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, interpret=True, **TILES))(lhs, rhs, sizes)
+    ref = grouped_matmul(lhs, rhs, jnp.asarray([60, 40, 0], jnp.int32), implementation="reference")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
