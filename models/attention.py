@@ -16,6 +16,10 @@ An *attention function* has the signature::
                  (queries are the last T of the S positions in prefill); None in decode
     out:         [B, T, N, D] in q.dtype
 
+A function with the attribute ``reads_stacked_cache = True`` (``models.decode_attention.stacked_split_k_attention``)
+is handed, when a layer attends to its whole cache (decode), the stacked cache arrays ``[L, B, S, K, D]``
+instead of the layer's slice (a Pallas kernel can read the layer in place; the slice would be copied).
+
 ``LayerAttention`` says which function each layer uses. ``resolve_attention`` builds one from
 ``"dense"``, ``"cudnn"``, a callable, a sequence of callables (one per layer), or any object with a
 ``uniform_attention() -> attn_fn`` (one function for every layer, ``layer`` traced under

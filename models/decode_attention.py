@@ -80,19 +80,23 @@ def reduce_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=Non
 
 def split_k_decode_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None,
                              sm_scale: float | None = None, causal: bool = True, implementation: str | None = None,
-                             interpret: bool | None = None) -> jax.Array:
+                             interpret: bool | None = None, stacked: bool = False) -> jax.Array:
     """One query per row over the cache through the split-K kernel ``pallas_kernels.tree_decode_attention``
     (``models.attention`` protocol; same results as ``dense_attention``).
 
     q: [B, 1, N, D]; k, v: [B, S, K, D]; q_positions: int32 [B, 1]; kv_valid: bool [B, S] (rows may sit at
     different slots). The kernel takes a prefix mask and a block of slots: the prefix is every slot the row
     sees but the last one, the block is the last slot with the row's own visibility, so any visible set is
-    exact. implementation / interpret: as in ``tree_decode_attention`` (None: Triton on a GPU).
+    exact. implementation / interpret: as in ``tree_decode_attention`` (None: Triton on a GPU). ``stacked``:
+    k, v are a stacked cache [L, B, S, K, D] and ``layer`` (a Python int) the layer to attend to.
     Returns [B, 1, N, D] in q's dtype.
     """
-    del layer, modality
+    del modality
+    if stacked and not isinstance(layer, int):
+        raise ValueError(f"layer: expected a Python int with a stacked cache (stacked=True); received {layer!r}")
+    stacked_layer = layer if stacked else None
     b, t, n, d = q.shape
-    s_len = k.shape[1]
+    s_len = k.shape[-3]
     if t != 1 or q_positions.shape != (b, 1) or kv_valid.shape != (b, s_len):
         raise ValueError(f"q / q_positions / kv_valid: expected [B, 1, N, D] / [B, 1] / [B, S] (one query per row), "
                          f"got {q.shape} / {q_positions.shape} / {kv_valid.shape}")
@@ -102,4 +106,25 @@ def split_k_decode_attention(q, k, v, *, layer=None, q_positions, kv_valid, moda
     prefix = visible.at[:, s_len - 1].set(False)
     block = visible[:, s_len - 1][:, None, None]  # [B, 1, 1]
     return tree_decode_attention(q, k, v, prefix, s_len - 1, block, sm_scale=sm_scale,
-                                 implementation=implementation, interpret=interpret)
+                                 implementation=implementation, interpret=interpret, layer=stacked_layer)
+
+
+def stacked_split_k_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None) -> jax.Array:
+    """Decode attention that reads the whole stacked cache (``models.attention`` protocol, with
+    ``reads_stacked_cache``): the decoder passes k, v as the cache arrays ``[L, B, S, K, D]`` (no per-layer
+    slice, so XLA does not copy the layer's keys and values before the kernel: at 25.6k slots the split-K
+    default read the cache twice and wrote it once per step) whenever the layer is a Python int (unrolled
+    decode), the whole cache is attended and it is stored in the compute dtype; a one-query step then runs
+    `split_k_decode_attention` on layer ``layer`` in place. Anything else (k, v ``[B, S, K, D]``, a traced
+    layer, several queries per row, per-query masks) is ``dense_attention`` on the layer's slice.
+    """
+    from models.attention import dense_attention  # models.attention imports this module
+    if k.ndim == 5:
+        if isinstance(layer, int) and q.shape[1] == 1 and kv_valid.ndim == 2:
+            return split_k_decode_attention(q, k, v, layer=layer, q_positions=q_positions, kv_valid=kv_valid,
+                                            stacked=True)
+        k, v = jax.lax.dynamic_index_in_dim(k, layer, 0, False), jax.lax.dynamic_index_in_dim(v, layer, 0, False)
+    return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid)
+
+
+stacked_split_k_attention.reads_stacked_cache = True

@@ -251,7 +251,11 @@ def _layer(c: TextConfig, p, x, kv, li: LayerInputs, attn_fn, layer, kv_len: int
     if kv is not None:
         kv = write_kv(kv, layer, li.write_index, k, v)
     if kv_len is not None:
-        k, v = read_kv(kv, layer, kv_len, x.dtype)
+        if (getattr(attn_fn, "reads_stacked_cache", False) and kv_len == kv["k"].shape[2] and "k_scale" not in kv
+                and kv["k"].dtype == x.dtype):
+            k, v = kv["k"], kv["v"]  # [L, B, S, K, D]: the function takes its layer where it lies
+        else:
+            k, v = read_kv(kv, layer, kv_len, x.dtype)
     o = attn_fn(q, k, v, layer=layer, q_positions=li.q_positions, kv_valid=li.kv_valid, modality=li.modality)
     return _out_and_mlp(c, p, x, o, chunk), kv
 

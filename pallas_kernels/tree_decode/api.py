@@ -64,6 +64,7 @@ def tree_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     check_finite: bool = False,
+    layer: int | None = None,
 ) -> jax.Array:
     """Attention of T new tokens over a long cache: one softmax over the prefix and a block.
 
@@ -90,16 +91,28 @@ def tree_decode_attention(
         the shared-memory budget).
       check_finite: raise `NonFiniteError` (under ``jax.jit`` a ``checkify`` error) when q,
         k or v holds a NaN or an inf (every slot, valid or not), instead of propagating it.
+      layer: None, or a Python int: k and v are then a stacked cache ``[L, B, S, K, D]`` and the op
+        attends to layer ``layer`` (the Triton kernel reads it where it lies; slicing it first would make
+        XLA copy the layer's keys and values before the custom call).
 
     Returns:
       ``[B, T, N, D]`` in q's dtype; a query that sees no key gives 0; a query that sees a
       non-finite score or value gives NaN; invalid slots contribute nothing whatever they
       hold (`pallas_kernels.nonfinite`).
     """
-    check_qkv(q, k, v)
-    check_masks(q, k, prefix_valid, block_start, block_mask)
+    if layer is not None:
+        check_int("layer", layer, 0)
+        if getattr(k, "ndim", None) != 5 or layer >= k.shape[0] or getattr(v, "shape", None) != k.shape:
+            raise ValueError(f"k / v: expected a stacked cache [L, B, S, K, D] with L > layer={layer}; received "
+                             f"{fmt_shape(getattr(k, 'shape', ()))} / {fmt_shape(getattr(v, 'shape', ()))}")
+        k_one = jax.ShapeDtypeStruct(k.shape[1:], k.dtype)
+        check_qkv(q, k_one, k_one)
+        check_masks(q, k_one, prefix_valid, block_start, block_mask)
+    else:
+        check_qkv(q, k, v)
+        check_masks(q, k, prefix_valid, block_start, block_mask)
     b, t, n, d = q.shape
-    s, kh = k.shape[1], k.shape[2]
+    s, kh = k.shape[-3], k.shape[-2]
     if implementation is None:
         implementation = default_implementation(bool(interpret))
     if implementation not in IMPLEMENTATIONS:
@@ -116,9 +129,11 @@ def tree_decode_attention(
         check_int("num_stages", num_stages, 1)
     sm_scale = check_sm_scale(sm_scale, d)
     if check_finite:
-        nonfinite.check_finite(q=q, k=k, v=v)
+        nonfinite.check_finite(q=q, k=k if layer is None else k[layer], v=v if layer is None else v[layer])
     block_start = jnp.asarray(block_start, jnp.int32)
     if implementation == "reference":
+        if layer is not None:
+            k, v = k[layer], v[layer]
         return tree_decode_attention_reference(q, k, v, prefix_valid, block_start, block_mask,
                                                sm_scale=sm_scale)
     if interpret is None:
@@ -132,5 +147,5 @@ def tree_decode_attention(
     return td_triton.tree_decode_attention_triton(
         q, k, v, prefix_valid, block_start, block_mask, sm_scale=sm_scale, block_k=block_k,
         block_r=block_r, num_splits=num_splits, interpret=bool(interpret), num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, layer=layer,
     )

@@ -123,16 +123,19 @@ def cdiv_arr(a: jax.Array, b: int) -> jax.Array:
 
 
 def partials_triton(q, k, v, prefix_valid, *, sm_scale, block_k, block_r, num_splits,
-                    interpret, num_warps, num_stages):
+                    interpret, num_warps, num_stages, layer: int | None = None):
     """The kernel on the first ``S // block_k`` whole key tiles.
 
-    q ``[B,T,N,D]``, k/v ``[B,S,K,D]``, prefix_valid bool ``[B,S]`` -> (o ``[B,K,J,G,T,D]``
+    q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (or, with ``layer``, a stacked cache ``[L,B,S,K,D]`` of which the
+    kernel reads layer ``layer`` in place), prefix_valid bool ``[B,S]`` -> (o ``[B,K,J,G,T,D]``
     float32 normalised partials, lse ``[B,K,J,G,T]`` float32 natural log, -inf for a slice
     with no visible key), J = num_splits. Requires ``S >= block_k``.
     """
     b, t, n, d = q.shape
-    s, kh = k.shape[1], k.shape[2]
+    s, kh = k.shape[-3], k.shape[-2]
     g = n // kh
+    if layer is not None and max(16, next_pow2(d)) != d:  # the head dim is padded: take the layer's copy
+        k, v, layer = k[layer], v[layer], None
     full_tiles = s // block_k
     rows = g * t
     row_tiles = cdiv(rows, block_r)
@@ -140,8 +143,8 @@ def partials_triton(q, k, v, prefix_valid, *, sm_scale, block_k, block_r, num_sp
     d_pad = max(16, next_pow2(d))
     q_in = jnp.einsum("btkgd->bkgtd", q.reshape(b, t, kh, g, d)).reshape(b, kh, rows, d)
     q_in = _pad_to(_pad_to(q_in, 3, d_pad), 2, r_pad)  # [B, K, Rp, Dp]
-    k_in = _pad_to(k, 3, d_pad)  # a copy only when D is not a power of two >= 16
-    v_in = _pad_to(v, 3, d_pad)
+    k_in = _pad_to(k, k.ndim - 1, d_pad)  # a copy only when D is not a power of two >= 16
+    v_in = _pad_to(v, v.ndim - 1, d_pad)
     pv_in = prefix_valid[:, :full_tiles * block_k].astype(jnp.int32)  # [B, S_full]
     tiles = prefix_tile_range(prefix_valid, full_tiles, block_k)  # [B, 2]
     if num_warps is None or num_stages is None:
@@ -151,7 +154,10 @@ def partials_triton(q, k, v, prefix_valid, *, sm_scale, block_k, block_r, num_sp
     kernel = functools.partial(_kernel, sm_scale=sm_scale, block_k=block_k,
                                num_splits=num_splits, kv_heads=kh)
     q_spec = pl.BlockSpec((None, None, block_r, d_pad), lambda i, j, z: (z // kh, z % kh, i, 0))
-    kv_spec = pl.BlockSpec((None, s, None, d_pad), lambda i, j, z: (z // kh, 0, z % kh, 0))
+    if layer is None:
+        kv_spec = pl.BlockSpec((None, s, None, d_pad), lambda i, j, z: (z // kh, 0, z % kh, 0))
+    else:  # one layer of the stacked cache, read where it lies
+        kv_spec = pl.BlockSpec((None, None, s, None, d_pad), lambda i, j, z: (layer, z // kh, 0, z % kh, 0))
     pv_spec = pl.BlockSpec((None, full_tiles * block_k), lambda i, j, z: (z // kh, 0))
     o_spec = pl.BlockSpec((None, None, None, block_r, d_pad),
                           lambda i, j, z: (z // kh, z % kh, j, i, 0))
@@ -228,27 +234,28 @@ def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, o_extra: jax.Array,
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "block_k", "block_r", "num_splits", "interpret", "num_warps",
-                     "num_stages"),
+                     "num_stages", "layer"),
 )
 def tree_decode_attention_triton(q, k, v, prefix_valid, block_start, block_mask, *,
                                  sm_scale: float, block_k: int, block_r: int, num_splits: int,
                                  interpret: bool = False, num_warps: int | None = None,
-                                 num_stages: int | None = None) -> jax.Array:
+                                 num_stages: int | None = None, layer: int | None = None) -> jax.Array:
     """See `api.tree_decode_attention`; inputs are assumed validated.
 
-    q ``[B,T,N,D]``, k/v ``[B,S,K,D]``, prefix_valid bool ``[B,S]``, block_start int32 ``[]``,
-    block_mask bool ``[B,T,W]`` -> ``[B,T,N,D]`` in q's dtype.
+    q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (with ``layer``: ``[L,B,S,K,D]``), prefix_valid bool ``[B,S]``,
+    block_start int32 ``[]``, block_mask bool ``[B,T,W]`` -> ``[B,T,N,D]`` in q's dtype.
     """
     b, t, n, d = q.shape
-    s, kh = k.shape[1], k.shape[2]
+    s = k.shape[-3]
     tail_start = (s // block_k) * block_k
-    o_x, lse_x = extra_partial(q, k, v, prefix_valid, block_start, block_mask,
+    k_l, v_l = (k, v) if layer is None else (k[layer], v[layer])  # only slices of it reach XLA's fusions
+    o_x, lse_x = extra_partial(q, k_l, v_l, prefix_valid, block_start, block_mask,
                                sm_scale=sm_scale, tail_start=tail_start)
     if tail_start == 0:  # S < block_k: nothing for the kernel
         o = o_x
     else:
         o_p, lse_p = partials_triton(q, k, v, prefix_valid, sm_scale=sm_scale, block_k=block_k,
                                      block_r=block_r, num_splits=num_splits, interpret=interpret,
-                                     num_warps=num_warps, num_stages=num_stages)
+                                     num_warps=num_warps, num_stages=num_stages, layer=layer)
         o = merge_partials(o_p, lse_p, o_x, lse_x)
     return jnp.einsum("bkgtd->btkgd", o).reshape(b, t, n, d).astype(q.dtype)

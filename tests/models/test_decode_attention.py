@@ -91,3 +91,27 @@ def test_dense_attention_takes_the_split_k_kernel_for_long_decode_on_cuda(b, s, 
     with jax.sharding.use_abstract_mesh(mesh):
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert ("__gpu$xla.gpu.triton" in text) == split_k
+
+
+def test_stacked_split_k_attention_gets_the_stacked_cache_and_decodes_like_dense():
+    from mmjax.inference import decode_step, prefill
+    from models.decode_attention import stacked_split_k_attention
+    from models.qwen2_5_vl import Qwen2_5_VL
+    from tests.models.helpers import small_config, video_prompt
+    cfg = small_config()
+    model = Qwen2_5_VL(cfg, key=jax.random.key(5))
+    inputs = video_prompt(cfg, frames=2, rng=np.random.default_rng(1))
+    seen = []
+
+    def spy(q, k, v, **kw):
+        seen.append(k.ndim)
+        return stacked_split_k_attention(q, k, v, **kw)
+
+    spy.reads_stacked_cache = True
+    dense = prefill(model, inputs, "dense", max_length=96)
+    tok = jnp.argmax(dense.logits, -1)
+    want, _ = decode_step(model, dense.cache, tok)
+    again = prefill(model, inputs, "dense", max_length=96)
+    got, _ = decode_step(model, again.cache, tok, attention=spy)
+    assert seen and set(seen) == {5}  # every layer was handed [L, B, S, K, D]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)

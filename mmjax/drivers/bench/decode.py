@@ -72,7 +72,7 @@ from mmjax.parallel.attention import decode_attention as mesh_attention
 from mmjax.parallel.run import place_cache
 from mmjax.timing import device_name
 from models.attention import LayerAttention, resolve_attention
-from models.decode_attention import reduce_attention
+from models.decode_attention import reduce_attention, stacked_split_k_attention
 from models.kv_cache import KVCache
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, VisionConfig, preset
@@ -122,6 +122,7 @@ VARIANTS: dict[str, tuple[str, tuple[tuple[str, bool | int | str], ...]]] = {
     "reduce_attn": ("reduce", ()),
     "split_k": ("split_k", ()),
     "split_k_slice_fusion": ("split_k", (("xla_gpu_enable_dynamic_slice_fusion", True),)),
+    "split_k_stacked": ("split_k_stacked", ()),
     "cublas": ("dense", (("xla_gpu_enable_triton_gemm", False),)),
     "slice_fusion": ("dense", (("xla_gpu_enable_dynamic_slice_fusion", True),)),
     "no_cuda_graphs": ("dense", (("xla_gpu_enable_command_buffer", ""),)),
@@ -130,8 +131,9 @@ VARIANTS: dict[str, tuple[str, tuple[tuple[str, bool | int | str], ...]]] = {
 
 def decode_attention(name: str) -> LayerAttention:
     """The decode attention of a variant: "dense" (the models' default), "einsum" (XLA's einsum form at
-    every batch), "reduce" (multiply-reduce over the cache as it lies) or "split_k" (the split-K Pallas
-    kernel)."""
+    every batch), "reduce" (multiply-reduce over the cache as it lies), "split_k" (the split-K Pallas
+    kernel) or "split_k_stacked" (the same kernel reading each layer inside the stacked cache, no per-layer
+    copy)."""
     if name == "dense":
         return resolve_attention("dense")
     if name == "einsum":
@@ -140,7 +142,9 @@ def decode_attention(name: str) -> LayerAttention:
         return LayerAttention(uniform=reduce_attention)
     if name == "split_k":
         return LayerAttention(uniform=split_k_attention)
-    raise ValueError(f"attention: expected 'dense', 'einsum', 'reduce' or 'split_k', got {name!r}")
+    if name == "split_k_stacked":
+        return LayerAttention(uniform=stacked_split_k_attention)
+    raise ValueError(f"attention: expected 'dense', 'einsum', 'reduce', 'split_k' or 'split_k_stacked', got {name!r}")
 
 
 def variant_list(text: str) -> tuple[str, ...]:

@@ -187,3 +187,37 @@ def test_compiled_kernel_matches_reference_on_gpu(t, s, dtype, atol):
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("d", [64, 80])  # 80: the head dim is padded, so the layer is sliced first
+def test_stacked_cache_layer_equals_the_sliced_layer(d):
+    rng = np.random.default_rng(7)
+    b, t, s, n, kh, w, layers = 2, 3, 300, 8, 2, 3, 4
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (b, t, n, d))
+    k = jax.random.normal(ks[1], (layers, b, s, kh, d))
+    v = jax.random.normal(ks[2], (layers, b, s, kh, d))
+    pv, bm = _masks(rng, b, t, s, w, 250)
+    for impl in ("triton", "reference"):
+        got = tree_decode_attention(q, k, v, pv, 250, bm, implementation=impl, interpret=True, layer=2, block_k=64)
+        want = tree_decode_attention(q, k[2], v[2], pv, 250, bm, implementation=impl, interpret=True, block_k=64)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"stacked cache \[L, B, S, K, D\] with L > layer=4"):
+        tree_decode_attention(q, k, v, pv, 250, bm, layer=4)
+    with pytest.raises(ValueError, match=r"layer: expected an int >= 0"):
+        tree_decode_attention(q, k, v, pv, 250, bm, layer=-1)
+
+
+def test_stacked_cache_is_a_kernel_operand_for_h100():
+    """With ``layer`` the Triton call takes the stacked cache itself (no per-layer slice for XLA to copy)."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    f = jax.jit(lambda q, k, v, pv, bm: tree_decode_attention(
+        q, k, v, pv, 26111, bm, implementation="triton", interpret=False, layer=5))
+    sds = jax.ShapeDtypeStruct
+    args = (sds((2, 1, 28, 128), jnp.bfloat16), sds((28, 2, 26112, 4, 128), jnp.bfloat16),
+            sds((28, 2, 26112, 4, 128), jnp.bfloat16), sds((2, 26112), jnp.bool_), sds((2, 1, 1), jnp.bool_))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    call = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(call) == 1 and "tensor<28x2x26112x4x128xbf16>" in call[0]
