@@ -16,7 +16,7 @@ An *attention function* has the signature::
                  (queries are the last T of the S positions in prefill); None in decode
     out:         [B, T, N, D] in q.dtype
 
-A function with the attribute ``reads_stacked_cache = True`` (``models.decode_attention.stacked_split_k_attention``)
+A function with the attribute ``reads_stacked_cache = True`` (`stacked_split_k_attention`)
 is handed, when a layer attends to its whole cache (decode), the stacked cache arrays ``[L, B, S, K, D]``
 instead of the layer's slice (a Pallas kernel can read the layer in place; the slice would be copied).
 
@@ -176,6 +176,26 @@ def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None
                                                  causal=causal))
         return _direct(q, k, v, q_positions, kv_valid, scale, causal)
     return _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k)
+
+
+def stacked_split_k_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None) -> jax.Array:
+    """Decode attention that reads the whole stacked cache (``models.attention`` protocol, with
+    ``reads_stacked_cache``): the decoder passes k, v as the cache arrays ``[L, B, S, K, D]`` (no per-layer
+    slice, so XLA does not copy the layer's keys and values before the kernel: at 25.6k slots the split-K
+    default read the cache twice and wrote it once per step) whenever the layer is a Python int (unrolled
+    decode), the whole cache is attended and it is stored in the compute dtype; a one-query step then runs
+    `split_k_decode_attention` on layer ``layer`` in place. Anything else (k, v ``[B, S, K, D]``, a traced
+    layer, several queries per row, per-query masks) is ``dense_attention`` on the layer's slice.
+    """
+    if k.ndim == 5:
+        if isinstance(layer, int) and q.shape[1] == 1 and kv_valid.ndim == 2:
+            return split_k_decode_attention(q, k, v, layer=layer, q_positions=q_positions, kv_valid=kv_valid,
+                                            stacked=True)
+        k, v = jax.lax.dynamic_index_in_dim(k, layer, 0, False), jax.lax.dynamic_index_in_dim(v, layer, 0, False)
+    return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid)
+
+
+stacked_split_k_attention.reads_stacked_cache = True
 
 
 def cudnn_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None,

@@ -107,24 +107,3 @@ def split_k_decode_attention(q, k, v, *, layer=None, q_positions, kv_valid, moda
     block = visible[:, s_len - 1][:, None, None]  # [B, 1, 1]
     return tree_decode_attention(q, k, v, prefix, s_len - 1, block, sm_scale=sm_scale,
                                  implementation=implementation, interpret=interpret, layer=stacked_layer)
-
-
-def stacked_split_k_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None) -> jax.Array:
-    """Decode attention that reads the whole stacked cache (``models.attention`` protocol, with
-    ``reads_stacked_cache``): the decoder passes k, v as the cache arrays ``[L, B, S, K, D]`` (no per-layer
-    slice, so XLA does not copy the layer's keys and values before the kernel: at 25.6k slots the split-K
-    default read the cache twice and wrote it once per step) whenever the layer is a Python int (unrolled
-    decode), the whole cache is attended and it is stored in the compute dtype; a one-query step then runs
-    `split_k_decode_attention` on layer ``layer`` in place. Anything else (k, v ``[B, S, K, D]``, a traced
-    layer, several queries per row, per-query masks) is ``dense_attention`` on the layer's slice.
-    """
-    from models.attention import dense_attention  # models.attention imports this module
-    if k.ndim == 5:
-        if isinstance(layer, int) and q.shape[1] == 1 and kv_valid.ndim == 2:
-            return split_k_decode_attention(q, k, v, layer=layer, q_positions=q_positions, kv_valid=kv_valid,
-                                            stacked=True)
-        k, v = jax.lax.dynamic_index_in_dim(k, layer, 0, False), jax.lax.dynamic_index_in_dim(v, layer, 0, False)
-    return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid)
-
-
-stacked_split_k_attention.reads_stacked_cache = True

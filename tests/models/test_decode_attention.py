@@ -95,7 +95,7 @@ def test_dense_attention_takes_the_split_k_kernel_for_long_decode_on_cuda(b, s, 
 
 def test_stacked_split_k_attention_gets_the_stacked_cache_and_decodes_like_dense():
     from mmjax.inference import decode_step, prefill
-    from models.decode_attention import stacked_split_k_attention
+    from models.attention import stacked_split_k_attention
     from models.qwen2_5_vl import Qwen2_5_VL
     from tests.models.helpers import small_config, video_prompt
     cfg = small_config()

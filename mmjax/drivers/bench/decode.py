@@ -71,8 +71,8 @@ from mmjax.parallel import cache_sharding, devices_mesh, shard_model
 from mmjax.parallel.attention import decode_attention as mesh_attention
 from mmjax.parallel.run import place_cache
 from mmjax.timing import device_name
-from models.attention import LayerAttention, resolve_attention
-from models.decode_attention import reduce_attention, stacked_split_k_attention
+from models.attention import LayerAttention, resolve_attention, stacked_split_k_attention
+from models.decode_attention import reduce_attention
 from models.kv_cache import KVCache
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig, VisionConfig, preset
