@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
 
 from mmjax.files import check_output_dir, safe_name
 from mmjax.speculative import TreeConfig
@@ -64,6 +65,19 @@ def int_list(text: str) -> tuple[int, ...]:
     if not parts:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers; received {text!r}")
     return tuple(positive_int(p) for p in parts)
+
+
+def name_list(choices) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: comma-separated names, each one of ``choices`` (the error names them all)."""
+    choices = tuple(choices)
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(x.strip() for x in text.split(",") if x.strip())
+        if not names or any(n not in choices for n in names):
+            raise argparse.ArgumentTypeError(f"expected comma-separated names of {', '.join(choices)}; "
+                                             f"received {text!r}")
+        return names
+    return parse
 
 
 def tree_list(text: str) -> tuple[str, ...]:

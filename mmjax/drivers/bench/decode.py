@@ -34,7 +34,6 @@ roofline against context length, one line per batch size). On a CPU a tiny confi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
@@ -54,6 +53,7 @@ from mmjax.drivers.args import (
     ArgumentParser,
     add_result_args,
     int_list,
+    name_list,
     nonneg_int,
     out_dir,
     positive_int,
@@ -145,15 +145,6 @@ def decode_attention(name: str) -> LayerAttention:
     if name == "split_k_stacked":
         return LayerAttention(uniform=stacked_split_k_attention)
     raise ValueError(f"attention: expected 'dense', 'einsum', 'reduce', 'split_k' or 'split_k_stacked', got {name!r}")
-
-
-def variant_list(text: str) -> tuple[str, ...]:
-    """Comma-separated names of `VARIANTS` (ValueError naming the unknown ones)."""
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [n for n in names if n not in VARIANTS]
-    if not names or bad:
-        raise ValueError(f"expected comma-separated names of {', '.join(VARIANTS)}; received {text!r}")
-    return names
 
 
 @functools.partial(jax.jit, static_argnames=("attention",), donate_argnames=("cache",))
@@ -434,13 +425,6 @@ def xla_options(texts) -> tuple[tuple[str, bool | int | str], ...]:
     return tuple(_xla_option(t) for t in texts or ())
 
 
-def _variants_arg(text: str) -> tuple[str, ...]:
-    try:
-        return variant_list(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="mmjax bench decode", description=__doc__.split("\n\n")[0])
     add_result_args(p, "decode")
@@ -450,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time N steps inside one jit (lax.fori_loop) against N host-driven steps (0: host only)")
     p.add_argument("--host-steps", type=positive_int, default=32, help="host-driven steps per sample without --steps")
     p.add_argument("--reps", type=positive_int, default=5, help="timed samples per mode (median)")
-    p.add_argument("--variants", type=_variants_arg, default=("default",),
+    p.add_argument("--variants", type=name_list(VARIANTS), default=("default",),
                    help="comma-separated step variants: " + ", ".join(VARIANTS))
     p.add_argument("--dump-hlo", type=out_dir, default=None, metavar="DIR", help="write each compiled step's HLO")
     p.add_argument("--kv-dtype", choices=("model", "float8_e4m3fn"), default="model", help="cache storage dtype")

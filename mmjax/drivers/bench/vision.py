@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import matplotlib
 import matplotlib.pyplot as plt
 
-from mmjax.drivers.args import ArgumentParser, add_result_args, positive_int
+from mmjax.drivers.args import ArgumentParser, add_result_args, name_list, positive_int
 from mmjax.drivers.bench import trace_summary
 from mmjax.drivers.bench.report import print_table, save_figure_beside, write_result
 from mmjax.timing import device_name, time_fn
@@ -113,21 +113,13 @@ def figure(rows: list[dict], title: str) -> matplotlib.figure.Figure:
     return fig
 
 
-def _variants_arg(text: str) -> tuple[str, ...]:
-    names = tuple(v.strip() for v in text.split(",") if v.strip())
-    bad = [v for v in names if v not in VARIANTS]
-    if not names or bad:
-        raise ValueError(f"expected a comma-separated list of {', '.join(VARIANTS)}; received {text!r}")
-    return names
-
-
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="mmjax bench vision", description=__doc__.split("\n\n")[0])
     add_result_args(p, "vision")
     p.add_argument("--frames", type=positive_int, default=64, help="temporal patches (2 video frames each)")
     p.add_argument("--size", type=positive_int, default=448,
                    help="frame side in pixels, a multiple of 28 (patch 14 x merge 2)")
-    p.add_argument("--variants", type=_variants_arg, default=tuple(VARIANTS),
+    p.add_argument("--variants", type=name_list(VARIANTS), default=tuple(VARIANTS),
                    help="comma-separated: " + ", ".join(VARIANTS))
     p.add_argument("--reps", type=positive_int, default=5, help="timed samples per variant (median)")
     p.add_argument("--profile", metavar="DIR", help="trace one more call per variant into DIR")
