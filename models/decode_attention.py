@@ -98,8 +98,8 @@ def split_k_decode_attention(q, k, v, *, layer=None, q_positions, kv_valid, moda
     b, t, n, d = q.shape
     s_len = k.shape[-3]
     if t != 1 or q_positions.shape != (b, 1) or kv_valid.shape != (b, s_len):
-        raise ValueError(f"q / q_positions / kv_valid: expected [B, 1, N, D] / [B, 1] / [B, S] (one query per row), "
-                         f"got {q.shape} / {q_positions.shape} / {kv_valid.shape}")
+        raise ValueError(f"q_positions / kv_valid: expected [B, 1] / [B, S] with q [B, 1, N, D] (one query per row), "
+                         f"got {q_positions.shape} / {kv_valid.shape} with q {q.shape}")
     visible = kv_valid
     if causal:
         visible = visible & (jnp.arange(s_len, dtype=q_positions.dtype)[None] <= q_positions)
