@@ -30,6 +30,7 @@ method (per layer, unrolled).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Protocol
 
 import jax
@@ -162,18 +163,16 @@ def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None
         nonfinite.check_finite(q=q, k=k, v=v)
     if q.shape[1] * k.shape[1] <= direct_max_scores:
         one_query = decode_form == "auto" and q.shape[1] == 1 and kv_valid.ndim == 2
+        cuda = None
         if one_query and k.shape[1] >= SPLIT_K_MIN_SLOTS:
+            cuda = functools.partial(split_k_decode_attention, implementation="triton", interpret=False)
+        elif one_query and q.shape[0] > 1:
+            cuda = reduce_attention
+        if cuda is not None:
             return jax.lax.platform_dependent(
                 q, k, v, q_positions, kv_valid,
                 default=lambda *a: _direct(*a, scale, causal),
-                cuda=lambda *a: split_k_decode_attention(*a[:3], q_positions=a[3], kv_valid=a[4], sm_scale=scale,
-                                                         causal=causal, implementation="triton", interpret=False))
-        if one_query and q.shape[0] > 1:
-            return jax.lax.platform_dependent(
-                q, k, v, q_positions, kv_valid,
-                default=lambda *a: _direct(*a, scale, causal),
-                cuda=lambda *a: reduce_attention(*a[:3], q_positions=a[3], kv_valid=a[4], sm_scale=scale,
-                                                 causal=causal))
+                cuda=lambda *a: cuda(*a[:3], q_positions=a[3], kv_valid=a[4], sm_scale=scale, causal=causal))
         return _direct(q, k, v, q_positions, kv_valid, scale, causal)
     return _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k)
 
