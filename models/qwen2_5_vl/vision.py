@@ -163,6 +163,11 @@ def window_order(wid: np.ndarray, merge_unit: int) -> np.ndarray | None:
     """The patch permutation that puts one frame in window order (window after window, processor order
     inside a window), or None when some window is partial or a merged unit would not stay contiguous."""
     gather, valid, _ = window_layout(wid)
+    return _order_of(gather, valid, merge_unit)
+
+
+def _order_of(gather: np.ndarray, valid: np.ndarray, merge_unit: int) -> np.ndarray | None:
+    """`window_order` from the frame's `window_layout` tiles."""
     if not valid.all():
         return None
     order = gather.reshape(-1)
@@ -193,12 +198,12 @@ def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, f
     dtype = model.patch_embed[...].dtype
     attention = attention_form(attention, dtype, c.head_dim)
     hpos, wpos, wid = frame_geometry(c, h, w)
-    order = window_order(wid, c.merge_unit) if windows == "auto" else None
+    gather, valid, scatter = window_layout(wid)
+    order = _order_of(gather, valid, c.merge_unit) if windows == "auto" else None
     if order is not None:  # tokens in window order from here on
         hpos, wpos = hpos[order], wpos[order]
-        win = window_layout(wid)[0].shape[1]
+        win = gather.shape[1]
     else:
-        gather, valid, scatter = window_layout(wid)
         sizes = None if valid.all() else jnp.asarray(valid.sum(1), jnp.int32)
         win = (jnp.asarray(gather), sizes, jnp.asarray(scatter))
     cos, sin = vision_cos_sin(jnp.asarray(hpos), jnp.asarray(wpos), c.head_dim, c.rope_theta)
