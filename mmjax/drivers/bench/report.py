@@ -13,6 +13,7 @@ import os
 import platform
 
 import jax
+import matplotlib.pyplot as plt
 
 from mmjax.files import atomic_write, atomic_write_with, check_output_dir, safe_name, slug
 from mmjax.timing import device_name
@@ -39,8 +40,6 @@ def write_result(out_dir: str, name: str, payload: dict, *, overwrite: bool = Tr
 def save_figure_beside(result_path: str, fig) -> str:
     """Write the matplotlib figure ``fig`` as a PNG next to the result JSON ``result_path`` (same stem; atomic)
     and close it. Returns the PNG's path."""
-    import matplotlib.pyplot as plt
-
     png = os.path.splitext(result_path)[0] + ".png"
     atomic_write_with(png, lambda fh: fig.savefig(fh, format="png", dpi=110), binary=True, overwrite=True)
     plt.close(fig)
