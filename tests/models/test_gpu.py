@@ -86,3 +86,22 @@ def test_split_k_decode_attention_matches_dense_on_gpu():
     auto = jax.jit(lambda *a: dense_attention(*a[:3], q_positions=a[3], kv_valid=a[4]))(q, k, v, pos, valid)
     for out in (got, auto):
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
+
+
+@needs_gpu
+def test_stacked_split_k_attention_reads_the_layer_in_place_on_gpu():
+    """The stacked form (cache ``[L, B, S, K, D]``, layer a Python int) equals dense attention on the slice."""
+    from models.attention import stacked_split_k_attention
+    from models.decode_attention import SPLIT_K_MIN_SLOTS
+    s, layers = SPLIT_K_MIN_SLOTS + 300, 3
+    k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(k1, (2, 1, 28, 128), jnp.bfloat16)
+    k = jax.random.normal(k2, (layers, 2, s, 4, 128), jnp.bfloat16)
+    v = jax.random.normal(k3, (layers, 2, s, 4, 128), jnp.bfloat16)
+    pos = jnp.asarray([[s - 1], [9000]], jnp.int32)
+    valid = jnp.arange(s)[None] <= jnp.asarray([[s - 1], [9000]])
+    for layer in (0, 2):
+        ref = dense_attention(q, k[layer], v[layer], q_positions=pos, kv_valid=valid, decode_form="einsum")
+        got = jax.jit(lambda *a, i=layer: stacked_split_k_attention(
+            *a[:3], layer=i, q_positions=a[3], kv_valid=a[4]))(q, k, v, pos, valid)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-2)
