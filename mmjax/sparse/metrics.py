@@ -34,6 +34,9 @@ def block_mass(q: jax.Array, k: jax.Array, rows: jax.Array, *, block: int,
 
 def _row_blocks(layout: BlockLayout, rows: jax.Array, batch: int, heads: int) -> jax.Array:
     """bool ``[B, N, R, nk]``: blocks the layout computes for each row's query block."""
+    if layout.kv_windows:
+        raise ValueError("layout: expected a layout of key-block ids (captured_mass counts whole key blocks); "
+                         "received one with kv_windows=True (measure it with mmjax.attention_recall)")
     nk = layout.num_kv_blocks
     blocks = layout.kv_blocks
     count = layout.kv_block_count

@@ -18,6 +18,16 @@ Causality is always decided on *original* positions. Queries are the last ``q_le
 at positions ``> p - w`` only. A layout with ``window=g`` and one with ``gap=g`` split every
 query's causal keys exactly (near / far), whatever blocks they list.
 
+Key windows (``kv_windows=True``, static)
+-----------------------------------------
+Diagonal bands (Vertical-Slash slashes) cover, for a query block, key ranges that start anywhere,
+not on ``block_k`` boundaries. A layout with ``kv_windows`` lists *window starts* instead of
+block ids: entry ``a_j`` (a permuted key index, may be negative) names the keys
+``[a_j, a_j + block_k)``; the entries of a query block ascend strictly, and entry ``j >= 1``
+computes only the keys from ``a_{j-1} + block_k`` on (``[max(a_j, a_{j-1} + block_k),
+a_j + block_k) ∩ [0, kv_len)``), so windows tiled independently over overlapping ranges never
+count a key twice. Entries with ``a_j <= -block_k`` or ``a_j >= kv_len`` contribute nothing.
+
 Every array has leading dims ``[B|1, N|1]``: a size-1 batch or head dim is broadcast, so one
 dense-causal list serves all heads. Block and column lists (and their counts) may also have a
 size-1 query-block dim: one list shared by every query block, each row using its own count
@@ -27,8 +37,9 @@ Contract on the values (what a layout must hold; the kernel adds up what it is g
 ------------------------------------------------------------------------------------
 1. ``0 <= kv_block_count <= max_blocks`` and ``0 <= kv_column_count <= max_cols``;
 2. the first ``kv_block_count`` ids of a list lie in ``[0, num_kv_blocks)`` and are
-   distinct; the first ``kv_column_count`` columns lie in ``[0, kv_len)``, are distinct and
-   fall in no listed block (a repeated key would be counted twice: + ln 2 on the lse);
+   distinct (with ``kv_windows``: starts in ``(-block_k, kv_len)``, strictly ascending); the first
+   ``kv_column_count`` columns lie in ``[0, kv_len)``, are distinct and fall in no listed block
+   or window (a repeated key would be counted twice: + ln 2 on the lse);
 3. ``q_perm`` / ``kv_perm`` are permutations of ``0 .. q_len - 1`` / ``0 .. kv_len - 1``.
 
 Every builder in this project guarantees 1-3 by construction (`dense_causal`,
@@ -75,6 +86,8 @@ class BlockLayout:
         keys at positions <= p - gap (0: plain causal).
       window: causal window (static, >= 0): with causal attention a query at position p sees
         keys at positions > p - window only (0: no window).
+      kv_windows: ``kv_blocks`` holds key-window starts rather than block ids (static; module
+        docstring, "Key windows").
     """
 
     kv_blocks: jax.Array
@@ -89,6 +102,7 @@ class BlockLayout:
     kv_len: int = dataclasses.field(default=0, metadata=dict(static=True))
     gap: int = dataclasses.field(default=0, metadata=dict(static=True))
     window: int = dataclasses.field(default=0, metadata=dict(static=True))
+    kv_windows: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -266,13 +280,23 @@ class BlockLayout:
     def computed_pairs_permuted(self) -> jax.Array:
         """bool ``[B|1, N|1, T, S]`` in permuted order: (row, key) pairs the layout computes,
         before the causal mask. Materialises T x S: for tests and small inputs only."""
-        nq, nk = self.num_q_blocks, self.num_kv_blocks
+        nk = self.num_kv_blocks
         lead = self.kv_blocks.shape[:2]
-        valid = jnp.arange(self.max_blocks) < self.kv_block_count[..., None]
-        onehot = jax.nn.one_hot(jnp.where(valid, self.kv_blocks, nk), nk + 1, dtype=jnp.int32)
-        block_mask = onehot[..., :nk].sum(-2) > 0  # [b, n, nq, nk]
-        pairs = jnp.repeat(jnp.repeat(block_mask, self.block_q, axis=2), self.block_k, axis=3)
-        pairs = pairs[:, :, : self.q_len, : self.kv_len]
+        if self.kv_windows:
+            starts, count = self._full_lists()
+            keys, ok = window_keys(starts, count, self.block_k, self.kv_len)
+            flat = jnp.where(ok, keys, self.kv_len).reshape(-1, self.max_blocks * self.block_k)
+            key_mask = jnp.zeros((flat.shape[0], self.kv_len + 1), bool)
+            key_mask = key_mask.at[jnp.arange(flat.shape[0])[:, None], flat].set(True)[:, : self.kv_len]
+            key_mask = key_mask.reshape(count.shape + (self.kv_len,))  # [b, n, nq, S]
+            pairs = jnp.repeat(key_mask, self.block_q, axis=2)[:, :, : self.q_len]
+            lead = count.shape[:2]
+        else:
+            valid = jnp.arange(self.max_blocks) < self.kv_block_count[..., None]
+            onehot = jax.nn.one_hot(jnp.where(valid, self.kv_blocks, nk), nk + 1, dtype=jnp.int32)
+            block_mask = onehot[..., :nk].sum(-2) > 0  # [b, n, nq, nk]
+            pairs = jnp.repeat(jnp.repeat(block_mask, self.block_q, axis=2), self.block_k, axis=3)
+            pairs = pairs[:, :, : self.q_len, : self.kv_len]
         if self.kv_columns is not None:
             cvalid = jnp.arange(self.max_columns) < self.kv_column_count[..., None]
             cols = jnp.where(cvalid, self.kv_columns, self.kv_len)
@@ -316,8 +340,13 @@ class BlockLayout:
             self.block_k, self.kv_len - jnp.arange(nk) * self.block_k
         ).astype(jnp.float32)  # [nk]
         valid = jnp.arange(self.max_blocks) < self.kv_block_count[..., None]
-        ids = jnp.clip(self.kv_blocks, 0, nk - 1)
-        keys = jnp.where(valid, cols_per_block[ids], 0.0).sum(-1)  # [b, n, nq]
+        if self.kv_windows:  # whole windows (the kernel multiplies all block_k keys), clipped to [0, S)
+            a = self.kv_blocks
+            width = jnp.clip(jnp.minimum(a + self.block_k, self.kv_len) - jnp.maximum(a, 0), 0, self.block_k)
+            keys = jnp.where(valid, width.astype(jnp.float32), 0.0).sum(-1)
+        else:
+            ids = jnp.clip(self.kv_blocks, 0, nk - 1)
+            keys = jnp.where(valid, cols_per_block[ids], 0.0).sum(-1)  # [b, n, nq]
         if self.kv_columns is not None:
             keys = keys + self.kv_column_count.astype(jnp.float32)
         computed = (keys * rows).sum(-1)
@@ -326,6 +355,13 @@ class BlockLayout:
         else:
             total = float(self.q_len * self.kv_len)
         return computed / jnp.float32(total)
+
+    def _full_lists(self) -> tuple[jax.Array, jax.Array]:
+        """(kv_blocks ``[B|1, N|1, nq, max_blocks]``, kv_block_count ``[B|1, N|1, nq]``) with a shared
+        list (query-block dim 1) repeated for every query block."""
+        lead = jnp.broadcast_shapes(self.kv_blocks.shape[:3], self.kv_block_count.shape)
+        return (jnp.broadcast_to(self.kv_blocks, lead + (self.max_blocks,)),
+                jnp.broadcast_to(self.kv_block_count, lead))
 
     def replace(self, **changes: Any) -> "BlockLayout":
         return dataclasses.replace(self, **changes)
@@ -346,14 +382,24 @@ class BlockLayout:
         blocks = jnp.broadcast_to(self.kv_blocks, lead + (mb,))
         used = jnp.arange(mb) < jnp.broadcast_to(count, lead)[..., None]
         ids = jnp.where(used, blocks, 0)
-        checkify.check(jnp.all((ids >= 0) & (ids < nk)),
-                       f"layout.kv_blocks: expected listed ids in [0, {nk}) (kv_len={self.kv_len}, "
-                       f"block_k={self.block_k}); received ids in [{{lo}}, {{hi}}]",
-                       lo=jnp.min(ids), hi=jnp.max(ids))
-        listed = jnp.sort(jnp.where(used, blocks, nk + jnp.arange(mb)), axis=-1)  # unused: distinct, last
-        checkify.check(~jnp.any(listed[..., 1:] == listed[..., :-1]),
-                       "layout.kv_blocks: expected distinct ids per query block; received a repeated id "
-                       "(it would be counted twice)")
+        if self.kv_windows:
+            checkify.check(jnp.all((ids > -self.block_k) & (ids < self.kv_len)),
+                           f"layout.kv_blocks: expected window starts in ({-self.block_k}, {self.kv_len}) "
+                           f"(kv_windows, block_k={self.block_k}); received starts in [{{lo}}, {{hi}}]",
+                           lo=jnp.min(ids), hi=jnp.max(ids))
+            checkify.check(~jnp.any(used[..., 1:] & (blocks[..., 1:] <= blocks[..., :-1])),
+                           "layout.kv_blocks: expected strictly ascending window starts per query block "
+                           "(kv_windows)")
+            listed = jnp.where(used, blocks, self.kv_len + self.block_k)  # ascending, unused last
+        else:
+            checkify.check(jnp.all((ids >= 0) & (ids < nk)),
+                           f"layout.kv_blocks: expected listed ids in [0, {nk}) (kv_len={self.kv_len}, "
+                           f"block_k={self.block_k}); received ids in [{{lo}}, {{hi}}]",
+                           lo=jnp.min(ids), hi=jnp.max(ids))
+            listed = jnp.sort(jnp.where(used, blocks, nk + jnp.arange(mb)), axis=-1)  # unused: distinct, last
+            checkify.check(~jnp.any(listed[..., 1:] == listed[..., :-1]),
+                           "layout.kv_blocks: expected distinct ids per query block; received a repeated id "
+                           "(it would be counted twice)")
         if (self.kv_columns is None) != (self.kv_column_count is None):
             raise ValueError("layout.kv_columns / kv_column_count: expected both or neither")
         if self.kv_columns is not None:
@@ -374,9 +420,15 @@ class BlockLayout:
                            "layout.kv_columns: expected distinct columns per query block; received a repeated "
                            "column (it would be counted twice)")
             rows = jnp.broadcast_to(listed, clead + (mb,)).reshape(-1, mb)
-            cblk = jnp.where(cused, cids // self.block_k, -1).reshape(-1, mc)
-            pos = jax.vmap(jnp.searchsorted)(rows, cblk)
-            hit = jnp.take_along_axis(rows, jnp.minimum(pos, mb - 1), axis=-1) == cblk
+            if self.kv_windows:  # the last start <= column, and the column inside its window
+                cpos = jnp.where(cused, cids, -2 * self.block_k).reshape(-1, mc)
+                pos = jax.vmap(lambda a, c: jnp.searchsorted(a, c, side="right"))(rows, cpos) - 1
+                start = jnp.take_along_axis(rows, jnp.maximum(pos, 0), axis=-1)
+                hit, cblk = (pos >= 0) & (cpos < start + self.block_k), cpos
+            else:
+                cblk = jnp.where(cused, cids // self.block_k, -1).reshape(-1, mc)
+                pos = jax.vmap(jnp.searchsorted)(rows, cblk)
+                hit = jnp.take_along_axis(rows, jnp.minimum(pos, mb - 1), axis=-1) == cblk
             checkify.check(~jnp.any(hit & (cblk >= 0)),
                            "layout.kv_columns: expected columns outside the listed key blocks; received a "
                            "column inside one (it would be counted twice)")
@@ -385,6 +437,19 @@ class BlockLayout:
             if perm is not None:
                 checkify.check(jnp.all(jnp.sort(perm, axis=-1) == jnp.arange(length)),
                                f"layout.{name}: expected a permutation of 0..{length - 1} per (batch, head)")
+
+
+def window_keys(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+    """Keys of key windows (``kv_windows`` layouts). starts int32 ``[..., W]`` (ascending), count
+    ``[...]`` -> (keys int32 ``[..., W, block_k]``: ``a_j + i``, computed bool ``[..., W, block_k]``):
+    listed, inside ``[0, kv_len)`` and not before the previous window's end (module docstring)."""
+    w = starts.shape[-1]
+    first = jnp.full(starts.shape[:-1] + (1,), -(2 ** 30), starts.dtype)
+    prev_end = jnp.concatenate([first, starts[..., :-1]], axis=-1) + block_k
+    keys = starts[..., None] + jnp.arange(block_k, dtype=starts.dtype)
+    listed = jnp.arange(w) < count[..., None]
+    ok = listed[..., None] & (keys >= prev_end[..., None]) & (keys >= 0) & (keys < kv_len)
+    return keys, ok
 
 
 def causal_pairs(q_len: int, kv_len: int) -> float:

@@ -113,6 +113,9 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> No
     if layout.block_k not in BLOCK_KS:
         raise ValueError(f"layout.block_k: expected one of {BLOCK_KS} for implementation='mosaic_gpu'; "
                          f"received {layout.block_k}")
+    if layout.kv_windows:
+        raise ValueError("layout.kv_windows: key windows are not supported by implementation='mosaic_gpu' "
+                         "(use 'triton'); received a layout with kv_windows=True")
     d = q.shape[-1]
     if d > MAX_HEAD_DIM:
         raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; "

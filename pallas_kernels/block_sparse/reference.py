@@ -1,7 +1,8 @@
 """Pure-JAX block-sparse attention: the definition of correct.
 
 For every (batch, head, query block) it gathers the listed key blocks and columns, applies
-the causal mask on original positions, and runs an online softmax in float32 over chunks
+the causal mask on original positions (key windows of ``kv_windows`` layouts: the keys
+`window_keys` names), and runs an online softmax in float32 over chunks
 of keys. Memory is O(B * N * block_q * chunk), never T x S, so 32k tokens run on a CPU.
 """
 
@@ -12,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.block_sparse.layout import BlockLayout
+from pallas_kernels.block_sparse.layout import BlockLayout, window_keys
 from pallas_kernels.nonfinite import finish, poison_keys, score_poison
 from pallas_kernels.tiling import inverse_permutation
 
@@ -83,6 +84,10 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
     mb = blocks.shape[-1]
     cb = max(1, min(chunk_blocks, mb))
     n_chunks = -(-mb // cb)
+    if layout.kv_windows:  # keys [a_j, a_j + bk) from the previous window's end on (layout docstring)
+        win_keys, win_ok = window_keys(blocks, count, bk, s)
+        pad4 = ((0, 0), (0, 0), (0, 0), (0, n_chunks * cb - mb), (0, 0))
+        win_keys, win_ok = jnp.pad(win_keys, pad4), jnp.pad(win_ok, pad4)
     blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, 0), (0, n_chunks * cb - mb)))
     has_cols = layout.kv_columns is not None
     if has_cols:
@@ -119,6 +124,11 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
         blk_i = blocks[:, :, i]  # [B,N,n_chunks*cb]
         cnt_i = count[:, :, i]
 
+        def window_chunk(carry, c):
+            idx = jax.lax.dynamic_slice_in_dim(win_keys[:, :, i], c * cb, cb, axis=2).reshape(b, n, cb * bk)
+            valid = jax.lax.dynamic_slice_in_dim(win_ok[:, :, i], c * cb, cb, axis=2).reshape(b, n, cb * bk)
+            return keys_step(carry, idx, valid, qpos), None
+
         def block_chunk(carry, c):
             ids = jax.lax.dynamic_slice_in_dim(blk_i, c * cb, cb, axis=2)
             slot = c * cb + jnp.arange(cb)
@@ -128,7 +138,7 @@ def block_sparse_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, l
                      & ((ids[..., None] * bk + jnp.arange(bk)) < s))
             return keys_step(carry, idx, valid.reshape(b, n, cb * bk), qpos), None
 
-        carry, _ = jax.lax.scan(block_chunk, carry, jnp.arange(n_chunks))
+        carry, _ = jax.lax.scan(window_chunk if layout.kv_windows else block_chunk, carry, jnp.arange(n_chunks))
         if has_cols:
             col_i, ccnt_i = cols[:, :, i], ccount[:, :, i]
 

@@ -1,7 +1,8 @@
 """Block-sparse flash attention in the Pallas Triton lowering.
 
 One program per (query block, query head, batch). It keeps its query tile in registers and
-follows the layout's key-block list: contiguous key tiles are sliced, permuted key tiles are
+follows the layout's key-block list: contiguous key tiles are sliced (key windows of a
+``kv_windows`` layout: a tile at any start, the keys outside the window masked), permuted key tiles are
 gathered row by row through `kv_perm`, and single key columns are gathered into dense
 ``block_k``-wide tiles. The causal mask (original positions, minus the layout's causal ``gap``) is computed only for tiles
 that can contain a masked pair: a tile whose largest key position is beyond the smallest
@@ -30,7 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.block_sparse.layout import BlockLayout
 from pallas_kernels.nonfinite import finish, poison_keys
 from pallas_kernels.online_softmax import masked_tile, softmax_step, softmax_update, unmasked_tile
-from pallas_kernels.tiling import LN2, LOG2E, inverse_permutation
+from pallas_kernels.tiling import LOG2E, inverse_permutation
 from pallas_kernels.tiling import next_pow2 as _next_pow2
 from pallas_kernels.tiling import pad_to as _pad_to
 
@@ -39,7 +40,7 @@ def _kernel(
     q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs,
     sm_scale: float, causal: bool, block_q: int, block_k: int, num_q_blocks: int,
     kv_len: int, num_kv_blocks: int, q_offset: int, gap: int, window: int, leads: dict[str, tuple[bool, bool]],
-    has_qperm: bool, has_kvperm: bool, has_cols: bool,
+    has_qperm: bool, has_kvperm: bool, has_cols: bool, windows: bool,
 ):
     refs = list(refs)
     qpos_ref = refs.pop(0) if has_qperm else None
@@ -57,6 +58,7 @@ def _kernel(
 
     q = q_ref[...]
     d_pad = q.shape[-1]
+    s_pad = num_kv_blocks * block_k
     scale = sm_scale * LOG2E
     iota_k = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     if has_qperm:
@@ -75,9 +77,15 @@ def _kernel(
         return ok
 
     def block_body(j, carry):
-        blk = blocks_ref[*lead('kv_blocks'), j]
-        in_range = (blk >= 0) & (blk < num_kv_blocks)  # an id out of range contributes nothing
-        start = jnp.where(in_range, blk, 0) * block_k
+        if windows:
+            carry, prev_end = carry[:3], carry[3]
+            start_raw = blocks_ref[*lead('kv_blocks'), j]
+            in_range = (start_raw > -block_k) & (start_raw < kv_len)  # a window outside contributes nothing
+            start = jnp.clip(start_raw, 0, s_pad - block_k)  # load a tile inside k / v, mask the rest
+        else:
+            blk = blocks_ref[*lead('kv_blocks'), j]
+            in_range = (blk >= 0) & (blk < num_kv_blocks)  # an id out of range contributes nothing
+            start = jnp.where(in_range, blk, 0) * block_k
         if has_kvperm:
             k_pos = kvperm_ref[*lead('kv_perm')[:2], pl.ds(start, block_k)]
             k = k_ref[k_pos, :]
@@ -91,17 +99,26 @@ def _kernel(
         need = ((k_last + gap > q_min) if causal else (k_last >= kv_len)) | ~in_range
         if causal and window:
             need = need | (k_first + window <= q_max)
+        if windows:  # keys of the window [start_raw, start_raw + bk), from the previous window's end on
+            lo = jnp.maximum(start_raw, prev_end)
+            idx = start + iota_k
+            in_range = in_range & (idx >= lo) & (idx < start_raw + block_k)
+            need = need | (lo != start) | (start_raw != start)
         k_pos = jnp.where(in_range, k_pos, kv_len)
         s = pltriton.dot(q, k, trans_b=True) * scale  # [bq, bk] f32
         s, poison = lax.cond(need, lambda: masked_tile(s, masked(k_pos)), lambda: unmasked_tile(s))
-        return softmax_update(carry, s, poison, v)
+        carry = softmax_update(carry, s, poison, v)
+        return (*carry, start_raw + block_k) if windows else carry
 
     carry = (
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros((block_q, d_pad), jnp.float32),
     )
-    carry = lax.fori_loop(0, count_ref[*lead('kv_block_count')], block_body, carry)
+    if windows:
+        carry = lax.fori_loop(0, count_ref[*lead('kv_block_count')], block_body, carry + (jnp.int32(-(2 ** 30)),))[:3]
+    else:
+        carry = lax.fori_loop(0, count_ref[*lead('kv_block_count')], block_body, carry)
 
     if has_cols:
         def col_body(t, carry):
@@ -214,7 +231,7 @@ def launch(
         kv_len=layout.kv_len, num_kv_blocks=layout.num_kv_blocks, q_offset=layout.q_offset, gap=layout.gap,
         window=layout.window,
         leads={name: _lead_flags(ops[name]) for name in names},
-        has_qperm=has_qperm, has_kvperm="kv_perm" in ops, has_cols="kv_columns" in ops,
+        has_qperm=has_qperm, has_kvperm="kv_perm" in ops, has_cols="kv_columns" in ops, windows=layout.kv_windows,
     )
     if num_warps is None:
         num_warps, _ = default_launch(bq, bk, d_pad, q_in.dtype)

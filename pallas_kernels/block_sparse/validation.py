@@ -88,13 +88,15 @@ def check_layout_values(layout: BlockLayout) -> None:
         bb, cc = np.broadcast_arrays(blocks, count[..., None])
         used = np.arange(mb) < cc
         ids = bb[used]
-        if ids.size and (ids.min() < 0 or ids.max() >= nk):
+        if layout.kv_windows:
+            _check_windows(layout, bb, used, ids)
+        elif ids.size and (ids.min() < 0 or ids.max() >= nk):
             raise ValueError(
                 f"layout.kv_blocks: expected block ids in [0, {nk}) (kv_len={layout.kv_len}, "
                 f"block_k={layout.block_k}); received ids in [{ids.min()}, {ids.max()}]"
             )
         srt = np.sort(np.where(used, bb, -1 - np.arange(mb)), axis=-1)
-        if (np.diff(srt, axis=-1) == 0).any():
+        if not layout.kv_windows and (np.diff(srt, axis=-1) == 0).any():
             raise ValueError("layout.kv_blocks: expected distinct block ids per query block; "
                              "received a repeated id (it would be counted twice)")
     cols, ccount = _concrete(layout.kv_columns), _concrete(layout.kv_column_count)
@@ -113,7 +115,9 @@ def check_layout_values(layout: BlockLayout) -> None:
                 f"layout.kv_columns: expected key indices in [0, {layout.kv_len}); received "
                 f"indices in [{ids.min()}, {ids.max()}]"
             )
-        if blocks is not None and count is not None and ids.size:
+        if blocks is not None and count is not None and ids.size and layout.kv_windows:
+            _check_columns_outside_windows(layout, blocks, count, c_b, used)
+        elif blocks is not None and count is not None and ids.size:
             lead = np.broadcast_shapes(cols.shape[:3], blocks.shape[:3])
             listed = np.zeros(lead + (nk + 1,), dtype=bool)
             b_b, b_u = np.broadcast_arrays(blocks, np.arange(blocks.shape[-1]) < count[..., None])
@@ -128,3 +132,36 @@ def check_layout_values(layout: BlockLayout) -> None:
         perm = _concrete(getattr(layout, name))
         if perm is not None and not (np.sort(perm, axis=-1) == np.arange(n)).all():
             raise ValueError(f"layout.{name}: expected a permutation of 0..{n - 1} per (batch, head)")
+
+
+def _check_windows(layout: BlockLayout, starts: np.ndarray, used: np.ndarray, ids: np.ndarray) -> None:
+    """Key-window starts (``kv_windows``): in ``(-block_k, kv_len)``, strictly ascending per query block."""
+    bk, s = layout.block_k, layout.kv_len
+    if ids.size and (ids.min() <= -bk or ids.max() >= s):
+        raise ValueError(f"layout.kv_blocks: expected window starts in ({-bk}, {s}) (kv_windows, block_k={bk}); "
+                         f"received starts in [{ids.min()}, {ids.max()}]")
+    if (used[..., 1:] & (np.diff(starts, axis=-1) <= 0)).any():
+        raise ValueError("layout.kv_blocks: expected strictly ascending window starts per query block "
+                         "(kv_windows)")
+
+
+def _check_columns_outside_windows(layout: BlockLayout, starts, count, cols, col_used) -> None:
+    """No listed column inside a listed key window (it would be counted twice). One searchsorted over
+    all rows: row r's starts and columns are shifted into their own range ``[r * big, (r + 1) * big)``."""
+    bk, s = layout.block_k, layout.kv_len
+    lead = np.broadcast_shapes(cols.shape[:3], starts.shape[:3], count.shape)
+    mb, mc = starts.shape[-1], cols.shape[-1]
+    st = np.broadcast_to(starts, lead + (mb,)).reshape(-1, mb).astype(np.int64)
+    used = np.arange(mb) < np.broadcast_to(count, lead).reshape(-1, 1)
+    cc = np.broadcast_to(cols, lead + (mc,)).reshape(-1, mc).astype(np.int64)
+    cu = np.broadcast_to(col_used, lead + (mc,)).reshape(-1, mc)
+    big = s + 2 * bk
+    base = np.arange(st.shape[0], dtype=np.int64)[:, None] * big
+    flat = (base + np.where(used, st + bk, big - 1)).reshape(-1)  # ascending: rows in order, unused last
+    key = (base + cc + bk)[cu]
+    pos = np.searchsorted(flat, key, side="right") - 1
+    row_of_key = np.broadcast_to(base, cc.shape)[cu]
+    start = flat[np.maximum(pos, 0)]
+    if ((pos >= 0) & (start >= row_of_key) & (key < start + bk)).any():
+        raise ValueError("layout.kv_columns: expected columns outside the listed key windows; received a "
+                         "column inside one (it would be counted twice)")

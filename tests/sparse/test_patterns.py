@@ -20,6 +20,7 @@ PATTERNS = [
     SFFixed(local=40, stride=96, summary=8, **SMALL),
     SFStrided(local=40, stride=96, **SMALL),
     VerticalSlash(vertical_size=24, slash_size=32, last_q=16, keep_first=8, keep_local=16, **SMALL),
+    VerticalSlash(vertical_size=24, slash_size=32, last_q=16, keep_first=8, keep_local=16, windows=False, **SMALL),
     Grid(stride_space=(64, 96, 100), last_q=16, local=48, **SMALL),
 ]
 
@@ -201,3 +202,31 @@ def test_last_q_longer_than_queries_and_bad_pattern():
         mmjax.build_layout(q, k, TriShape(last=40, **SMALL))
     with pytest.raises(ValueError, match="pattern: expected an mmjax.sparse.patterns pattern"):
         mmjax.sparse_attention(q, k, v, "grid")
+
+
+@pytest.mark.parametrize("t,s,bound", [(4096, 4096, 1.1), (3000, 4200, 1.15)])
+def test_vertical_slash_windows_compute_about_the_named_pairs(t, s, bound):
+    """Slash ranges start anywhere: windows compute about the pairs the index names (blocks of 128
+    rows; a run of slash keys costs whole 64-key windows, so two lines a few offsets apart cost a
+    third window); aligned key blocks compute more. Bands of adjacent offsets and isolated lines."""
+    from mmjax.sparse.patterns.vertical_slash import index_pairs
+    from pallas_kernels.block_sparse.layout import causal_pairs
+    rng = np.random.default_rng(t)
+    offsets = np.concatenate([np.arange(0, 64), np.arange(200, 230), rng.choice(np.arange(300, t), 20, replace=False)])
+    cols = np.sort(rng.choice(s, 30, replace=False))
+    offsets, cols = jnp.asarray(offsets[None, None], jnp.int32), jnp.asarray(cols[None, None], jnp.int32)
+    score = jnp.zeros((1, 1, s), jnp.float32)
+    named = float(index_pairs(cols, offsets, t, s, 128)[0, 0])
+    pairs = {}
+    for windows in (True, False):
+        vs = VerticalSlash(vertical_size=30, slash_size=offsets.shape[-1], block_q=128, block_k=64, windows=windows)
+        layout = vs.layout_from_index(cols, offsets, score, t, s)
+        check_layout_values(layout)
+        pairs[windows] = float(layout.density()[0, 0]) * causal_pairs(t, s)
+        # every named pair is computed: the mask holds the index's lines and columns
+        mask = np.asarray(layout.to_dense_mask())[0, 0]
+        i = np.arange(t)[:, None] + s - t
+        j = np.arange(s)[None, :]
+        assert (mask >= ((np.isin(i - j, np.asarray(offsets)) | np.isin(j, np.asarray(cols))) & (j <= i))).all()
+    assert named <= pairs[True] <= bound * named
+    assert pairs[True] < pairs[False]

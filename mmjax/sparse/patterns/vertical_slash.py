@@ -1,7 +1,11 @@
 """Vertical-Slash: top vertical columns and top slash diagonals estimated from the last
 queries, compiled to key blocks (slashes) plus single gathered columns (verticals).
 
-Conversion (vectorised, per head): with ``block_q = r * block_k``, the key blocks a slash
+Slashes become key windows by default (``windows=True``, `VerticalSlash._window_layout`): a
+slash's keys for a query block are a diagonal range that starts anywhere, so aligned key blocks
+cover up to twice the pairs it names; windows start where the ranges start.
+
+Conversion to aligned blocks (``windows=False``; vectorised, per head): with ``block_q = r * block_k``, the key blocks a slash
 at offset o touches for query block i are ``i * r + u`` for u in a range that does not
 depend on i. So the covered blocks are one shared set U of relative offsets per head
 (adjacent ranges merge by construction); U is capped at ``max_blocks`` relative blocks
@@ -40,8 +44,11 @@ class VerticalSlash(Pattern):
     vertical_size: columns kept per head; slash_size: diagonals kept per head; last_q: rows
     used for estimation; keep_first: first columns always kept (attention sink);
     keep_local: nearest diagonals always kept (local window); max_blocks: cap on key blocks
-    per query block (default `default_max_blocks`); past the cap, blocks with the least
-    slash mass are dropped.
+    (windows) per query block (default `default_max_blocks`); past the cap, those with the least
+    slash mass are dropped. windows: slashes as ``block_k``-wide key windows at any start
+    (`BlockLayout.kv_windows`: the diagonal ranges are computed, not the aligned blocks around
+    them); False gives aligned key blocks (the layout before windows; Boundary wrappers always use
+    aligned blocks in their packed key order).
     """
 
     vertical_size: int = 1000
@@ -52,6 +59,7 @@ class VerticalSlash(Pattern):
     max_blocks: int | None = None
     block_q: int = 128
     block_k: int = 64
+    windows: bool = True
 
     def validate(self) -> None:
         for name in ("vertical_size", "slash_size", "last_q"):
@@ -84,7 +92,9 @@ class VerticalSlash(Pattern):
 
     def layout_from_index(self, cols, offsets, slash_score, t: int, s: int) -> BlockLayout:
         """cols ``[B,N,vs]``, offsets ``[B,N,ss]`` (key offsets d = i - j), slash_score
-        ``[B,N,S]`` -> layout with per-row block lists and single columns."""
+        ``[B,N,S]`` -> layout with per-row key windows (``windows``) or block lists, and single columns."""
+        if self.windows:
+            return self._window_layout(cols, offsets, slash_score, t, s)
         bq, bk = self.block_q, self.block_k
         r = bq // bk
         nq, nk = cdiv(t, bq), cdiv(s, bk)
@@ -146,6 +156,76 @@ class VerticalSlash(Pattern):
         ccount = col_ok.sum(-1).astype(jnp.int32)
         return BlockLayout(kv_blocks=blocks, kv_block_count=count, kv_columns=kv_cols,
                            kv_column_count=ccount, block_q=bq, block_k=bk, q_len=t, kv_len=s)
+
+    def _window_layout(self, cols, offsets, slash_score, t: int, s: int) -> BlockLayout:
+        """The slashes as key windows (``BlockLayout.kv_windows``). For query block i the keys of
+        offset o are ``base_i + x`` with ``x`` in ``[-o, block_q - 1 - o]`` and ``base_i = i * block_q + S - T``:
+        one set X of relative keys per head (the union over the offsets), tiled into ``block_k``-wide
+        windows from the start of each of its runs. Past ``max_blocks`` windows, those with the least
+        slash mass are dropped. Query block i lists ``base_i + x_j`` for the windows that reach keys
+        ``>= 0`` and start at or before its last causal key; verticals in no listed window are its columns.
+        Arrays of ``S + block_q`` relative keys per head; no sort over them."""
+        bq, bk = self.block_q, self.block_k
+        r = bq // bk
+        nq = cdiv(t, bq)
+        off = s - t
+        span = s + bq  # relative key x lives at index x + s - 1, x in [-(s - 1), bq - 1]
+        lead = offsets.shape[:2]
+        valid = offsets < s
+        score = jnp.where(jnp.isinf(slash_score), 1.0, slash_score)
+        o_mass = jnp.where(valid, jnp.take_along_axis(score, jnp.clip(offsets, 0, s - 1), -1), 0.0) + 1.0
+        lo = jnp.where(valid, s - 1 - offsets, span)
+        hi = jnp.where(valid, s - 1 - offsets + bq, span)
+
+        def scatter(values):
+            return jax.vmap(jax.vmap(lambda a, b, w: jnp.zeros((span + 1,), w.dtype).at[a].add(w).at[b].add(-w)))(
+                lo, hi, values)
+
+        covered = jnp.cumsum(scatter(valid.astype(jnp.int32)), -1)[..., :span] > 0  # [B, N, span]
+        density = jnp.cumsum(scatter(o_mass / bq), -1)[..., :span]  # slash mass per relative key
+        x = jnp.arange(span, dtype=jnp.int32)
+        run_start = covered & ~jnp.concatenate([jnp.zeros(lead + (1,), bool), covered[..., :-1]], -1)
+        run_first = jax.lax.cummax(jnp.where(run_start, x, -1), axis=2)
+        is_start = covered & ((x - run_first) % bk == 0)
+        n_max = min(span, self.slash_size * (r + 1))
+        slot = jnp.where(is_start, jnp.cumsum(is_start, -1) - 1, n_max)
+        win_id = jnp.where(covered, jnp.cumsum(is_start, -1) - 1, n_max)
+        put = jax.vmap(jax.vmap(lambda i, w: jnp.zeros((n_max + 1,), w.dtype).at[i].add(w)))
+        starts = put(slot, jnp.where(is_start, x, 0))[..., :n_max]
+        mass = put(win_id, jnp.where(covered, density, 0.0))[..., :n_max]
+        n_win = is_start.sum(-1)  # [B, N]
+        cap = min(n_max, self.max_blocks or default_max_blocks(self.slash_size, bk, r))
+        listed = jnp.arange(n_max) < n_win[..., None]
+        top, pick = jax.lax.top_k(jnp.where(listed, mass + 1.0, -1.0), cap)
+        rel = jnp.sort(jnp.where(top >= 0, jnp.take_along_axis(starts, pick, -1), span), -1)  # [B, N, cap]
+        kept = rel < span
+        rel = rel - (s - 1)
+        # Per query block: absolute starts, the run that reaches keys >= 0 and starts by the causal end.
+        qi = jnp.arange(nq)
+        base = qi * bq + off
+        qe = jnp.minimum((qi + 1) * bq, t) - 1 + off
+        absolute = base[:, None] + rel[..., None, :]  # [B, N, nq, cap]
+        ok = kept[..., None, :] & (absolute + bk > 0) & (absolute <= qe[:, None])
+        first = (kept[..., None, :] & (absolute + bk <= 0)).sum(-1, keepdims=True)
+        count = ok.sum(-1).astype(jnp.int32)
+        idx = jnp.minimum(jnp.arange(cap) + first, cap - 1)
+        blocks = jnp.where(jnp.arange(cap) < count[..., None], jnp.take_along_axis(absolute, idx, -1), 0)
+        # Verticals: causal and in no kept window (relative key c - base_i outside their union).
+        edges = jnp.stack([jnp.where(kept, rel + s - 1, span + bk), jnp.where(kept, rel + s - 1 + bk, span + bk)])
+        inside = jax.vmap(jax.vmap(lambda a, b: jnp.zeros((span + bk + 1,), jnp.int32).at[a].add(1).at[b].add(-1)))(
+            edges[0], edges[1])
+        inside = jnp.cumsum(inside, -1) > 0  # [B, N, span + bk + 1]
+        c_rel = cols[..., None, :] - base[:, None] + s - 1  # [B, N, nq, vs]
+        in_win = jnp.take_along_axis(inside[..., None, :], jnp.clip(c_rel, 0, span + bk), -1) & (c_rel >= 0)
+        col_ok = (cols[..., None, :] <= qe[:, None]) & ~in_win
+        vs = cols.shape[-1]
+        col_slot = jnp.where(col_ok, jnp.cumsum(col_ok, -1) - 1, vs)
+        kv_cols = jnp.zeros(col_ok.shape[:-1] + (vs + 1,), jnp.int32)
+        kv_cols = jnp.put_along_axis(kv_cols, col_slot, jnp.broadcast_to(cols[..., None, :], col_slot.shape),
+                                     axis=-1, inplace=False)[..., :vs]
+        return BlockLayout(kv_blocks=blocks.astype(jnp.int32), kv_block_count=count, kv_columns=kv_cols,
+                           kv_column_count=col_ok.sum(-1).astype(jnp.int32), block_q=bq, block_k=bk, q_len=t,
+                           kv_len=s, kv_windows=True)
 
     def build_layout(self, q, k, *, modality=None) -> BlockLayout:
         cols, offsets, slash = self.estimate(q, k)
@@ -229,3 +309,30 @@ class VerticalSlash(Pattern):
         return BlockLayout(kv_blocks=blocks, kv_block_count=count, kv_columns=kv_cols,
                            kv_column_count=col_ok.sum(-1).astype(jnp.int32), q_perm=q_perm,
                            kv_perm=order.perm, block_q=bq, block_k=bk, q_len=t, kv_len=s)
+
+
+def index_pairs(cols: jax.Array, offsets: jax.Array, t: int, s: int, block_q: int) -> jax.Array:
+    """Query-key pairs a Vertical-Slash index names at query-block granularity (what a
+    diagonal-window kernel such as MInference's computes at best), float32 ``[B, N]``: for each
+    query block, its rows times the keys up to its last causal key that lie on one of its slash
+    ranges (``[base - o, base + block_q - 1 - o]``, base = its first query position) or are a
+    vertical. cols ``[B,N,vs]`` and offsets ``[B,N,ss]`` as from `VerticalSlash.estimate`
+    (offsets >= S name nothing). Compare with ``layout.density() * causal_pairs(t, s)``."""
+    nq, off, span = cdiv(t, block_q), s - t, s + block_q
+    valid = offsets < s
+    lo = jnp.where(valid, s - 1 - offsets, span)
+    hi = jnp.where(valid, s - 1 - offsets + block_q, span)
+    delta = jax.vmap(jax.vmap(lambda a, b: jnp.zeros((span + 1,), jnp.int32).at[a].add(1).at[b].add(-1)))(lo, hi)
+    covered = jnp.cumsum(delta, -1)[..., :span] > 0  # relative key x at index x + s - 1
+    prefix = jnp.concatenate([jnp.zeros(covered.shape[:2] + (1,), jnp.int32), jnp.cumsum(covered, -1)], -1)
+    qi = jnp.arange(nq)
+    base = qi * block_q + off
+    qe = jnp.minimum((qi + 1) * block_q, t) - 1 + off
+    rows = (jnp.minimum((qi + 1) * block_q, t) - qi * block_q).astype(jnp.float32)
+    first = jnp.clip(s - 1 - base, 0, span)  # relative key -base (key 0)
+    last = jnp.clip(qe - base + s, 0, span)  # one past relative key qe - base
+    slash_keys = prefix[..., last] - prefix[..., first]  # [B, N, nq]
+    c_rel = cols[..., None, :] - base[:, None] + s - 1
+    on_slash = jnp.take_along_axis(covered[..., None, :], jnp.clip(c_rel, 0, span - 1), -1) & (c_rel < span)
+    vert = ((cols[..., None, :] <= qe[:, None]) & ~on_slash).sum(-1)
+    return ((slash_keys + vert).astype(jnp.float32) * rows).sum(-1)

@@ -1,0 +1,165 @@
+"""Key windows (``BlockLayout.kv_windows``): block_k-wide key tiles at any start, a window computing
+only the keys past the previous one's end. Kernel (interpret) and reference equal masked dense
+attention on the mask the layout names; the mask follows the trimming rule; bad layouts are refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels.block_sparse.validation import check_layout_values
+from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
+
+
+def random_window_layout(rng, b, n, t, s, bq, bk, *, columns=0, perm=False, max_windows=6):
+    """Random ascending window starts in (-bk, s) (overlapping ones included), an empty query block,
+    and optional single columns outside every window."""
+    nq = -(-t // bq)
+    starts = np.zeros((b, n, nq, max_windows), np.int32)
+    count = np.zeros((b, n, nq), np.int32)
+    cols = np.zeros((b, n, nq, max(columns, 1)), np.int32)
+    ccount = np.zeros((b, n, nq), np.int32)
+    for idx in np.ndindex(b, n, nq):
+        if idx[2] == 1:
+            continue  # an empty query block
+        m = int(rng.integers(1, max_windows + 1))
+        a = np.sort(rng.choice(np.arange(-bk + 1, s), size=m, replace=False))
+        starts[idx][:m], count[idx] = a, m
+        if columns:
+            covered = np.zeros(s, bool)
+            for x in a:
+                covered[max(x, 0):x + bk] = True
+            free = np.flatnonzero(~covered)
+            c = rng.choice(free, size=min(columns, free.size, int(rng.integers(0, columns + 1))), replace=False)
+            cols[idx][:c.size], ccount[idx] = c, c.size
+    kw = {}
+    if columns:
+        kw = dict(kv_columns=jnp.asarray(cols), kv_column_count=jnp.asarray(ccount))
+    if perm:
+        kw["q_perm"] = jnp.asarray(np.stack([rng.permutation(t) for _ in range(b * n)]).reshape(b, n, t), jnp.int32)
+        kw["kv_perm"] = jnp.asarray(np.stack([rng.permutation(s) for _ in range(b * n)]).reshape(b, n, s), jnp.int32)
+    return BlockLayout(kv_blocks=jnp.asarray(starts), kv_block_count=jnp.asarray(count), block_q=bq, block_k=bk,
+                       q_len=t, kv_len=s, kv_windows=True, **kw)
+
+
+def _trimmed_mask(layout):
+    """Permuted-order computed pairs by the trimming rule, in NumPy."""
+    starts, count = (np.broadcast_to(np.asarray(x), np.broadcast_shapes(
+        layout.kv_blocks.shape[:3], layout.kv_block_count.shape) + tail)
+        for x, tail in ((layout.kv_blocks, (layout.max_blocks,)), (layout.kv_block_count, ())))
+    out = np.zeros(count.shape + (layout.kv_len,), bool)
+    for idx in np.ndindex(count.shape):
+        end = -(2 ** 30)
+        for a in starts[idx][: count[idx]]:
+            lo = max(a, end, 0)
+            out[idx][lo:max(lo, min(a + layout.block_k, layout.kv_len))] = True
+            end = a + layout.block_k
+    return out
+
+
+CASES = [  # b, t, s, n, kh, bq, bk, columns, perm
+    (1, 96, 96, 2, 1, 32, 16, 0, False),
+    (2, 70, 130, 4, 2, 32, 32, 5, False),  # ragged (queries are the last 70 of 130), GQA, columns
+    (1, 64, 100, 2, 2, 16, 32, 3, True),   # block_q < block_k, permuted queries and keys
+]
+
+
+@pytest.mark.parametrize("b,t,s,n,kh,bq,bk,columns,perm", CASES)
+def test_windows_equal_masked_dense_attention(b, t, s, n, kh, bq, bk, columns, perm):
+    rng = np.random.default_rng(b * t + s)
+    layout = random_window_layout(rng, b, n, t, s, bq, bk, columns=columns, perm=perm)
+    check_layout_values(layout)
+    np.testing.assert_array_equal(np.asarray(layout.computed_pairs_permuted())[..., ::bq, :],
+                                  _trimmed_mask(layout) | np.asarray(
+                                      layout.replace(kv_block_count=jnp.zeros_like(layout.kv_block_count))
+                                      .computed_pairs_permuted())[..., ::bq, :])
+    q, k, v = random_qkv(s + t, b, t, s, n, kh, 32)
+    ref, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    for impl in ("triton", "reference"):
+        out, lse = block_sparse_attention(q, k, v, layout, implementation=impl, interpret=True)
+        assert rel_err(out, ref) < 1e-5, impl
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-4, rtol=1e-5)
+
+
+def test_overlapping_windows_count_each_key_once():
+    """Windows at 0, 10, 20 (block_k 16) compute keys 0..35 once: same result as one dense prefix."""
+    t = s = 64
+    q, k, v = random_qkv(3, 1, t, s, 1, 1, 16)
+    starts = jnp.asarray([[[[0, 10, 20]]]], jnp.int32)
+    win = BlockLayout(kv_blocks=starts, kv_block_count=jnp.full((1, 1, 4), 3, jnp.int32), block_q=16, block_k=16,
+                      q_len=t, kv_len=s, kv_windows=True)
+    mask = (jnp.arange(s) < 36)[None, None, None, :] & (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])
+    ref, _ = masked_dense_attention(q, k, v, mask)
+    np.testing.assert_array_equal(np.asarray(win.to_dense_mask()), np.asarray(mask))
+    for impl in ("triton", "reference"):
+        out, _ = block_sparse_attention(q, k, v, win, implementation=impl, interpret=True)
+        assert rel_err(out, ref) < 1e-5, impl
+    # density counts whole windows the kernel multiplies (clipped to [0, S)), not the trimmed keys
+    assert float(win.density(causal=False)[0, 0]) == pytest.approx(48 / s)
+
+
+def test_windows_jit_and_traced_out_of_range_starts_contribute_nothing():
+    t = s = 64
+    q, k, v = random_qkv(4, 1, t, s, 2, 1, 16)
+    ok = jnp.asarray([[[[-5, 30]]]], jnp.int32)
+    bad = jnp.asarray([[[[-40, -5, 30, 64, 90]]]], jnp.int32)  # -40 and >= S: nothing; -5: keys 0..10
+
+    def run(starts):
+        lay = BlockLayout(kv_blocks=starts, kv_block_count=jnp.full((1, 1, 4), starts.shape[-1], jnp.int32),
+                          block_q=16, block_k=16, q_len=t, kv_len=s, kv_windows=True)
+        return block_sparse_attention(q, k, v, lay, implementation="triton", interpret=True)[0]
+
+    want = jax.jit(run)(ok)
+    got = jax.jit(run)(bad)
+    assert bool(jnp.all(jnp.isfinite(got))) and rel_err(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("starts,count,match", [
+    ([[-16, 5]], [2], r"window starts in \(-16, 64\)"),
+    ([[3, 64]], [2], r"window starts in \(-16, 64\)"),
+    ([[8, 8]], [2], "strictly ascending"),
+    ([[20, 4]], [2], "strictly ascending"),
+])
+def test_bad_windows_are_refused_naming_the_field(starts, count, match):
+    lay = BlockLayout(kv_blocks=jnp.asarray([[starts[0]]] * 1, jnp.int32)[None].reshape(1, 1, 1, -1),
+                      kv_block_count=jnp.asarray(count * 4, jnp.int32).reshape(1, 1, 4), block_q=16, block_k=16,
+                      q_len=64, kv_len=64, kv_windows=True)
+    with pytest.raises(ValueError, match=match):
+        check_layout_values(lay)
+    q, k, v = random_qkv(5, 1, 64, 64, 1, 1, 16)
+    with pytest.raises(ValueError, match="layout.kv_blocks"):
+        block_sparse_attention(q, k, v, lay, interpret=True)
+
+
+def test_column_inside_a_window_is_refused():
+    lay = BlockLayout(kv_blocks=jnp.asarray([[[[3, 40]]]], jnp.int32), kv_block_count=jnp.full((1, 1, 4), 2, jnp.int32),
+                      kv_columns=jnp.asarray([[[[30, 18]]]], jnp.int32),  # 18 is inside [3, 19)
+                      kv_column_count=jnp.full((1, 1, 4), 2, jnp.int32), block_q=16, block_k=16, q_len=64, kv_len=64,
+                      kv_windows=True)
+    with pytest.raises(ValueError, match="columns outside the listed key windows"):
+        check_layout_values(lay)
+    ok = lay.replace(kv_columns=jnp.asarray([[[[30, 19]]]], jnp.int32))
+    check_layout_values(ok)
+
+
+def test_checkify_contract_check_knows_windows():
+    from jax.experimental import checkify
+    good = BlockLayout(kv_blocks=jnp.asarray([[[[-3, 20]]]], jnp.int32), kv_block_count=jnp.full((1, 1, 4), 2,
+                       jnp.int32), block_q=16, block_k=16, q_len=64, kv_len=64, kv_windows=True)
+    err, _ = checkify.checkify(lambda lay: lay.check())(good)
+    err.throw()
+    bad = good.replace(kv_blocks=jnp.asarray([[[[20, -3]]]], jnp.int32))
+    err, _ = checkify.checkify(lambda lay: lay.check())(bad)
+    with pytest.raises(checkify.JaxRuntimeError, match="strictly ascending"):
+        err.throw()
+
+
+def test_mosaic_gpu_refuses_windows():
+    from pallas_kernels.block_sparse.mosaic_gpu import check_supported, preferred
+    lay = BlockLayout(kv_blocks=jnp.asarray([[[[0]]]], jnp.int32), kv_block_count=jnp.ones((1, 1, 1), jnp.int32),
+                      block_q=128, block_k=64, q_len=128, kv_len=128, kv_windows=True)
+    q = jnp.ones((1, 128, 1, 64), jnp.bfloat16)
+    assert not preferred(q, lay)
+    with pytest.raises(ValueError, match="kv_windows"):
+        check_supported(q, lay, None)
