@@ -16,7 +16,7 @@ An *attention function* has the signature::
                  (queries are the last T of the S positions in prefill); None in decode
     out:         [B, T, N, D] in q.dtype
 
-A function with the attribute ``reads_stacked_cache = True`` (`stacked_split_k_attention`)
+A function with the attribute ``reads_stacked_cache = True`` (`dense_attention`)
 is handed, when a layer attends to its whole cache (decode), the stacked cache arrays ``[L, B, S, K, D]``
 instead of the layer's slice (a Pallas kernel can read the layer in place; the slice would be copied).
 
@@ -154,9 +154,12 @@ def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None
     copy of the cache; same results), everything else with the einsum form; "einsum" always uses the einsum
     form.
     """
-    del layer, modality
+    del modality
     if decode_form not in ("auto", "einsum"):
         raise ValueError(f"decode_form: expected 'auto' or 'einsum', got {decode_form!r}")
+    if k.ndim == 5:
+        return _dense_on_stacked(q, k, v, layer, q_positions, kv_valid, sm_scale, causal, block_q, block_k,
+                                 direct_max_scores, check_finite, decode_form)
     _check_qkv(q, k, v, q_positions, kv_valid)
     scale = check_sm_scale(sm_scale, q.shape[-1])
     if check_finite:
@@ -177,24 +180,43 @@ def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None
     return _blocked(q, k, v, q_positions, kv_valid, scale, causal, block_q, block_k)
 
 
-def stacked_split_k_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None) -> jax.Array:
-    """Decode attention that reads the whole stacked cache (``models.attention`` protocol, with
-    ``reads_stacked_cache``): the decoder passes k, v as the cache arrays ``[L, B, S, K, D]`` (no per-layer
-    slice, so XLA does not copy the layer's keys and values before the kernel: at 25.6k slots the split-K
-    default read the cache twice and wrote it once per step) whenever the layer is a Python int (unrolled
-    decode), the whole cache is attended and it is stored in the compute dtype; a one-query step then runs
-    `split_k_decode_attention` on layer ``layer`` in place. Anything else (k, v ``[B, S, K, D]``, a traced
-    layer, several queries per row, per-query masks) is ``dense_attention`` on the layer's slice.
-    """
-    if k.ndim == 5:
-        if isinstance(layer, int) and q.shape[1] == 1 and kv_valid.ndim == 2:
-            return split_k_decode_attention(q, k, v, layer=layer, q_positions=q_positions, kv_valid=kv_valid,
-                                            stacked=True)
+dense_attention.reads_stacked_cache = True
+
+
+def _dense_on_stacked(q, k, v, layer, q_positions, kv_valid, sm_scale, causal, block_q, block_k,
+                      direct_max_scores, check_finite, decode_form) -> jax.Array:
+    """`dense_attention` handed the stacked cache ``[L, B, S, K, D]`` (``reads_stacked_cache``: the decoder does
+    so when a layer attends to its whole cache in the compute dtype). A decode step of an unrolled decoder
+    (``layer`` a Python int, one query per row, per-row masks) over at least ``SPLIT_K_MIN_SLOTS`` slots runs
+    the split-K kernel on layer ``layer`` where it lies on CUDA: slicing it out first made XLA copy the
+    layer's keys and values every step (one H100, 25.6k slots, 2026-11-25: 8.01 -> 7.12 ms at B=1,
+    12.18 -> 8.14 at B=4, 29.83 -> 14.16 at B=16). Everything else attends to the layer's slice."""
+    if k.ndim != 5 or v.shape != k.shape:
+        raise ValueError(f"k/v: expected the stacked cache [L, B, S, K, D] (both the same shape), got {k.shape}, "
+                         f"{v.shape}")
+    if layer is None:
+        raise ValueError("layer: expected the layer index with a stacked cache k/v [L, B, S, K, D], got None")
+    rest = dict(sm_scale=sm_scale, causal=causal, block_q=block_q, block_k=block_k,
+                direct_max_scores=direct_max_scores, check_finite=check_finite, decode_form=decode_form)
+
+    def sliced(q, k, v, q_positions, kv_valid):
         k, v = jax.lax.dynamic_index_in_dim(k, layer, 0, False), jax.lax.dynamic_index_in_dim(v, layer, 0, False)
-    return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid)
+        return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid, **rest)
 
-
-stacked_split_k_attention.reads_stacked_cache = True
+    in_place = (isinstance(layer, int) and decode_form == "auto" and not check_finite and q.ndim == 4
+                and q.shape[1] == 1 and kv_valid.ndim == 2 and k.shape[2] >= SPLIT_K_MIN_SLOTS)
+    if not in_place:
+        return sliced(q, k, v, q_positions, kv_valid)
+    _check_qkv(q, k[0], v[0], q_positions, kv_valid)
+    if not 0 <= layer < k.shape[0]:
+        raise ValueError(f"layer: expected 0 <= layer < {k.shape[0]} (stacked cache layers), got {layer}")
+    scale = check_sm_scale(sm_scale, q.shape[-1])
+    return jax.lax.platform_dependent(
+        q, k, v, q_positions, kv_valid,
+        default=sliced,
+        cuda=lambda *a: split_k_decode_attention(*a[:3], layer=layer, q_positions=a[3], kv_valid=a[4],
+                                                 sm_scale=scale, causal=causal, stacked=True,
+                                                 implementation="triton", interpret=False))
 
 
 def cudnn_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None,

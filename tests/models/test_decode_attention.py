@@ -93,9 +93,8 @@ def test_dense_attention_takes_the_split_k_kernel_for_long_decode_on_cuda(b, s, 
     assert ("__gpu$xla.gpu.triton" in text) == split_k
 
 
-def test_stacked_split_k_attention_gets_the_stacked_cache_and_decodes_like_dense():
+def test_dense_attention_gets_the_stacked_cache_and_decodes_like_the_layer_slice():
     from mmjax.inference import decode_step, prefill
-    from models.attention import stacked_split_k_attention
     from models.qwen2_5_vl import Qwen2_5_VL
     from tests.models.helpers import small_config, video_prompt
     cfg = small_config()
@@ -105,13 +104,47 @@ def test_stacked_split_k_attention_gets_the_stacked_cache_and_decodes_like_dense
 
     def spy(q, k, v, **kw):
         seen.append(k.ndim)
-        return stacked_split_k_attention(q, k, v, **kw)
+        return dense_attention(q, k, v, **kw)
 
     spy.reads_stacked_cache = True
     dense = prefill(model, inputs, "dense", max_length=96)
     tok = jnp.argmax(dense.logits, -1)
-    want, _ = decode_step(model, dense.cache, tok)
+    want, _ = decode_step(model, dense.cache, tok, attention=lambda q, k, v, **kw: dense_attention(q, k, v, **kw))
     again = prefill(model, inputs, "dense", max_length=96)
     got, _ = decode_step(model, again.cache, tok, attention=spy)
     assert seen and set(seen) == {5}  # every layer was handed [L, B, S, K, D]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+    again = prefill(model, inputs, "dense", max_length=96)
+    default, _ = decode_step(model, again.cache, tok)  # the default attention reads the stacked cache too
+    np.testing.assert_allclose(np.asarray(default), np.asarray(want), atol=2e-5)
+
+
+def test_dense_attention_on_a_stacked_cache_lowers_to_split_k_in_place_on_cuda():
+    """Unrolled decode (layer a Python int) over >= SPLIT_K_MIN_SLOTS slots: one Triton call whose operand
+    is the whole stacked cache; a traced layer gets the layer's slice (the split-K kernel on the slice)."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    sds, s = jax.ShapeDtypeStruct, SPLIT_K_MIN_SLOTS
+    args = (sds((2, 1, 28, 128), jnp.bfloat16), sds((3, 2, s, 4, 128), jnp.bfloat16),
+            sds((3, 2, s, 4, 128), jnp.bfloat16), sds((2, 1), jnp.int32), sds((2, s), jnp.bool_))
+
+    def calls(fn, *extra):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
+        return [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+
+    call = calls(lambda q, k, v, p, m: dense_attention(q, k, v, layer=1, q_positions=p, kv_valid=m))
+    assert len(call) == 1 and f"tensor<3x2x{s}x4x128xbf16>" in call[0]
+    call = calls(lambda q, k, v, p, m, i: dense_attention(q, k, v, layer=i, q_positions=p, kv_valid=m),
+                 sds((), jnp.int32))
+    assert len(call) == 1 and f"tensor<3x2x{s}x4x128xbf16>" not in call[0] and f"tensor<2x{s}x4x128xbf16>" in call[0]
+
+
+def test_dense_attention_stacked_cache_errors_name_the_argument():
+    q = jnp.ones((1, 1, 2, 8))
+    kv = jnp.ones((2, 1, 16, 1, 8))
+    pos, valid = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 16), bool)
+    with pytest.raises(ValueError, match="layer: expected the layer index"):
+        dense_attention(q, kv, kv, q_positions=pos, kv_valid=valid)
+    with pytest.raises(ValueError, match="k/v: expected the stacked cache"):
+        dense_attention(q, kv, kv[..., :4], layer=0, q_positions=pos, kv_valid=valid)

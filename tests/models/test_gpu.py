@@ -89,9 +89,8 @@ def test_split_k_decode_attention_matches_dense_on_gpu():
 
 
 @needs_gpu
-def test_stacked_split_k_attention_reads_the_layer_in_place_on_gpu():
+def test_dense_attention_reads_a_stacked_cache_layer_in_place_on_gpu():
     """The stacked form (cache ``[L, B, S, K, D]``, layer a Python int) equals dense attention on the slice."""
-    from models.attention import stacked_split_k_attention
     from models.decode_attention import SPLIT_K_MIN_SLOTS
     s, layers = SPLIT_K_MIN_SLOTS + 300, 3
     k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
@@ -102,6 +101,6 @@ def test_stacked_split_k_attention_reads_the_layer_in_place_on_gpu():
     valid = jnp.arange(s)[None] <= jnp.asarray([[s - 1], [9000]])
     for layer in (0, 2):
         ref = dense_attention(q, k[layer], v[layer], q_positions=pos, kv_valid=valid, decode_form="einsum")
-        got = jax.jit(lambda *a, i=layer: stacked_split_k_attention(
+        got = jax.jit(lambda *a, i=layer: dense_attention(
             *a[:3], layer=i, q_positions=a[3], kv_valid=a[4]))(q, k, v, pos, valid)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-2)

@@ -71,7 +71,7 @@ from mmjax.parallel import cache_sharding, devices_mesh, shard_model
 from mmjax.parallel.attention import decode_attention as mesh_attention
 from mmjax.parallel.run import place_cache
 from mmjax.timing import device_name
-from models.attention import LayerAttention, resolve_attention, stacked_split_k_attention
+from models.attention import LayerAttention, dense_attention, resolve_attention
 from models.decode_attention import reduce_attention
 from models.kv_cache import KVCache
 from models.qwen2_5_vl import model as qwen_vl
@@ -122,7 +122,7 @@ VARIANTS: dict[str, tuple[str, tuple[tuple[str, bool | int | str], ...]]] = {
     "reduce_attn": ("reduce", ()),
     "split_k": ("split_k", ()),
     "split_k_slice_fusion": ("split_k", (("xla_gpu_enable_dynamic_slice_fusion", True),)),
-    "split_k_stacked": ("split_k_stacked", ()),
+    "layer_slice": ("layer_slice", ()),
     "cublas": ("dense", (("xla_gpu_enable_triton_gemm", False),)),
     "slice_fusion": ("dense", (("xla_gpu_enable_dynamic_slice_fusion", True),)),
     "no_cuda_graphs": ("dense", (("xla_gpu_enable_command_buffer", ""),)),
@@ -130,21 +130,27 @@ VARIANTS: dict[str, tuple[str, tuple[tuple[str, bool | int | str], ...]]] = {
 
 
 def decode_attention(name: str) -> LayerAttention:
-    """The decode attention of a variant: "dense" (the models' default), "einsum" (XLA's einsum form at
-    every batch), "reduce" (multiply-reduce over the cache as it lies), "split_k" (the split-K Pallas
-    kernel) or "split_k_stacked" (the same kernel reading each layer inside the stacked cache, no per-layer
-    copy)."""
+    """The decode attention of a variant: "dense" (the models' default: on CUDA from ``SPLIT_K_MIN_SLOTS``
+    slots the split-K kernel reading each layer inside the stacked cache), "layer_slice" (the same function
+    handed each layer's slice, as before 2026-11-25: XLA copies the layer's keys and values first), "einsum"
+    (XLA's einsum form at every batch), "reduce" (multiply-reduce over the cache as it lies) or "split_k"
+    (the split-K Pallas kernel on the layer's slice at any length)."""
     if name == "dense":
         return resolve_attention("dense")
+    if name == "layer_slice":
+        return LayerAttention(uniform=layer_slice_attention)
     if name == "einsum":
         return LayerAttention(uniform=einsum_attention)
     if name == "reduce":
         return LayerAttention(uniform=reduce_attention)
     if name == "split_k":
         return LayerAttention(uniform=split_k_attention)
-    if name == "split_k_stacked":
-        return LayerAttention(uniform=stacked_split_k_attention)
-    raise ValueError(f"attention: expected 'dense', 'einsum', 'reduce', 'split_k' or 'split_k_stacked', got {name!r}")
+    raise ValueError(f"attention: expected 'dense', 'layer_slice', 'einsum', 'reduce' or 'split_k', got {name!r}")
+
+
+def layer_slice_attention(q, k, v, **kw):
+    """`dense_attention` without ``reads_stacked_cache``: the decoder hands it the layer's slice."""
+    return dense_attention(q, k, v, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("attention",), donate_argnames=("cache",))
