@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "decode_layers": ("mmjax.drivers.bench.decode_layers", "7B decode step: layers under lax.scan vs unrolled"),
     "decode": ("mmjax.drivers.bench.decode", "7B decode vs the memory roofline: B 1/4/16, 1k-128k, host vs in-jit"),
     "vision": ("mmjax.drivers.bench.vision", "7B vision tower alone: XLA vs cuDNN attention, window order forms"),
+    "slash_windows": ("mmjax.drivers.bench.slash_windows", "Vertical-Slash: key windows vs aligned blocks, pairs + ms"),
 }
 
 

@@ -41,3 +41,23 @@ def test_dense_layout_matches_cudnn():
     out, _ = block_sparse_attention(q, k, v, layout, implementation="triton")
     ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     assert rel_err(out, ref) < 2e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float16, 5e-3)])
+@pytest.mark.parametrize("b,t,s,n,kh,d,bq,bk,columns", [
+    (1, 1000, 1000, 28, 4, 128, 128, 64, 24),
+    (2, 300, 777, 8, 2, 64, 64, 64, 0),
+])
+def test_triton_key_windows_match_dense_on_gpu(dtype, tol, b, t, s, n, kh, d, bq, bk, columns):
+    from tests.pallas_kernels.block_sparse.test_windows import random_window_layout
+    rng = np.random.default_rng(t + s + d + 1)
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, dtype)
+    layout = random_window_layout(rng, b, n, t, s, bq, bk, columns=columns, max_windows=8)
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="triton")
+    ref_out, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_err(out, ref_out) < tol
+    fin = np.isfinite(np.asarray(ref_lse))
+    assert (np.isfinite(np.asarray(lse)) == fin).all()
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=5e-2)
