@@ -77,7 +77,6 @@ def run(lengths, *, heads: int, vertical: int, slash: int, reps: int, on_gpu: bo
                 row[f"{tag}_rel_err"] = _rel_err(out, ref)
         rows.append(row)
         log({k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()})
-        del q, k, v, outs
     return rows
 
 
