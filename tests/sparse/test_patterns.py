@@ -20,7 +20,7 @@ PATTERNS = [
     SFFixed(local=40, stride=96, summary=8, **SMALL),
     SFStrided(local=40, stride=96, **SMALL),
     VerticalSlash(vertical_size=24, slash_size=32, last_q=16, keep_first=8, keep_local=16, **SMALL),
-    VerticalSlash(vertical_size=24, slash_size=32, last_q=16, keep_first=8, keep_local=16, windows=False, **SMALL),
+    VerticalSlash(vertical_size=24, slash_size=32, last_q=16, keep_first=8, keep_local=16, windows=True, **SMALL),
     Grid(stride_space=(64, 96, 100), last_q=16, local=48, **SMALL),
 ]
 

@@ -3,8 +3,8 @@
 For each length: a video-like input (`mmjax.sparse.synthetic.video_qkv`, B=1, ``--heads`` query and
 key-value heads, D=128, bf16), one Vertical-Slash index estimated from its last 64 queries
 (``--vertical`` columns, ``--slash`` diagonals per head), and two layouts of that index: slashes as key
-windows at any start (``windows=True``, the default since 2026-11-25) and as the aligned ``block_k`` key
-blocks around them (``windows=False``). Columns: the pairs the index names (`index_pairs`: per query block
+windows at any start (``windows=True``) and as the aligned ``block_k`` key blocks around them
+(``windows=False``, the default). Columns: the pairs the index names (`index_pairs`: per query block
 of 128 rows, its slash ranges and verticals), each layout's computed pairs over that (whole tiles, as
 `BlockLayout.density` counts them), ms of `block_sparse_attention` (Triton) per layout, TFLOP/s on the
 computed pairs, and cuDNN's dense causal ms for scale. At the first length each layout's output is checked

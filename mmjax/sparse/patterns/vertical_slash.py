@@ -1,11 +1,16 @@
 """Vertical-Slash: top vertical columns and top slash diagonals estimated from the last
 queries, compiled to key blocks (slashes) plus single gathered columns (verticals).
 
-Slashes become key windows by default (``windows=True``, `VerticalSlash._window_layout`): a
-slash's keys for a query block are a diagonal range that starts anywhere, so aligned key blocks
-cover up to twice the pairs it names; windows start where the ranges start.
+Slashes may become key windows (``windows=True``, `VerticalSlash._window_layout`): a slash's keys
+for a query block are a diagonal range that starts anywhere, so aligned key blocks cover up to
+twice the pairs it names; windows start where the ranges start. Measured on one H100 (2026-11-25,
+`mmjax bench slash_windows`, 1000 / 6096, 8 heads): at 32k windows compute 1.116x the named pairs
+(blocks 1.163x) but the Triton kernel runs them 3-4% slower per tile, so they were not faster at any
+length (at 128k / 512k both forms hit the same ``max_blocks`` cap); on video-like inputs under the
+cap the aligned blocks also keep more attention mass (their extra keys sit next to the slashes).
+Aligned blocks stay the default.
 
-Conversion to aligned blocks (``windows=False``; vectorised, per head): with ``block_q = r * block_k``, the key blocks a slash
+Conversion to aligned blocks (the default; vectorised, per head): with ``block_q = r * block_k``, the key blocks a slash
 at offset o touches for query block i are ``i * r + u`` for u in a range that does not
 depend on i. So the covered blocks are one shared set U of relative offsets per head
 (adjacent ranges merge by construction); U is capped at ``max_blocks`` relative blocks
@@ -47,8 +52,8 @@ class VerticalSlash(Pattern):
     (windows) per query block (default `default_max_blocks`); past the cap, those with the least
     slash mass are dropped. windows: slashes as ``block_k``-wide key windows at any start
     (`BlockLayout.kv_windows`: the diagonal ranges are computed, not the aligned blocks around
-    them); False gives aligned key blocks (the layout before windows; Boundary wrappers always use
-    aligned blocks in their packed key order).
+    them; not faster on an H100, module docstring); False (default) gives aligned key blocks
+    (Boundary wrappers always use aligned blocks in their packed key order).
     """
 
     vertical_size: int = 1000
@@ -59,7 +64,7 @@ class VerticalSlash(Pattern):
     max_blocks: int | None = None
     block_q: int = 128
     block_k: int = 64
-    windows: bool = True
+    windows: bool = False
 
     def validate(self) -> None:
         for name in ("vertical_size", "slash_size", "last_q"):
