@@ -236,11 +236,7 @@ def _out_and_mlp(c: TextConfig, p, x, o, chunk):
     """x + o W_o, then + MLP(RMSNorm(.)), in sequence chunks written over ``x`` (donated in place):
     x [B, T, H], o [B, T, N, D] -> [B, T, H]."""
     def f(xc, oc):
-        wo = p["wo"]
-        if wo.ndim == 2:  # [N * D, H] (see run_decoder's unrolled loop)
-            a = jnp.einsum("btk,kh->bth", oc.reshape(oc.shape[:2] + (-1,)).astype(xc.dtype), wo)
-        else:
-            a = jnp.einsum("btnd,ndh->bth", oc.astype(xc.dtype), wo)
+        a = jnp.einsum("btnd,ndh->bth", oc.astype(xc.dtype), p["wo"])
         xc = xc + (a + p["bo"] if c.o_bias else a)
         return xc + _mlp(c, p, rms_norm(xc, p["post_norm"], c.rms_norm_eps))
     return map_chunks(f, (x, o), 1, chunk, out=x)
@@ -314,10 +310,6 @@ def run_decoder(model: TextDecoder, x: jax.Array, li: LayerInputs, attention: La
 
         (x, kv, buf), _ = jax.lax.scan(step, (x, kv, buf), (params, jnp.arange(L, dtype=jnp.int32)))
     else:
-        # The output projection as [L, N * D, H] before the per-layer slices: with [N, D, H] slices XLA's
-        # split-K GEMM for a few rows copied each layer's 24.5 MiB weight out of the stack first (7B decode).
-        wo = params["wo"]
-        params = {**params, "wo": wo.reshape(wo.shape[0], -1, wo.shape[-1])}
         for i in range(L):
             p = {n: a[i] for n, a in params.items()}
             x, kv = _layer(c, p, x, kv, li, attention.for_layer(i), i, kv_len, mlp_chunk)
