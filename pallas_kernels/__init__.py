@@ -7,6 +7,7 @@ One op per folder, each with ``api.py`` (validation, dispatch by ``implementatio
   `merge_attention` combines results over disjoint key sets.
 * ``qsa_topk/``: MOMO's fused query-sparse attention with an online top-k of key blocks.
 * ``tree_decode/``: split-K attention of a few new tokens (a draft tree) over a long cache.
+* ``candidate_mass/``: the softmax mass a query block's rows put on listed key blocks (MOMO's re-rank).
 * ``grouped_matmul/``: rows grouped by a traced size per group, each group times its own matrix
   (the experts of a mixture-of-experts layer; ``jax.lax.ragged_dot``'s contract without its dense lowering).
 
@@ -17,11 +18,13 @@ Triton kernels' softmax step).
 """
 
 from pallas_kernels.block_sparse import BlockLayout, block_sparse_attention, merge_attention
+from pallas_kernels.candidate_mass import candidate_mass
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.nonfinite import NonFiniteError
 from pallas_kernels.platform import default_implementation
 from pallas_kernels.qsa_topk import QSATopKResult, qsa_topk
 from pallas_kernels.tree_decode import tree_decode_attention
 
-__all__ = ["BlockLayout", "NonFiniteError", "QSATopKResult", "block_sparse_attention", "default_implementation",
+__all__ = ["BlockLayout", "NonFiniteError", "QSATopKResult", "block_sparse_attention", "candidate_mass",
+           "default_implementation",
            "grouped_matmul", "merge_attention", "qsa_topk", "tree_decode_attention"]

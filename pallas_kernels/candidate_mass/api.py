@@ -1,0 +1,69 @@
+"""`candidate_mass`: validation and dispatch to an implementation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.candidate_mass.reference import candidate_mass_reference
+from pallas_kernels.candidate_mass.triton import candidate_mass_triton
+from pallas_kernels.checks import check_int, check_pow2, check_sm_scale, fmt_shape
+from pallas_kernels.platform import default_implementation
+
+IMPLEMENTATIONS = ("reference", "triton")
+
+
+def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: jax.Array, *, query_block: int,
+                   block: int, gamma: int, stride: int = 1, sm_scale: float | None = None,
+                   implementation: str | None = None, interpret: bool = False) -> jax.Array:
+    """Softmax mass the rows of each query block put on each of its candidate key blocks.
+
+    For query block i, candidate c (key block ``j = candidates[b, h, i, c]``, keys ``[j * block, (j + 1) *
+    block)``) and the rows r of the block with ``r % stride == 0``: ``sum_r exp(lse_r(j) - ref_r)``, where
+    ``lse_r(j)`` is the log-sum-exp of row r's scaled logits over the block's keys at or before its position
+    (queries are the last T of S positions) and ``ref_r = ref_lse[r // gamma]`` the log-sum-exp of its gamma
+    group's sampled row over all its keys (MOMO's QSA pass), so each row's term estimates its softmax mass there.
+
+    Args:
+      q: ``[B, T, N, D]``; k: ``[B, S, K, D]`` (N a multiple of K); bf16, fp16 or fp32.
+      candidates: int32 ``[B, N, ceil(T / query_block), C]`` key-block ids; ids outside ``[0, ceil(S / block))``
+        (e.g. -1 for an empty slot) give 0.
+      ref_lse: float32 ``[B, N, ceil(T / gamma)]``; a row whose reference is -inf counts nothing.
+      query_block, block: powers of two >= 16; gamma: a divisor of query_block; stride: a power of two with
+        ``query_block / stride >= 16`` (rows per program).
+
+    Returns float32 ``[B, N, nq, C]``.
+    """
+    for name, x, nd in (("q", q, 4), ("k", k, 4), ("candidates", candidates, 4), ("ref_lse", ref_lse, 3)):
+        if getattr(x, "ndim", None) != nd:
+            raise ValueError(f"{name}: expected a {nd}-D array; received shape {fmt_shape(getattr(x, 'shape', ()))}")
+    b, t, n, d = q.shape
+    check_pow2("query_block", query_block, 16)
+    check_pow2("block", block, 16)
+    check_int("gamma", gamma, 1)
+    check_pow2("stride", stride, 1)
+    if query_block % gamma:
+        raise ValueError(f"gamma: expected a divisor of query_block={query_block}; received {gamma}")
+    if query_block // stride < 16:
+        raise ValueError(f"stride: expected query_block / stride >= 16 rows per program (query_block={query_block}); "
+                         f"received {stride}")
+    if k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
+        raise ValueError(f"k: expected [B={b}, S, K, D={d}] with N={n} a multiple of K; received {fmt_shape(k.shape)}")
+    if q.dtype != k.dtype or jnp.dtype(q.dtype) not in map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)):
+        raise ValueError(f"q / k: expected one dtype of bfloat16, float16, float32; received {q.dtype} / {k.dtype}")
+    nq = -(-t // query_block)
+    if candidates.shape[:3] != (b, n, nq) or not jnp.issubdtype(candidates.dtype, jnp.integer):
+        raise ValueError(f"candidates: expected an integer array [B={b}, N={n}, nq={nq}, C]; received "
+                         f"{candidates.dtype} {fmt_shape(candidates.shape)}")
+    tg = -(-t // gamma)
+    if ref_lse.shape != (b, n, tg):
+        raise ValueError(f"ref_lse: expected [B={b}, N={n}, ceil(T / gamma)={tg}]; received {fmt_shape(ref_lse.shape)}")
+    scale = check_sm_scale(sm_scale, d)
+    if implementation is None:
+        implementation = default_implementation(bool(interpret))
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
+    kw = dict(query_block=query_block, block=block, stride=stride, gamma=gamma, sm_scale=scale)
+    if implementation == "reference":
+        return candidate_mass_reference(q, k, candidates.astype(jnp.int32), ref_lse, **kw)
+    return candidate_mass_triton(q, k, candidates.astype(jnp.int32), ref_lse, interpret=interpret, **kw)

@@ -1,0 +1,90 @@
+"""Candidate mass: Triton (interpret) and reference equal a NumPy computation from dense scores; GQA, ragged
+T (queries the last T of S), empty candidates, strides, rows without a reference; bad arguments name
+themselves."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.candidate_mass import candidate_mass
+from tests.pallas_kernels.helpers import random_qkv
+
+
+def numpy_mass(q, k, cand, ref, *, qb, block, stride, gamma):
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    b, t, n, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    kk = np.repeat(k, n // kh, axis=2)
+    sc = np.einsum("btnd,bsnd->bnts", q, kk) / np.sqrt(d)
+    pos = np.arange(t) + s - t
+    sc = np.where(np.arange(s)[None, :] <= pos[:, None], sc, -np.inf)
+    nk = -(-s // block)
+    out = np.zeros(cand.shape)
+    for bi, h, i, c in np.ndindex(*cand.shape):
+        j = cand[bi, h, i, c]
+        if not 0 <= j < nk:
+            continue
+        for r in range(i * qb, min((i + 1) * qb, t)):
+            if r % stride or not np.isfinite(ref[bi, h, r // gamma]):
+                continue
+            x = sc[bi, h, r, j * block:(j + 1) * block]
+            if np.isfinite(x).any():
+                lse = np.log(np.exp(x - x.max()).sum()) + x.max()
+                out[bi, h, i, c] += np.exp(lse - ref[bi, h, r // gamma])
+    return out
+
+
+@pytest.mark.parametrize("b,t,s,n,kh,qb,block,gamma,stride", [
+    (1, 64, 64, 2, 1, 32, 16, 4, 1),
+    (2, 70, 150, 4, 2, 32, 16, 8, 2),   # ragged: T not a multiple of query_block, queries the last 70 of 150
+    (1, 128, 200, 2, 2, 64, 32, 16, 4),
+])
+def test_candidate_mass_matches_numpy(b, t, s, n, kh, qb, block, gamma, stride):
+    rng = np.random.default_rng(t + s)
+    q, k, _ = random_qkv(t * s, b, t, s, n, kh, 32)
+    nq, nk = -(-t // qb), -(-s // block)
+    cand = rng.integers(-1, nk + 1, size=(b, n, nq, 5)).astype(np.int32)  # -1 and nk: empty
+    ref = rng.normal(2.0, 1.0, size=(b, n, -(-t // gamma))).astype(np.float32)
+    ref[0, 0, 1] = -np.inf  # a row group without reference counts nothing
+    want = numpy_mass(q, k, cand, ref, qb=qb, block=block, stride=stride, gamma=gamma)
+    assert want.max() > 0
+    for impl in ("triton", "reference"):
+        got = candidate_mass(q, k, jnp.asarray(cand), jnp.asarray(ref), query_block=qb, block=block, gamma=gamma,
+                             stride=stride, implementation=impl, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=1e-6, err_msg=impl)
+
+
+def test_candidate_mass_of_all_blocks_sums_to_each_rows_mass():
+    """With every causal block listed and the rows' own lse as reference (gamma 1), each row's terms sum to 1."""
+    t = s = 64
+    q, k, _ = random_qkv(9, 1, t, s, 2, 1, 16)
+    sc = np.einsum("btnd,bsnd->bnts", np.asarray(q), np.repeat(np.asarray(k), 2, axis=2)) / 4.0
+    sc = np.where(np.tril(np.ones((t, s), bool)), sc, -np.inf)
+    ref = jnp.asarray(np.log(np.exp(sc - sc.max(-1, keepdims=True)).sum(-1)) + sc.max(-1), jnp.float32)
+    cand = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (1, 2, 4, 4))
+    got = candidate_mass(q, k, cand, ref, query_block=16, block=16, gamma=1, implementation="triton", interpret=True)
+    np.testing.assert_allclose(np.asarray(got).sum(-1), 16.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(stride=16), r"stride: expected query_block / stride >= 16"),
+    (dict(stride=3), r"stride: expected a power of two"),
+    (dict(gamma=5), r"gamma: expected a divisor of query_block"),
+    (dict(block=24), r"block: expected a power of two"),
+])
+def test_bad_arguments_name_themselves(kw, match):
+    q, k, _ = random_qkv(1, 1, 64, 64, 2, 1, 16)
+    args = dict(query_block=32, block=16, gamma=4) | kw
+    cand = jnp.zeros((1, 2, 2, 3), jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        candidate_mass(q, k, cand, jnp.zeros((1, 2, 16)), **args)
+
+
+def test_shape_errors_name_the_argument():
+    q, k, _ = random_qkv(1, 1, 64, 64, 2, 1, 16)
+    with pytest.raises(ValueError, match=r"candidates: expected an integer array \[B=1, N=2, nq=2, C\]"):
+        candidate_mass(q, k, jnp.zeros((1, 2, 3, 3), jnp.int32), jnp.zeros((1, 2, 16)), query_block=32, block=16,
+                       gamma=4)
+    with pytest.raises(ValueError, match=r"ref_lse: expected \[B=1, N=2, ceil\(T / gamma\)=16\]"):
+        candidate_mass(q, k, jnp.zeros((1, 2, 2, 3), jnp.int32), jnp.zeros((1, 2, 8)), query_block=32, block=16,
+                       gamma=4)
