@@ -33,3 +33,13 @@ def test_heads_must_divide(capsys):
         main(["bench", "momo", "--heads", "3", "2"])
     assert e.value.code == 2
     assert "--heads: expected N a multiple of K" in capsys.readouterr().err
+
+
+def test_rerank_variant_gets_a_mass_row(tmp_path):
+    assert main(["bench", "momo", "--mass-only", "--implementation", "reference", "--mass-lens", "384",
+                 "--algorithms", "exact", "--timed-algorithm", "exact", "--inputs", "mixed", "--rerank", "2", "1",
+                 "--out", str(tmp_path), "--name", "r"]) == 0
+    (path,) = tmp_path.glob("r_*.json")
+    rows = {r["method"]: r for r in json.loads(path.read_text())["mass"] if "captured" in r}
+    rr = rows["exact + re-rank 2x, rows/1"]
+    assert 0.0 < rr["captured"] <= rr["oracle"] + 1e-6 and rr["blocks"] == rows["exact (mass trim)"]["blocks"]

@@ -139,6 +139,8 @@ E2E = [
                                  sink=0, local=0), jnp.float32),
     (1, 384, 384, 4, 2, 32, dict(gamma=16, block=16, k=4, k_exact=2, k_trim=3, query_block=64,
                                  topk="tournament", sink=32, local=32), jnp.bfloat16),
+    (1, 300, 400, 2, 1, 32, dict(gamma=4, block=16, k=4, k_exact=1, k_trim=3, query_block=32,
+                                 topk="exact", sink=16, local=16, rerank=2, rerank_stride=2), jnp.float32),
 ]
 
 
@@ -177,6 +179,43 @@ def test_end_to_end_equals_masked_dense_plus_correction(case, options):
 def test_bad_hyper_parameters_raise_value_error_naming_them(kw, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         Momo(**kw)
+
+
+@pytest.mark.parametrize("options", [KernelOptions(implementation="reference"), KernelOptions(interpret=True)])
+def test_rerank_picks_the_block_the_unsampled_rows_attend_to(options):
+    """Sampled rows (every 16th) look at key block A, the other 30 rows of the query block at block B: the
+    sampled rows' mass ranks A first; re-ranking the two best candidates with every row keeps B."""
+    t = s = 128
+    d = 16
+    u, w = np.eye(d)[0], np.eye(d)[1]
+    rng = np.random.default_rng(0)
+    q = 0.05 * rng.normal(size=(t, d))
+    q += np.where((np.arange(t) % 16 == 0)[:, None], 6.0 * u, 6.0 * w)
+    k = 0.05 * rng.normal(size=(s, d))
+    k[16:32] += u  # block A (id 1)
+    k[32:48] += 0.6 * u + 0.8 * w  # block B (id 2)
+    q, k = jnp.asarray(q[None, :, None], jnp.float32), jnp.asarray(k[None, :, None], jnp.float32)
+    kw = dict(gamma=16, block=16, k=2, k_trim=1, query_block=32, topk="exact", sink=0, local=16)
+    last = -1  # the last query block: rows 96..127, candidates before its window (blocks < 5)
+
+    def chosen(pattern):
+        lay = pattern.plan(q, k, k, options=options).layout
+        return set(np.asarray(lay.kv_blocks)[0, 0, last, : int(lay.kv_block_count[0, 0, last])].tolist())
+
+    plain, reranked = chosen(Momo(**kw)), chosen(Momo(rerank=2, **kw))
+    assert 1 in plain and 2 not in plain
+    assert 2 in reranked and 1 not in reranked
+
+
+def test_rerank_arguments_name_themselves():
+    with pytest.raises(ValueError, match="^rerank:"):
+        Momo(rerank=-1)
+    with pytest.raises(ValueError, match="^rerank_stride:"):
+        Momo(rerank=1, rerank_stride=3)
+    with pytest.raises(ValueError, match="^rerank_stride:"):
+        Momo(rerank=1, rerank_stride=16)  # 128 / 16 = 8 rows per program
+    with pytest.raises(ValueError, match="^rerank: expected rerank \\* k_trim <="):
+        Momo(gamma=16, k=4, k_exact=1, k_trim=4, query_block=32, rerank=3)  # union of 2 rows x 4 = 8 < 12
 
 
 def test_build_layout_is_the_plan_layout():

@@ -36,6 +36,7 @@ import numpy as np
 
 from mmjax.drivers.args import ArgumentParser, add_result_args, is_pow2, nonneg_int, positive_float, positive_int
 from mmjax.drivers.bench.report import print_table, write_result
+from mmjax.sparse.layouts import KernelOptions
 from mmjax.sparse.metrics import block_mass, captured_mass, mean_pooled_layout, momo_sparsity
 from mmjax.sparse.patterns.momo import Momo, assemble_layout, delta_correct, union_trim
 from mmjax.sparse.synthetic import GridVideo, mixed_video_text_qkv
@@ -77,6 +78,9 @@ class MomoBenchConfig:
     scans: tuple[str, ...] = ("golden", "natural")  # scan orders of the estimated top-k (mass)
     inputs: tuple[str, ...] = ("video", "needle", "mixed")  # mass section inputs
     mass_only: bool = False  # only the captured-mass section (no tile sweep, timing, fig4)
+    # (candidates factor, row stride) re-rank variants of the timed pattern (`Momo.rerank`), timed and in the mass
+    # section
+    reranks: tuple[tuple[int, int], ...] = ()
 
 
 GPU_CONFIG = MomoBenchConfig()
@@ -269,6 +273,19 @@ class Runner:
         except Exception as e:
             row["momo_error"] = _err(e)
             self.log(f"  S={s} MOMO failed: {_err(e)[:300]}")
+        for c, st in cfg.reranks:
+            name = f"rerank_{c}x_rows{st}"
+            try:
+                rr = dataclasses.replace(pattern, rerank=c, rerank_stride=st)
+                opts = KernelOptions(implementation=cfg.implementation, interpret=cfg.interpret)
+                f = jax.jit(lambda q, k, v, p=rr: p.attend(q, k, v, options=opts))
+                row[f"{name}_total_ms"] = _time(lambda: f(q, k, v), s)
+                if "anchor_ms" in row:
+                    row[f"{name}_speedup"] = row["anchor_ms"] / row[f"{name}_total_ms"]
+                self.log(f"  S={s} MOMO + re-rank {c}x, rows/{st}: total {row[f'{name}_total_ms']:.1f} ms")
+            except Exception as e:
+                row[f"{name}_error"] = _err(e)
+                self.log(f"  S={s} MOMO + re-rank {c}x, rows/{st} failed: {_err(e)[:300]}")
         self.result.setdefault("timing", []).append(row)
         del q, k, v
         gc.collect()
@@ -308,6 +325,11 @@ class Runner:
                             self.result.setdefault("mass", []).append({"S": sk, "input": kind, "method": name,
                                                                        "error": _err(e)})
                     del res
+            for c, st in cfg.reranks:  # re-rank variants of the default pattern
+                rr = dataclasses.replace(default, rerank=c, rerank_stride=st)
+                opts = KernelOptions(implementation=cfg.implementation, interpret=cfg.interpret)
+                layouts[f"{default_name or default.topk} + re-rank {c}x, rows/{st}"] = jax.jit(
+                    lambda q, k, p=rr: p.plan(q, k, k, options=opts).layout)(q, k)
             layouts["mean-pooled"] = jax.jit(lambda q, k: mean_pooled_layout(
                 q, k, query_block=cfg.query_block, block=cfg.block, k_trim=cfg.k_trim,
                 sink_blocks=_pattern(cfg, "exact").sink_blocks, local=cfg.local))(q, k)
@@ -459,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=positive_int, nargs=2, metavar=("N", "K"), help="query and key heads")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="input dtype")
     p.add_argument("--inputs", nargs="+", choices=("video", "needle", "mixed"), help="mass section inputs")
+    p.add_argument("--rerank", type=positive_int, nargs=2, action="append", metavar=("C", "STRIDE"),
+                   help="also run the default pattern with Momo(rerank=C, rerank_stride=STRIDE) in the timing and "
+                        "mass sections (repeatable)")
     p.add_argument("--scans", nargs="+", choices=("golden", "natural"),
                    help="scan orders of the estimated top-k in the mass section (default both)")
     args = p.parse_args(argv)
@@ -479,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, heads=args.heads[0], kv_heads=args.heads[1])
     if args.inputs:
         cfg = dataclasses.replace(cfg, inputs=tuple(args.inputs))
+    if args.rerank:
+        cfg = dataclasses.replace(cfg, reranks=tuple(tuple(x) for x in args.rerank))
     if args.scans:
         cfg = dataclasses.replace(cfg, scans=tuple(args.scans))
     if args.mass_only:

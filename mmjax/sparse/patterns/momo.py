@@ -45,6 +45,18 @@ correction.
    0.153, 1.05 (was 2.31). The exact top-k with "mass" is at 0.93 / 1.42 / 1.04: what is left
    is the sampling of 8 rows per query block, the same for every modality, so no
    per-modality variant is needed.
+   Re-rank (``rerank=c``, off by default). On the mixed video + text input the gap grows with the
+   length (CPU, reference kernels, 2 query / 1 key heads, fp32, exact top-k, "mass" trim, 2026-11-25:
+   0.29 points at 128k, 3.30 at 256k; 5.5 at 1M on an H200). It is the sampling of the rows: the
+   best list for the 8 sampled rows' *true* masses (no per-row top-k at all) has the same gap
+   (3.26 at 256k), and a larger per-row k (512) changes nothing, while that list's candidates
+   contain the best list of all 128 rows. So union + trim keeps ``c * k_trim`` candidates and
+   `pallas_kernels.candidate_mass` scores each with the mass the query block's rows (every
+   ``rerank_stride``-th; each row normalised by its gamma group's sampled row's lse) put on it;
+   the best ``k_trim`` are kept. 256k mixed, c = 2: gap 3.30 -> 0.58 points (rows every 1),
+   0.95 (every 2), 1.22 (every 4). Extra work: the ``[rows / stride, block]`` score tiles of
+   ``c * k_trim`` blocks per query block, no values (about ``c / 2`` of the key-sparse pass's
+   QK^T at stride 1); not yet timed on a GPU, hence off by default.
 3. Key-sparse attention of all queries on that layout (`block_sparse_attention`) -> O_*.
 4. Delta correction (Eq. 3): ``out[t] = O_*[t] + (O_gamma - O_*)[gamma * (t // gamma)]``,
    so the sampled rows equal dense attention and every row of a gamma group is shifted by
@@ -68,6 +80,7 @@ from jax import lax
 from mmjax.sparse.layouts import KernelOptions
 from mmjax.sparse.patterns.base import Pattern
 from pallas_kernels import BlockLayout, QSATopKResult, block_sparse_attention, qsa_topk
+from pallas_kernels.candidate_mass import candidate_mass
 from pallas_kernels.checks import check_int, check_pow2
 from pallas_kernels.qsa_topk.common import SCAN_ORDERS
 from pallas_kernels.tiling import cdiv
@@ -232,6 +245,10 @@ class Momo(Pattern):
       scan: order in which the "estimated" top-k is offered the key blocks: "golden"
         (default: a golden-ratio permutation of most candidates per kernel tile) or
         "natural" (id order, oldest first); see the module docstring.
+      rerank: 0 (default: off) or c >= 1: union + trim keeps ``c * k_trim`` candidates per query block,
+        and `pallas_kernels.candidate_mass` scores them with the block's rows (every ``rerank_stride``-th)
+        before the best ``k_trim`` are kept; see the module docstring ("Re-rank").
+      rerank_stride: the rows of a query block the re-rank uses (a power of two, query_block / stride >= 16).
     """
 
     gamma: int = 16
@@ -245,6 +262,8 @@ class Momo(Pattern):
     local: int = 128
     trim_rule: str = "auto"
     scan: str = "golden"
+    rerank: int = 0
+    rerank_stride: int = 1
 
     def __post_init__(self) -> None:
         self.validate()  # names block / query_block (the base class would say block_q / block_k)
@@ -294,6 +313,15 @@ class Momo(Pattern):
             raise ValueError(f"scan: expected one of {SCAN_ORDERS}; received {self.scan!r}")
         if self.trim_rule not in MOMO_TRIM_RULES:
             raise ValueError(f"trim_rule: expected one of {MOMO_TRIM_RULES}; received {self.trim_rule!r}")
+        check_int("rerank", self.rerank, 0)
+        check_pow2("rerank_stride", self.rerank_stride, 1)
+        if self.query_block // self.rerank_stride < 16:
+            raise ValueError(f"rerank_stride: expected query_block / rerank_stride >= 16 (query_block="
+                             f"{self.query_block}); received {self.rerank_stride}")
+        union = (self.query_block // self.gamma) * self.k
+        if self.rerank * self.trim > union:
+            raise ValueError(f"rerank: expected rerank * k_trim <= the union of a query block's sampled selections "
+                             f"(query_block / gamma * k = {union}); received rerank={self.rerank}, k_trim={self.trim}")
 
     def check_lengths(self, kv_len: int) -> None:
         nk = cdiv(kv_len, self.block)
@@ -313,9 +341,21 @@ class Momo(Pattern):
                        check_finite=options.check_finite)
         geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,
                    sink_blocks=self.sink_blocks, local=self.local)
-        ids, _ = union_trim(res.block_idx, res.block_score, gamma=self.gamma, k_trim=self.trim,
-                            rule=self.rule, lse=res.lse_gamma, **geo)
+        ids, _ = union_trim(res.block_idx, res.block_score, gamma=self.gamma,
+                            k_trim=self.trim * max(1, self.rerank), rule=self.rule, lse=res.lse_gamma, **geo)
+        if self.rerank:
+            ids = self._rerank(q, k, ids, res.lse_gamma, options)
         return MomoPlan(res, assemble_layout(ids, **geo))
+
+    def _rerank(self, q, k, candidates, lse_gamma, options: KernelOptions) -> jax.Array:
+        """The ``k_trim`` candidates (ids ``[B, N, nq, rerank * k_trim]``, -1 empty) with the most mass over the
+        query block's rows (every ``rerank_stride``-th), as ``[B, N, nq, k_trim]`` ids (-1 empty)."""
+        impl = None if options.implementation == "mosaic_gpu" else options.implementation
+        mass = candidate_mass(q, k, candidates, lse_gamma, query_block=self.query_block, block=self.block,
+                              gamma=self.gamma, stride=self.rerank_stride, sm_scale=options.sm_scale,
+                              implementation=impl, interpret=options.interpret)
+        top, pick = lax.top_k(jnp.where(candidates >= 0, mass, -jnp.inf), self.trim)
+        return jnp.where(top > -jnp.inf, jnp.take_along_axis(candidates, pick, -1), -1).astype(jnp.int32)
 
     def build_layout(self, q: jax.Array, k: jax.Array, *, modality=None) -> BlockLayout:
         """The MOMO layout (``modality`` is ignored: MOMO measures every head directly). The
