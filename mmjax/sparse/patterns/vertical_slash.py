@@ -42,6 +42,16 @@ def default_max_blocks(slash_size: int, block_k: int, r: int) -> int:
     return min(slash_size * (r + 1), 4 * cdiv(slash_size, block_k) + 256)
 
 
+def compact_columns(cols: jax.Array, keep: jax.Array) -> jax.Array:
+    """cols int ``[B, N, vs]``, keep bool ``[B, N, nq, vs]`` -> int32 ``[B, N, nq, vs]``: each query block's kept
+    columns moved to the front in order (a prefix sum and one scatter, no sort); the rest 0."""
+    vs = cols.shape[-1]
+    slot = jnp.where(keep, jnp.cumsum(keep, -1) - 1, vs)
+    out = jnp.zeros(keep.shape[:-1] + (vs + 1,), jnp.int32)
+    return jnp.put_along_axis(out, slot, jnp.broadcast_to(cols[..., None, :], slot.shape).astype(jnp.int32),
+                              axis=-1, inplace=False)[..., :vs]
+
+
 @dataclasses.dataclass(frozen=True)
 class VerticalSlash(Pattern):
     """MInference/MMInference Vertical-Slash head.
@@ -152,12 +162,7 @@ class VerticalSlash(Pattern):
         in_block = jnp.take_along_axis(
             sel_rel[..., None, :], jnp.clip(u_col, 0, n_rel), axis=-1) & (u_col >= 0) & (u_col < n_rel)
         col_ok = (cols[..., None, :] <= qe[:, None]) & ~in_block
-        # Compact the kept columns to the front (a prefix sum and one scatter, no sort).
-        vs = cols.shape[-1]
-        slot = jnp.where(col_ok, jnp.cumsum(col_ok, -1) - 1, vs)
-        kv_cols = jnp.zeros(col_ok.shape[:-1] + (vs + 1,), jnp.int32)
-        kv_cols = jnp.put_along_axis(kv_cols, slot, jnp.broadcast_to(cols[..., None, :], slot.shape),
-                                     axis=-1, inplace=False)[..., :vs]
+        kv_cols = compact_columns(cols, col_ok)
         ccount = col_ok.sum(-1).astype(jnp.int32)
         return BlockLayout(kv_blocks=blocks, kv_block_count=count, kv_columns=kv_cols,
                            kv_column_count=ccount, block_q=bq, block_k=bk, q_len=t, kv_len=s)
@@ -223,11 +228,7 @@ class VerticalSlash(Pattern):
         c_rel = cols[..., None, :] - base[:, None] + s - 1  # [B, N, nq, vs]
         in_win = jnp.take_along_axis(inside[..., None, :], jnp.clip(c_rel, 0, span + bk), -1) & (c_rel >= 0)
         col_ok = (cols[..., None, :] <= qe[:, None]) & ~in_win
-        vs = cols.shape[-1]
-        col_slot = jnp.where(col_ok, jnp.cumsum(col_ok, -1) - 1, vs)
-        kv_cols = jnp.zeros(col_ok.shape[:-1] + (vs + 1,), jnp.int32)
-        kv_cols = jnp.put_along_axis(kv_cols, col_slot, jnp.broadcast_to(cols[..., None, :], col_slot.shape),
-                                     axis=-1, inplace=False)[..., :vs]
+        kv_cols = compact_columns(cols, col_ok)
         return BlockLayout(kv_blocks=blocks.astype(jnp.int32), kv_block_count=count, kv_columns=kv_cols,
                            kv_column_count=col_ok.sum(-1).astype(jnp.int32), block_q=bq, block_k=bk, q_len=t,
                            kv_len=s, kv_windows=True)
@@ -306,11 +307,7 @@ class VerticalSlash(Pattern):
         found = jnp.take_along_axis(jnp.broadcast_to(listed, col_ok.shape[:3] + listed.shape[-1:]),
                                     jnp.minimum(pos, listed.shape[-1] - 1), -1) == cb
         col_ok = col_ok & ~found
-        vs = cols.shape[-1]
-        slot = jnp.where(col_ok, jnp.cumsum(col_ok, -1) - 1, vs)
-        kv_cols = jnp.zeros(col_ok.shape[:-1] + (vs + 1,), jnp.int32)
-        kv_cols = jnp.put_along_axis(kv_cols, slot, jnp.broadcast_to(col_idx[..., None, :], slot.shape),
-                                     axis=-1, inplace=False)[..., :vs]
+        kv_cols = compact_columns(col_idx, col_ok)
         return BlockLayout(kv_blocks=blocks, kv_block_count=count, kv_columns=kv_cols,
                            kv_column_count=col_ok.sum(-1).astype(jnp.int32), q_perm=q_perm,
                            kv_perm=order.perm, block_q=bq, block_k=bk, q_len=t, kv_len=s)

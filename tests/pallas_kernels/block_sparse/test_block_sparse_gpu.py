@@ -13,6 +13,17 @@ pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 
 
+def _check_triton_against_dense(q, k, v, layout, tol):
+    """The compiled Triton kernel equals masked dense attention on the layout's mask (out and lse)."""
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="triton")
+    ref_out, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_err(out, ref_out) < tol
+    fin = np.isfinite(np.asarray(ref_lse))
+    assert (np.isfinite(np.asarray(lse)) == fin).all()
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=5e-2)
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float16, 5e-3), (jnp.float32, 5e-3)])
 @pytest.mark.parametrize("b,t,s,n,kh,d,bq,bk", [
@@ -25,13 +36,7 @@ def test_triton_matches_dense_on_gpu(dtype, tol, b, t, s, n, kh, d, bq, bk, perm
     rng = np.random.default_rng(t + s + d)
     q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, dtype)
     layout = random_layout(rng, b, n, t, s, bq, bk, density=0.3, perm=perm, columns=columns)
-    out, lse = block_sparse_attention(q, k, v, layout, implementation="triton")
-    ref_out, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
-    assert not np.isnan(np.asarray(out, np.float32)).any()
-    assert rel_err(out, ref_out) < tol
-    fin = np.isfinite(np.asarray(ref_lse))
-    assert (np.isfinite(np.asarray(lse)) == fin).all()
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=5e-2)
+    _check_triton_against_dense(q, k, v, layout, tol)
 
 
 @needs_gpu
@@ -54,10 +59,4 @@ def test_triton_key_windows_match_dense_on_gpu(dtype, tol, b, t, s, n, kh, d, bq
     rng = np.random.default_rng(t + s + d + 1)
     q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, dtype)
     layout = random_window_layout(rng, b, n, t, s, bq, bk, columns=columns, max_windows=8)
-    out, lse = block_sparse_attention(q, k, v, layout, implementation="triton")
-    ref_out, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
-    assert not np.isnan(np.asarray(out, np.float32)).any()
-    assert rel_err(out, ref_out) < tol
-    fin = np.isfinite(np.asarray(ref_lse))
-    assert (np.isfinite(np.asarray(lse)) == fin).all()
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=5e-2)
+    _check_triton_against_dense(q, k, v, layout, tol)
