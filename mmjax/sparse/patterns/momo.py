@@ -55,7 +55,7 @@ correction.
    ``rerank_stride``-th; each row normalised by its gamma group's sampled row's lse) put on it;
    the best ``k_trim`` are kept. 256k mixed, c = 2: gap 3.30 -> 0.58 points (rows every 1),
    0.95 (every 2), 1.22 (every 4); with the "estimated" top-k its candidates miss blocks (gap 5.53,
-   re-rank 4x: 4.09), so the mixed family needs the exact top-k plus the re-rank. Extra work: the ``[rows / stride, block]`` score tiles of
+   re-rank 4x: 4.09); with ``k_exact=32`` and c = 2 it is 1.37 (exact top-k: 0.58). Extra work: the ``[rows / stride, block]`` score tiles of
    ``c * k_trim`` blocks per query block, no values. One H100 at 128k (2026-11-25): MOMO 89.3 ms,
    with c = 2 every row 141.0 ms, every 4th row 115.5 ms; hence off by default.
 3. Key-sparse attention of all queries on that layout (`block_sparse_attention`) -> O_*.
