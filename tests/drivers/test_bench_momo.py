@@ -38,8 +38,9 @@ def test_heads_must_divide(capsys):
 def test_rerank_variant_gets_a_mass_row(tmp_path):
     assert main(["bench", "momo", "--mass-only", "--implementation", "reference", "--mass-lens", "384",
                  "--algorithms", "exact", "--timed-algorithm", "exact", "--inputs", "mixed", "--rerank", "2", "1",
-                 "--out", str(tmp_path), "--name", "r"]) == 0
+                 "--k-exact", "2", "--out", str(tmp_path), "--name", "r"]) == 0
     (path,) = tmp_path.glob("r_*.json")
+    assert json.loads(path.read_text())["config"]["k_exact"] == 2
     rows = {r["method"]: r for r in json.loads(path.read_text())["mass"] if "captured" in r}
     rr = rows["exact + re-rank 2x, rows/1"]
     assert 0.0 < rr["captured"] <= rr["oracle"] + 1e-6 and rr["blocks"] == rows["exact (mass trim)"]["blocks"]

@@ -481,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=positive_int, nargs=2, metavar=("N", "K"), help="query and key heads")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="input dtype")
     p.add_argument("--inputs", nargs="+", choices=("video", "needle", "mixed"), help="mass section inputs")
+    p.add_argument("--k-exact", type=nonneg_int, help="exact slots of the estimated top-k (default 8 on a GPU)")
     p.add_argument("--rerank", type=positive_int, nargs=2, action="append", metavar=("C", "STRIDE"),
                    help="also run the default pattern with Momo(rerank=C, rerank_stride=STRIDE) in the timing and "
                         "mass sections (repeatable)")
@@ -506,6 +507,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, inputs=tuple(args.inputs))
     if args.rerank:
         cfg = dataclasses.replace(cfg, reranks=tuple(tuple(x) for x in args.rerank))
+    if args.k_exact is not None:
+        if args.k_exact > cfg.k:
+            p.error(f"--k-exact: expected at most k={cfg.k}; received {args.k_exact}")
+        cfg = dataclasses.replace(cfg, k_exact=args.k_exact)
     if args.scans:
         cfg = dataclasses.replace(cfg, scans=tuple(args.scans))
     if args.mass_only:
