@@ -167,7 +167,7 @@ def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None
     if q.shape[1] * k.shape[1] <= direct_max_scores:
         one_query = decode_form == "auto" and q.shape[1] == 1 and kv_valid.ndim == 2
         cuda = None
-        if one_query and k.shape[1] >= SPLIT_K_MIN_SLOTS:
+        if _split_k_step(q, kv_valid, k.shape[1], decode_form):
             cuda = functools.partial(split_k_decode_attention, implementation="triton", interpret=False)
         elif one_query and q.shape[0] > 1:
             cuda = reduce_attention
@@ -181,6 +181,12 @@ def dense_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None
 
 
 dense_attention.reads_stacked_cache = True
+
+
+def _split_k_step(q, kv_valid, slots: int, decode_form: str) -> bool:
+    """The decode steps `dense_attention` gives the split-K kernel on CUDA: one query per row with per-row masks
+    over at least ``SPLIT_K_MIN_SLOTS`` cache slots (``decode_form="auto"``)."""
+    return decode_form == "auto" and q.shape[1] == 1 and kv_valid.ndim == 2 and slots >= SPLIT_K_MIN_SLOTS
 
 
 def _dense_on_stacked(q, k, v, layer, q_positions, kv_valid, sm_scale, causal, block_q, block_k,
@@ -203,8 +209,8 @@ def _dense_on_stacked(q, k, v, layer, q_positions, kv_valid, sm_scale, causal, b
         k, v = jax.lax.dynamic_index_in_dim(k, layer, 0, False), jax.lax.dynamic_index_in_dim(v, layer, 0, False)
         return dense_attention(q, k, v, q_positions=q_positions, kv_valid=kv_valid, **rest)
 
-    in_place = (isinstance(layer, int) and decode_form == "auto" and not check_finite and q.ndim == 4
-                and q.shape[1] == 1 and kv_valid.ndim == 2 and k.shape[2] >= SPLIT_K_MIN_SLOTS)
+    in_place = (isinstance(layer, int) and not check_finite and q.ndim == 4
+                and _split_k_step(q, kv_valid, k.shape[2], decode_form))
     if not in_place:
         return sliced(q, k, v, q_positions, kv_valid)
     _check_qkv(q, k[0], v[0], q_positions, kv_valid)

@@ -95,8 +95,8 @@ def check_layout_values(layout: BlockLayout) -> None:
                 f"layout.kv_blocks: expected block ids in [0, {nk}) (kv_len={layout.kv_len}, "
                 f"block_k={layout.block_k}); received ids in [{ids.min()}, {ids.max()}]"
             )
-        srt = np.sort(np.where(used, bb, -1 - np.arange(mb)), axis=-1)
-        if not layout.kv_windows and (np.diff(srt, axis=-1) == 0).any():
+        if not layout.kv_windows and (np.diff(np.sort(np.where(used, bb, -1 - np.arange(mb)), axis=-1),
+                                                axis=-1) == 0).any():
             raise ValueError("layout.kv_blocks: expected distinct block ids per query block; "
                              "received a repeated id (it would be counted twice)")
     cols, ccount = _concrete(layout.kv_columns), _concrete(layout.kv_column_count)

@@ -21,7 +21,7 @@ def candidate_mass_reference(q: jax.Array, k: jax.Array, candidates: jax.Array, 
     t_pad = nq * query_block
     qf = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
     kf = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, nk * block - s), (0, 0), (0, 0)))
-    kf = jnp.repeat(kf.reshape(b, nk, block, kh, d), groups, axis=3)  # [B, nk, block, N, D]
+    kf = kf.reshape(b, nk, block, kh, d)  # [B, nk, block, K, D]; query head h reads key head h // groups
     rows = jnp.arange(t_pad, dtype=jnp.int32)
     ref = jnp.pad(ref_lse.astype(jnp.float32), ((0, 0), (0, 0), (0, nq * query_block // gamma + 1)),
                   constant_values=-jnp.inf)[..., rows // gamma]  # [B, N, Tp]: each row's sampled row
@@ -36,7 +36,7 @@ def candidate_mass_reference(q: jax.Array, k: jax.Array, candidates: jax.Array, 
         ids = candidates[:, :, i]  # [B, N, C]
         ok = (ids >= 0) & (ids < nk)
         safe = jnp.where(ok, ids, 0)
-        kk = kf[jnp.arange(b)[:, None, None], safe, :, jnp.arange(n)[None, :, None]]  # [B, N, C, block, D]
+        kk = kf[jnp.arange(b)[:, None, None], safe, :, (jnp.arange(n) // groups)[None, :, None]]  # [B,N,C,block,D]
         sc = jnp.einsum("bqnd,bncjd->bncqj", qb, kk, precision=jax.lax.Precision.HIGHEST) * sm_scale
         kpos = safe[..., None] * block + jnp.arange(block)  # [B, N, C, block]
         vis = (kpos[:, :, :, None, :] <= pb[None, None, None, :, None]) & (kpos < s)[:, :, :, None, :]

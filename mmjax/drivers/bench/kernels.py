@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.drivers.args import ArgumentParser, add_result_args, is_pow2, positive_int
-from mmjax.drivers.bench.report import print_table, write_result
+from mmjax.drivers.bench.report import print_table, rel_err, write_result
 from mmjax.timing import device_name, time_fn
 from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse.layout import causal_pairs
@@ -139,12 +139,6 @@ def _reference_fn():
     return run
 
 
-def _rel_err(a, b) -> float:
-    a = jnp.asarray(a, jnp.float32)
-    b = jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
-
-
 def _layout(cfg, s, keep, tile, seed):
     bq, bk = tile[0], tile[1]
     if keep is None:
@@ -245,12 +239,12 @@ def run_benchmark(cfg: KernelBenchConfig, out_dir: str | None, log=print, result
                 if s == cfg.check_len:
                     out, lse = kernel(q, k, v, layout)
                     if keep is None and anchor_out is not None:
-                        err = _rel_err(out, anchor_out)
+                        err = rel_err(out, anchor_out)
                         checks.append({"S": s, "what": f"{name} vs {cfg.anchor}", "rel_err": err})
                         rows[-1]["rel_err"] = err
                     if keep is not None:
                         ref_out, ref_lse = reference(q, k, v, layout)
-                        err = _rel_err(out, ref_out)
+                        err = rel_err(out, ref_out)
                         lse_err = float(jnp.max(jnp.abs(lse - ref_lse)))
                         checks.append({"S": s, "what": f"{name} vs reference", "rel_err": err,
                                        "lse_max_abs_err": lse_err})
@@ -332,12 +326,12 @@ def _mosaic_rows(cfg, mosaic, reference, q, k, v, s, keep, name, anchor_ms, anch
         if s == cfg.check_len:
             out, lse = mosaic(q, k, v, layout)
             if keep is None and anchor_out is not None:
-                err = _rel_err(out, anchor_out)
+                err = rel_err(out, anchor_out)
                 checks.append({"S": s, "what": f"mosaic_gpu {name} vs {cfg.anchor}", "rel_err": err})
                 rows[-1]["rel_err"] = err
             if keep is not None:
                 ref_out, ref_lse = reference(q, k, v, layout)
-                err = _rel_err(out, ref_out)
+                err = rel_err(out, ref_out)
                 checks.append({"S": s, "what": f"mosaic_gpu {name} vs reference", "rel_err": err,
                                "lse_max_abs_err": float(jnp.max(jnp.abs(lse - ref_lse)))})
                 rows[-1]["rel_err"] = err

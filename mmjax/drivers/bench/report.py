@@ -13,6 +13,7 @@ import os
 import platform
 
 import jax
+import jax.numpy as jnp
 import matplotlib.pyplot as plt
 
 from mmjax.files import atomic_write, atomic_write_with, check_output_dir, safe_name, slug
@@ -35,6 +36,12 @@ def write_result(out_dir: str, name: str, payload: dict, *, overwrite: bool = Tr
     }
     path = os.path.join(out_dir, f"{name}_{slug(meta['device'], 'device')}_{meta['date']}.json")
     return atomic_write(path, json.dumps({"meta": meta, **payload}, indent=1), overwrite=overwrite)
+
+
+def rel_err(a, b) -> float:
+    """Relative L2 error ``|a - b| / |b|`` of two arrays (any shape), in float32."""
+    a, b = jnp.asarray(a, jnp.float32).ravel(), jnp.asarray(b, jnp.float32).ravel()
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 def save_figure_beside(result_path: str, fig) -> str:

@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 import matplotlib.pyplot as plt
-import numpy as np
 
 from mmjax.drivers.args import ArgumentParser, add_result_args, int_list, positive_int
-from mmjax.drivers.bench.report import print_table, save_figure_beside, write_result
+from mmjax.drivers.bench.report import print_table, rel_err, save_figure_beside, write_result
 from mmjax.sparse.patterns import VerticalSlash
 from mmjax.sparse.patterns.vertical_slash import index_pairs
 from mmjax.sparse.synthetic import video_qkv
@@ -33,11 +32,6 @@ from pallas_kernels import block_sparse_attention
 from pallas_kernels.block_sparse.layout import causal_pairs
 
 matplotlib.use("Agg")
-
-
-def _rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def run(lengths, *, heads: int, vertical: int, slash: int, reps: int, on_gpu: bool, log=print) -> list[dict]:
@@ -74,7 +68,7 @@ def run(lengths, *, heads: int, vertical: int, slash: int, reps: int, on_gpu: bo
             for tag, (layout, out) in outs.items():
                 ref, _ = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation="reference"))(
                     q, k, v, layout)
-                row[f"{tag}_rel_err"] = _rel_err(out, ref)
+                row[f"{tag}_rel_err"] = rel_err(out, ref)
         rows.append(row)
         log({k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()})
     return rows

@@ -42,6 +42,15 @@ def default_max_blocks(slash_size: int, block_k: int, r: int) -> int:
     return min(slash_size * (r + 1), 4 * cdiv(slash_size, block_k) + 256)
 
 
+def range_cover(lo: jax.Array, hi: jax.Array, size: int, weight: jax.Array | None = None) -> jax.Array:
+    """Per (batch, head), the summed ``weight`` of the ranges ``[lo_j, hi_j)`` over each index of ``[0, size)``
+    (a difference array and one cumsum, no ``[ranges, size]`` mask). lo, hi int ``[B, N, R]`` in ``[0, size]``
+    (a range at ``size`` adds nothing); weight ``[B, N, R]`` (default 1, int32). Returns ``[B, N, size]``."""
+    w = jnp.ones(lo.shape, jnp.int32) if weight is None else weight
+    delta = jax.vmap(jax.vmap(lambda a, b, x: jnp.zeros((size + 1,), x.dtype).at[a].add(x).at[b].add(-x)))(lo, hi, w)
+    return jnp.cumsum(delta, -1)[..., :size]
+
+
 def compact_columns(cols: jax.Array, keep: jax.Array) -> jax.Array:
     """cols int ``[B, N, vs]``, keep bool ``[B, N, nq, vs]`` -> int32 ``[B, N, nq, vs]``: each query block's kept
     columns moved to the front in order (a prefix sum and one scatter, no sort); the rest 0."""
@@ -186,13 +195,8 @@ class VerticalSlash(Pattern):
         o_mass = jnp.where(valid, jnp.take_along_axis(score, jnp.clip(offsets, 0, s - 1), -1), 0.0) + 1.0
         lo = jnp.where(valid, s - 1 - offsets, span)
         hi = jnp.where(valid, s - 1 - offsets + bq, span)
-
-        def scatter(values):
-            return jax.vmap(jax.vmap(lambda a, b, w: jnp.zeros((span + 1,), w.dtype).at[a].add(w).at[b].add(-w)))(
-                lo, hi, values)
-
-        covered = jnp.cumsum(scatter(valid.astype(jnp.int32)), -1)[..., :span] > 0  # [B, N, span]
-        density = jnp.cumsum(scatter(o_mass / bq), -1)[..., :span]  # slash mass per relative key
+        covered = range_cover(lo, hi, span) > 0  # [B, N, span]
+        density = range_cover(lo, hi, span, o_mass / bq)  # slash mass per relative key
         x = jnp.arange(span, dtype=jnp.int32)
         run_start = covered & ~jnp.concatenate([jnp.zeros(lead + (1,), bool), covered[..., :-1]], -1)
         run_first = jax.lax.cummax(jnp.where(run_start, x, -1), axis=2)
@@ -221,10 +225,8 @@ class VerticalSlash(Pattern):
         idx = jnp.minimum(jnp.arange(cap) + first, cap - 1)
         blocks = jnp.where(jnp.arange(cap) < count[..., None], jnp.take_along_axis(absolute, idx, -1), 0)
         # Verticals: causal and in no kept window (relative key c - base_i outside their union).
-        edges = jnp.stack([jnp.where(kept, rel + s - 1, span + bk), jnp.where(kept, rel + s - 1 + bk, span + bk)])
-        inside = jax.vmap(jax.vmap(lambda a, b: jnp.zeros((span + bk + 1,), jnp.int32).at[a].add(1).at[b].add(-1)))(
-            edges[0], edges[1])
-        inside = jnp.cumsum(inside, -1) > 0  # [B, N, span + bk + 1]
+        inside = range_cover(jnp.where(kept, rel + s - 1, span + bk), jnp.where(kept, rel + s - 1 + bk, span + bk),
+                             span + bk + 1) > 0  # [B, N, span + bk + 1]
         c_rel = cols[..., None, :] - base[:, None] + s - 1  # [B, N, nq, vs]
         in_win = jnp.take_along_axis(inside[..., None, :], jnp.clip(c_rel, 0, span + bk), -1) & (c_rel >= 0)
         col_ok = (cols[..., None, :] <= qe[:, None]) & ~in_win
@@ -322,10 +324,8 @@ def index_pairs(cols: jax.Array, offsets: jax.Array, t: int, s: int, block_q: in
     (offsets >= S name nothing). Compare with ``layout.density() * causal_pairs(t, s)``."""
     nq, off, span = cdiv(t, block_q), s - t, s + block_q
     valid = offsets < s
-    lo = jnp.where(valid, s - 1 - offsets, span)
-    hi = jnp.where(valid, s - 1 - offsets + block_q, span)
-    delta = jax.vmap(jax.vmap(lambda a, b: jnp.zeros((span + 1,), jnp.int32).at[a].add(1).at[b].add(-1)))(lo, hi)
-    covered = jnp.cumsum(delta, -1)[..., :span] > 0  # relative key x at index x + s - 1
+    covered = range_cover(jnp.where(valid, s - 1 - offsets, span), jnp.where(valid, s - 1 - offsets + block_q, span),
+                          span) > 0  # relative key x at index x + s - 1
     prefix = jnp.concatenate([jnp.zeros(covered.shape[:2] + (1,), jnp.int32), jnp.cumsum(covered, -1)], -1)
     qi = jnp.arange(nq)
     base = qi * block_q + off
