@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from jax import export
 
+from mmjax.inference import decode_step, prefill
 from models.attention import dense_attention
 from models.decode_attention import SPLIT_K_MIN_SLOTS, reduce_attention, split_k_decode_attention
-from tests.models.helpers import random_decode_qkv
+from models.qwen2_5_vl import Qwen2_5_VL
+from tests.models.helpers import random_decode_qkv, small_config, video_prompt
 
 
 @pytest.mark.parametrize("t", [1, 3])
@@ -94,9 +96,6 @@ def test_dense_attention_takes_the_split_k_kernel_for_long_decode_on_cuda(b, s, 
 
 
 def test_dense_attention_gets_the_stacked_cache_and_decodes_like_the_layer_slice():
-    from mmjax.inference import decode_step, prefill
-    from models.qwen2_5_vl import Qwen2_5_VL
-    from tests.models.helpers import small_config, video_prompt
     cfg = small_config()
     model = Qwen2_5_VL(cfg, key=jax.random.key(5))
     inputs = video_prompt(cfg, frames=2, rng=np.random.default_rng(1))

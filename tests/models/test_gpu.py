@@ -7,6 +7,7 @@ import pytest
 
 from mmjax.inference import decode_step, prefill
 from models.attention import cudnn_attention, dense_attention
+from models.decode_attention import SPLIT_K_MIN_SLOTS, split_k_decode_attention
 from models.qwen2_5_vl import Qwen2_5_VL
 from tests.models.helpers import small_config, video_prompt
 
@@ -73,7 +74,6 @@ def test_siglip_tower_cudnn_matches_xla():
 
 @needs_gpu
 def test_split_k_decode_attention_matches_dense_on_gpu():
-    from models.decode_attention import SPLIT_K_MIN_SLOTS, split_k_decode_attention
     s = SPLIT_K_MIN_SLOTS + 300
     k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
     q = jax.random.normal(k1, (3, 1, 28, 128), jnp.bfloat16)
@@ -91,7 +91,6 @@ def test_split_k_decode_attention_matches_dense_on_gpu():
 @needs_gpu
 def test_dense_attention_reads_a_stacked_cache_layer_in_place_on_gpu():
     """The stacked form (cache ``[L, B, S, K, D]``, layer a Python int) equals dense attention on the slice."""
-    from models.decode_attention import SPLIT_K_MIN_SLOTS
     s, layers = SPLIT_K_MIN_SLOTS + 300, 3
     k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
     q = jax.random.normal(k1, (2, 1, 28, 128), jnp.bfloat16)

@@ -9,6 +9,8 @@ import pytest
 import mmjax
 from mmjax.sparse.layouts import LayoutSet
 from mmjax.sparse.patterns import AShape, Dense, Grid, KernelOptions, SFFixed, SFStrided, TriShape, VerticalSlash
+from mmjax.sparse.patterns.vertical_slash import index_pairs
+from pallas_kernels.block_sparse.layout import causal_pairs
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
 
@@ -209,8 +211,6 @@ def test_vertical_slash_windows_compute_about_the_named_pairs(t, s, bound):
     """Slash ranges start anywhere: windows compute about the pairs the index names (blocks of 128
     rows; a run of slash keys costs whole 64-key windows, so two lines a few offsets apart cost a
     third window); aligned key blocks compute more. Bands of adjacent offsets and isolated lines."""
-    from mmjax.sparse.patterns.vertical_slash import index_pairs
-    from pallas_kernels.block_sparse.layout import causal_pairs
     rng = np.random.default_rng(t)
     offsets = np.concatenate([np.arange(0, 64), np.arange(200, 230), rng.choice(np.arange(300, t), 20, replace=False)])
     cols = np.sort(rng.choice(s, 30, replace=False))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import BlockLayout, block_sparse_attention
+from tests.pallas_kernels.block_sparse.test_windows import random_window_layout
 from tests.pallas_kernels.helpers import masked_dense_attention, random_layout, random_qkv, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -55,7 +56,6 @@ def test_dense_layout_matches_cudnn():
     (2, 300, 777, 8, 2, 64, 64, 64, 0),
 ])
 def test_triton_key_windows_match_dense_on_gpu(dtype, tol, b, t, s, n, kh, d, bq, bk, columns):
-    from tests.pallas_kernels.block_sparse.test_windows import random_window_layout
     rng = np.random.default_rng(t + s + d + 1)
     q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, dtype)
     layout = random_window_layout(rng, b, n, t, s, bq, bk, columns=columns, max_windows=8)

@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels.block_sparse.mosaic_gpu import check_supported, preferred
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
 
@@ -144,7 +146,6 @@ def test_column_inside_a_window_is_refused():
 
 
 def test_checkify_contract_check_knows_windows():
-    from jax.experimental import checkify
     good = BlockLayout(kv_blocks=jnp.asarray([[[[-3, 20]]]], jnp.int32), kv_block_count=jnp.full((1, 1, 4), 2,
                        jnp.int32), block_q=16, block_k=16, q_len=64, kv_len=64, kv_windows=True)
     err, _ = checkify.checkify(lambda lay: lay.check())(good)
@@ -156,7 +157,6 @@ def test_checkify_contract_check_knows_windows():
 
 
 def test_mosaic_gpu_refuses_windows():
-    from pallas_kernels.block_sparse.mosaic_gpu import check_supported, preferred
     lay = BlockLayout(kv_blocks=jnp.asarray([[[[0]]]], jnp.int32), kv_block_count=jnp.ones((1, 1, 1), jnp.int32),
                       block_q=128, block_k=64, q_len=128, kv_len=128, kv_windows=True)
     q = jnp.ones((1, 128, 1, 64), jnp.bfloat16)
