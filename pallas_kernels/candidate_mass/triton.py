@@ -2,9 +2,12 @@
 
 One program per (query block, query head, batch). The wrapper takes every ``stride``-th row once (so a
 program's tile is ``query_block / stride`` rows) and gives each row the log-sum-exp of its gamma group's
-sampled row. The program walks its candidate list: per listed key block one ``[rows, block]`` score tile,
-each row's log-sum-exp over the block (base 2, float32), ``exp(lse - ref)`` summed over the rows, one
-scalar stored per candidate. Keys after a row's position and padding rows count nothing.
+sampled row. The program walks its candidate list ``per_step`` blocks at a time: it gathers their keys into
+one ``[per_step * block, D]`` tile, computes one ``[rows, per_step * block]`` score tile and sums
+``exp2(s - ref)`` over the rows and each block's keys (base 2, float32; ``sum_r exp(lse_r(j) - ref_r)`` is
+the same sum taken key by key, so no per-block maximum or log is needed), and stores the ``per_step`` masses
+with one vector store. Keys after a row's position, padding rows and rows whose reference is -inf count
+nothing; ids outside ``[0, nk)`` give 0.
 """
 
 from __future__ import annotations
@@ -20,39 +23,43 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.tiling import LOG2E, next_pow2, pad_to
 
 
-def _kernel(q_ref, k_ref, cand_ref, ref_ref, pos_ref, o_ref, *, scale: float, block: int, num_cand: int,
-            kv_len: int, num_kv_blocks: int):
+def _kernel(q_ref, k_ref, cand_ref, ref_ref, pos_ref, o_ref, *, scale: float, block: int, per_step: int,
+            steps: int, kv_len: int, num_kv_blocks: int):
     q = q_ref[...]  # [rows, Dp]
-    ref = ref_ref[...] * LOG2E  # [rows] base-2 reference lse (-inf: the row counts nothing)
+    ref = ref_ref[...] * LOG2E  # [rows] base-2 reference lse
+    ref = jnp.where(ref == -jnp.inf, jnp.inf, ref)  # -inf: the row counts nothing (exp2(s - inf) = 0)
     q_pos = pos_ref[...]  # [rows] positions (-1: padding)
-    iota = lax.broadcasted_iota(jnp.int32, (block,), 0)
+    width = per_step * block
+    key = lax.broadcasted_iota(jnp.int32, (width,), 0)  # key slot in the step's tile
 
-    def body(c, carry):
-        j = cand_ref[c]
-        ok = (j >= 0) & (j < num_kv_blocks)
-        start = jnp.where(ok, j, 0) * block
-        k = k_ref[pl.ds(start, block), :]
-        s = pltriton.dot(q, k, trans_b=True) * (scale * LOG2E)  # [rows, block] base 2
-        k_pos = start + iota
+    def body(step, carry):
+        base = step * per_step
+        ids = cand_ref[pl.ds(base, per_step)]  # [per_step]
+        ok = (ids >= 0) & (ids < num_kv_blocks)
+        start = jnp.where(ok, ids, 0) * block  # [per_step]
+        k_pos = jnp.reshape(jnp.broadcast_to(start[:, None], (per_step, block)), (width,)) + key % block
+        k = k_ref[k_pos, :]  # [width, Dp] gathered rows
+        s = pltriton.dot(q, k, trans_b=True) * (scale * LOG2E)  # [rows, width] base 2
         vis = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)
-        s = jnp.where(vis, s, -jnp.inf)
-        m = jnp.max(s, axis=1)
-        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-        l = jnp.sum(jnp.exp2(s - m_safe[:, None]), axis=1)
-        fin = (m > -jnp.inf) & (ref > -jnp.inf)
-        row = jnp.where(fin, jnp.exp2(jnp.where(fin, m_safe + jnp.log2(jnp.where(fin, l, 1.0)) - ref, 0.0)), 0.0)
-        o_ref[c] = jnp.where(ok, jnp.sum(row), 0.0)
+        e = jnp.where(vis, jnp.exp2(s - ref[:, None]), 0.0)
+        col = jnp.sum(e, axis=0)  # [width]
+        mass = jnp.sum(jnp.reshape(col, (per_step, block)), axis=1)  # [per_step]
+        o_ref[pl.ds(base, per_step)] = jnp.where(ok, mass, 0.0)
         return carry
 
-    lax.fori_loop(0, num_cand, body, 0)
+    lax.fori_loop(0, steps, body, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("query_block", "block", "stride", "gamma", "sm_scale", "interpret",
-                                             "num_warps"))
+                                             "num_warps", "per_step", "num_stages"))
 def candidate_mass_triton(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: jax.Array, *,
                           query_block: int, block: int, stride: int, gamma: int, sm_scale: float,
-                          interpret: bool = False, num_warps: int = 4) -> jax.Array:
-    """Shapes and meaning as in `pallas_kernels.candidate_mass.api.candidate_mass`; inputs assumed validated."""
+                          interpret: bool = False, num_warps: int | None = None, per_step: int | None = None,
+                          num_stages: int = 2) -> jax.Array:
+    """Shapes and meaning as in `pallas_kernels.candidate_mass.api.candidate_mass`; inputs assumed validated.
+
+    ``per_step``: candidate blocks per loop step (a power of two; default: 256 keys per step, at most the
+    padded candidate count); ``num_warps``: default 4, or 8 for score tiles over 16k elements."""
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
@@ -61,7 +68,13 @@ def candidate_mass_triton(q: jax.Array, k: jax.Array, candidates: jax.Array, ref
     rows = query_block // stride
     t_pad = nq * query_block
     d_pad = max(16, next_pow2(d))
-    c_pad = max(2, next_pow2(c))
+    if per_step is None:
+        per_step = max(1, 256 // block)
+    per_step = min(per_step, next_pow2(c))
+    if num_warps is None:
+        num_warps = 8 if rows * per_step * block > 16384 else 4
+    steps = -(-c // per_step)
+    c_pad = max(2, steps * per_step)
     idx = jnp.arange(0, t_pad, stride, dtype=jnp.int32)  # the rows taken, [nq * rows]
     q_sub = pad_to(pad_to(q, 1, t_pad)[:, idx], 3, d_pad)  # [B, nq * rows, N, Dp]
     k_in = pad_to(pad_to(k, 3, d_pad), 1, nk * block)
@@ -69,7 +82,8 @@ def candidate_mass_triton(q: jax.Array, k: jax.Array, candidates: jax.Array, ref
                   constant_values=-jnp.inf)[..., idx // gamma]  # [B, N, nq * rows]
     pos = jnp.where(idx < t, idx + (s - t), -1)
     cand = jnp.pad(candidates.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, c_pad - c)), constant_values=-1)
-    kernel = functools.partial(_kernel, scale=sm_scale, block=block, num_cand=c, kv_len=s, num_kv_blocks=nk)
+    kernel = functools.partial(_kernel, scale=sm_scale, block=block, per_step=per_step, steps=steps, kv_len=s,
+                               num_kv_blocks=nk)
     out = pl.pallas_call(
         kernel,
         grid=(nq, n, b),
@@ -82,7 +96,7 @@ def candidate_mass_triton(q: jax.Array, k: jax.Array, candidates: jax.Array, ref
         ],
         out_specs=pl.BlockSpec((None, None, None, c_pad), lambda i, h, z: (z, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct((b, n, nq, c_pad), jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="candidate_mass",
     )(q_sub, k_in, cand, ref, pos)

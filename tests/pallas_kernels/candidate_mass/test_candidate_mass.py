@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.candidate_mass import candidate_mass
+from pallas_kernels.candidate_mass.triton import candidate_mass_triton
 from tests.pallas_kernels.helpers import random_qkv
 
 
@@ -52,6 +53,24 @@ def test_candidate_mass_matches_numpy(b, t, s, n, kh, qb, block, gamma, stride):
         got = candidate_mass(q, k, jnp.asarray(cand), jnp.asarray(ref), query_block=qb, block=block, gamma=gamma,
                              stride=stride, implementation=impl, interpret=True)
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=1e-6, err_msg=impl)
+
+
+@pytest.mark.parametrize("per_step", [1, 2, 4])
+def test_triton_candidates_per_step(per_step):
+    """Any number of candidate blocks per loop step gives the same masses, also when C is not a multiple of it
+    (C = 7) and a step holds only empty slots' neighbours."""
+    b, t, s, n, kh, qb, block, gamma = 1, 64, 96, 4, 2, 32, 16, 8
+    rng = np.random.default_rng(per_step)
+    q, k, _ = random_qkv(per_step, b, t, s, n, kh, 32)
+    cand = rng.integers(-1, 6, size=(b, n, 2, 7)).astype(np.int32)
+    cand[0, 0, 0] = -1  # a query block with no candidate at all
+    ref = rng.normal(2.0, 1.0, size=(b, n, t // gamma)).astype(np.float32)
+    want = numpy_mass(q, k, cand, ref, qb=qb, block=block, stride=1, gamma=gamma)
+    got = candidate_mass_triton(q, k, jnp.asarray(cand), jnp.asarray(ref), query_block=qb, block=block, stride=1,
+                                gamma=gamma, sm_scale=32 ** -0.5, interpret=True, per_step=per_step)
+    assert got.shape == cand.shape
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=1e-6)
+    assert np.all(np.asarray(got)[0, 0, 0] == 0)
 
 
 def test_candidate_mass_of_all_blocks_sums_to_each_rows_mass():

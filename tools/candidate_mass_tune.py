@@ -1,0 +1,73 @@
+"""Time `candidate_mass_triton` variants on one GPU (tile sweep); one JSON line per variant.
+
+Usage: python3 tools/candidate_mass_tune.py --out $OUT/candidate-mass.jsonl [--label L]
+With an older ``pallas_kernels`` first on PYTHONPATH (no ``per_step`` argument) only its default is timed.
+
+Shape of MOMO's re-rank at 128k with c = 2: B=1, T=S=131072, N=28, K=4, D=128, bf16, query block 128,
+block 64, 256 candidates per query block (random distinct-ish ids at or before the block), gamma 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def _median_ms(fn, reps: int = 5) -> float:
+    for _ in range(2):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--label", default="tree")
+    p.add_argument("--seq-len", type=int, default=131072)
+    p.add_argument("--strides", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--per-steps", type=int, nargs="+", default=[1, 2, 4, 8])
+    args = p.parse_args()
+    import pallas_kernels
+    from pallas_kernels.candidate_mass.triton import candidate_mass_triton
+
+    s, n, kh, d, qb, block, c, gamma = args.seq_len, 28, 4, 128, 128, 64, 256, 16
+    kq, kk, kc, kr = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (1, s, n, d), jnp.bfloat16)
+    k = jax.random.normal(kk, (1, s, kh, d), jnp.bfloat16)
+    nq = s // qb
+    first = jnp.arange(nq)[:, None] * (qb // block)  # the query block's first key block
+    cand = (jax.random.uniform(kc, (1, n, nq, c)) * (first[None, None] + 1)).astype(jnp.int32)
+    ref = 4.0 + jax.random.normal(kr, (1, n, s // gamma), jnp.float32)
+    tunable = "per_step" in inspect.signature(candidate_mass_triton).parameters
+    grid = list(itertools.product(args.per_steps, [4, 8], [2, 3])) if tunable else [(None, None, None)]
+    for stride in args.strides:
+        for per_step, warps, stages in grid:
+            kw = dict(query_block=qb, block=block, stride=stride, gamma=gamma, sm_scale=d ** -0.5,
+                      interpret=jax.default_backend() != "gpu")
+            if tunable:
+                kw.update(per_step=per_step, num_warps=warps, num_stages=stages)
+            row = dict(label=args.label, module=pallas_kernels.__file__, S=s, stride=stride, per_step=per_step,
+                       num_warps=warps, num_stages=stages, device=jax.devices()[0].device_kind)
+            try:
+                fn = jax.jit(lambda q, k, cand, ref, kw=kw: candidate_mass_triton(q, k, cand, ref, **kw))
+                row["ms"] = _median_ms(lambda: fn(q, k, cand, ref))
+            except Exception as e:  # a tile the compiler refuses (e.g. out of shared memory) is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(json.dumps(row), flush=True)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
