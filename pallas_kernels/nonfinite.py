@@ -17,6 +17,11 @@ out and NaN lse without another carry. Non-finite values are moved onto their ke
 (`poison_keys`: the key becomes NaN, the value 0), so a visible bad value is a visible bad
 score, and a masked one is nothing. Kernels that cannot afford the copy (the cache-streaming
 tree-decode kernel) zero masked values in the tile and check the accumulator in `finish`.
+
+The checks cost 15-22% of the block-sparse and QSA Triton kernels' time, so those run a copy
+without them when `all_finite` says every input is finite (a ``lax.cond`` on the device); the
+contract is the same, except that a score which overflows from finite inputs is not flagged
+(+inf still ends NaN in the exponent, -inf counts as weight 0).
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ def poison_keys(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
 def value_poison(v: jax.Array, axis: int = -1) -> jax.Array:
     """float32 with ``axis`` of ``v`` reduced: 0 where that row of v is finite, NaN otherwise."""
     return jnp.sum(v.astype(jnp.float32) * 0.0, axis=axis)
+
+
+def all_finite(*arrays: jax.Array) -> jax.Array:
+    """bool scalar: no NaN or inf in any of the arrays. Kernels branch on it (``lax.cond``) to run without
+    their per-tile checks when every input is finite; the branch is chosen on the device."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in arrays]))
 
 
 def score_poison(s: jax.Array, ok: jax.Array | None = None) -> jax.Array:

@@ -18,16 +18,22 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.nonfinite import score_poison
 
 
-def masked_tile(s: jax.Array, ok: jax.Array) -> tuple[jax.Array, jax.Array]:
+def masked_tile(s: jax.Array, ok: jax.Array, poison: bool = True) -> tuple[jax.Array, jax.Array]:
     """s ``[R, bk]`` float32 scaled scores, ok bool broadcastable to ``[R, bk]`` -> (scores
     with masked pairs -inf, poison ``[R]``: NaN for a row with a visible non-finite score, else 0).
     The poison is reduced to one value per row here: a second ``[R, bk]`` tensor carried out of
-    the tile's condition costs registers the matrix products need."""
-    return jnp.where(ok, s, -jnp.inf), jnp.sum(score_poison(s, ok), axis=1)
+    the tile's condition costs registers the matrix products need. ``poison=False`` (the caller
+    knows every input is finite) skips the check: the poison is 0."""
+    masked = jnp.where(ok, s, -jnp.inf)
+    if not poison:
+        return masked, jnp.zeros(s.shape[:1], jnp.float32)
+    return masked, jnp.sum(score_poison(s, ok), axis=1)
 
 
-def unmasked_tile(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+def unmasked_tile(s: jax.Array, poison: bool = True) -> tuple[jax.Array, jax.Array]:
     """Every pair visible: (s, poison ``[R]``) as in `masked_tile`."""
+    if not poison:
+        return s, jnp.zeros(s.shape[:1], jnp.float32)
     return s, jnp.sum(score_poison(s), axis=1)
 
 
@@ -65,7 +71,7 @@ def softmax_update(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, 
 
 
 def softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, v: jax.Array,
-                 ok: jax.Array | None = None):
+                 ok: jax.Array | None = None, poison: bool = True):
     """`softmax_update` after `masked_tile` (``ok`` given) or `unmasked_tile` (None)."""
-    s, poison = unmasked_tile(s) if ok is None else masked_tile(s, ok)
+    s, poison = unmasked_tile(s, poison) if ok is None else masked_tile(s, ok, poison)
     return softmax_update(carry, s, poison, v)

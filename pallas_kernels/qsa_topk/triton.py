@@ -25,6 +25,12 @@ row holding a NaN / inf): a tile without masking adds ``qp + sum(kp)`` to each r
 instead of checking its ``[R, bk]`` scores. A score that overflows from finite inputs is not
 flagged: +inf still ends NaN (``inf - inf`` in the exponent), -inf counts as weight 0.
 
+The flags cost 15-22% (a regression bisected to the commit that added the non-finite contract), so
+the wrapper runs the kernel without them (``poison=False``) when the sampled queries, k and v are all
+finite, chosen on the device (``lax.cond`` on `nonfinite.all_finite`). Same run on an H100 (2026-11-25,
+`tools/poison_cost.py`, 128k tokens): no top-k 29.9 -> 23.3 ms, estimated top-k 41.1 -> 34.7 ms
+(before the contract, `tools/qsa_bisect.py`: 25.2 and 35.3 ms).
+
 Launch order: the grid is (query head, row tile, batch) with the head fastest, so the programs
 running at the same time are the heads of one row tile; the 7 query heads of a GQA group read the
 same K / V blocks in the same order (also with ``scan="golden"``, whose order is per tile) and
@@ -52,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.nonfinite import finish, value_poison
+from pallas_kernels.nonfinite import all_finite, finish, value_poison
 from pallas_kernels.online_softmax import masked_flag_tile, unmasked_flag_tile
 from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table
@@ -67,15 +73,19 @@ def default_launch(rows: int, register_slots: int, d_pad: int) -> tuple[int, int
     return (8 if regs > 64 * 192 else 4), 2
 
 
-def _kernel(q_ref, qp_ref, k_ref, v_ref, kp_ref, vp_ref, *refs, sm_scale, gamma, rows, block_kv, num_tiles,
-            tg, kv_len, q_offset, algorithm, top_k, k_exact, sink_blocks, local, golden):
+def _kernel(q_ref, *refs, sm_scale, gamma, rows, block_kv, num_tiles,
+            tg, kv_len, q_offset, algorithm, top_k, k_exact, sink_blocks, local, golden, poison):
+    if poison:
+        qp_ref, k_ref, v_ref, kp_ref, vp_ref, *refs = refs
+    else:
+        k_ref, v_ref, *refs = refs
     if golden:
         scan_ref, o_ref, lse_ref, *topk_refs = refs
     else:
         o_ref, lse_ref, *topk_refs = refs
     tile = num_tiles - 1 - pl.program_id(1)  # longest causal rows start first
     q = q_ref[...]
-    qp = qp_ref[...]  # [R] 0, or NaN for a sampled query row holding a NaN / inf
+    qp = qp_ref[...] if poison else None  # [R] 0, or NaN for a sampled query row holding a NaN / inf
     scale = sm_scale * LOG2E
     iota_k = lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
     g = tile * rows + lax.broadcasted_iota(jnp.int32, (rows,), 0)
@@ -102,25 +112,33 @@ def _kernel(q_ref, qp_ref, k_ref, v_ref, kp_ref, vp_ref, *refs, sm_scale, gamma,
         start = j * block_kv
         k = k_ref[pl.ds(start, block_kv), :]
         v = v_ref[pl.ds(start, block_kv), :]
-        kp = kp_ref[pl.ds(start, block_kv)]  # [bk] 0, or NaN for a key row holding a NaN / inf
-        vp = vp_ref[pl.ds(start, block_kv)]  # [bk] 0, or NaN for a non-finite value row
         s = pltriton.dot(q, k, trans_b=True) * scale  # [R, bk] f32, base 2
         k_pos = start + iota_k
+        zero = jnp.zeros((rows,), jnp.float32)
 
-        # The score poison from the wrapper's per-row flags (`online_softmax.masked_flag_tile`).
+        # The score poison from the wrapper's per-row flags (`online_softmax.masked_flag_tile`);
+        # without ``poison`` (every input known finite) there is none.
         def mask():
             ok = (k_pos[None, :] <= pos[:, None]) & (k_pos[None, :] < kv_len)
+            if not poison:
+                return jnp.where(ok, s, -jnp.inf), zero, zero
+            kp = kp_ref[pl.ds(start, block_kv)]  # [bk] 0, or NaN for a key row holding a NaN / inf
+            vp = vp_ref[pl.ds(start, block_kv)]  # [bk] 0, or NaN for a non-finite value row
             return masked_flag_tile(s, ok, qp, kp) + (jnp.sum(jnp.where(ok, vp[None, :], 0.0), axis=1),)
 
         def no_mask():
-            return unmasked_flag_tile(s, qp, kp) + (jnp.zeros((rows,), jnp.float32) + jnp.sum(vp),)
+            if not poison:
+                return s, zero, zero
+            kp = kp_ref[pl.ds(start, block_kv)]
+            vp = vp_ref[pl.ds(start, block_kv)]
+            return unmasked_flag_tile(s, qp, kp) + (zero + jnp.sum(vp),)
 
         need = (start + block_kv - 1 > first_pos) | (start + block_kv > kv_len)
-        s, poison, v_poison = lax.cond(need, mask, no_mask)
+        s, s_poison, v_poison = lax.cond(need, mask, no_mask)
         mb = jnp.max(s, axis=1)
         mb_safe = jnp.where(mb == -jnp.inf, 0.0, mb)
         p = jnp.exp2(s - mb_safe[:, None])
-        lb = jnp.sum(p, axis=1) + poison  # NaN for a block with a visible non-finite score
+        lb = jnp.sum(p, axis=1) + s_poison  # NaN for a block with a visible non-finite score
         empty = lb == 0.0
         score = topk_lib.rank_value(
             jnp.where(empty, -jnp.inf, (mb_safe + jnp.log2(jnp.where(empty, 1.0, lb))) * LN2))
@@ -200,17 +218,31 @@ def _part_sizes(algorithm: str, top_k: int, k_exact: int) -> tuple[int, ...]:
 
 @functools.partial(jax.jit, static_argnames=(
     "gamma", "block_kv", "top_k", "k_exact", "topk", "sink_blocks", "local", "sm_scale",
-    "rows", "interpret", "num_warps", "num_stages", "scan"))
+    "rows", "interpret", "num_warps", "num_stages", "scan", "poison"))
 def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, block_kv: int,
                     top_k: int, k_exact: int, topk: str, sink_blocks: int, local: int,
                     sm_scale: float, rows: int = 64, interpret: bool = False,
                     num_warps: int | None = None, num_stages: int | None = None,
-                    scan: str = "natural") -> QSATopKResult:
+                    scan: str = "natural", poison: bool | None = None) -> QSATopKResult:
     """See `api.qsa_topk`; inputs are assumed validated. ``rows``: sampled rows per program
     (a power of two >= 16). ``topk="none"`` (benchmarks only, not accepted by the API) runs
     the attention and block scores without any top-k structure and selects nothing.
     ``scan="golden"`` changes the block order of the "estimated" scan only (a scalar
-    permutation of the loop index, the same blocks and work; `common.py`)."""
+    permutation of the loop index, the same blocks and work; `common.py`). ``poison``: None
+    (default) runs the kernel without the non-finite flags when the sampled queries, k and v are all
+    finite (`nonfinite.all_finite`, chosen on the device by ``lax.cond``) and with them otherwise;
+    True / False force one of the two."""
+    kw = dict(gamma=gamma, block_kv=block_kv, top_k=top_k, k_exact=k_exact, topk=topk, sink_blocks=sink_blocks,
+              local=local, sm_scale=sm_scale, rows=rows, interpret=interpret, num_warps=num_warps,
+              num_stages=num_stages, scan=scan)
+    if poison is None:
+        return lax.cond(all_finite(q[:, ::gamma], k, v), lambda: _qsa_topk(q, k, v, poison=False, **kw),
+                        lambda: _qsa_topk(q, k, v, poison=True, **kw))
+    return _qsa_topk(q, k, v, poison=poison, **kw)
+
+
+def _qsa_topk(q, k, v, *, gamma, block_kv, top_k, k_exact, topk, sink_blocks, local, sm_scale, rows, interpret,
+              num_warps, num_stages, scan, poison) -> QSATopKResult:
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
@@ -219,12 +251,15 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
     nk = cdiv(s, block_kv)
     d_pad = max(16, topk_lib.next_pow2(d))
     qg = _pad_to(_pad_to(q[:, ::gamma], 3, d_pad), 1, num_tiles * rows)  # [B, Tgp, N, Dp]
-    vp = value_poison(v)  # [B, S, K]: a non-finite value row poisons the rows that see it
-    kp = _pad_to(value_poison(k), 1, nk * block_kv)  # [B, S, K]: NaN for a key row holding a NaN / inf
-    qp = value_poison(qg)  # [B, Tgp, N]
     k_in = _pad_to(_pad_to(k, 3, d_pad), 1, nk * block_kv)
-    v_in = _pad_to(_pad_to(jnp.where(jnp.isnan(vp)[..., None], 0, v), 3, d_pad), 1, nk * block_kv)
-    vp_in = _pad_to(vp, 1, nk * block_kv)
+    if poison:
+        vp = value_poison(v)  # [B, S, K]: a non-finite value row poisons the rows that see it
+        kp = _pad_to(value_poison(k), 1, nk * block_kv)  # [B, S, K]: NaN for a key row holding a NaN / inf
+        qp = value_poison(qg)  # [B, Tgp, N]
+        v_in = _pad_to(_pad_to(jnp.where(jnp.isnan(vp)[..., None], 0, v), 3, d_pad), 1, nk * block_kv)
+        vp_in = _pad_to(vp, 1, nk * block_kv)
+    else:
+        v_in = _pad_to(_pad_to(v, 3, d_pad), 1, nk * block_kv)
     tgp = num_tiles * rows
     sizes = _part_sizes(topk, top_k, k_exact)
     golden = topk == "estimated" and scan == "golden"
@@ -248,7 +283,7 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, gamma=gamma, rows=rows, block_kv=block_kv,
         num_tiles=num_tiles, tg=tg, kv_len=s, q_offset=s - t, algorithm=topk, top_k=top_k,
-        k_exact=k_exact, sink_blocks=sink_blocks, local=local, golden=golden,
+        k_exact=k_exact, sink_blocks=sink_blocks, local=local, golden=golden, poison=poison,
     )
     extra = []
     if golden:
@@ -257,14 +292,15 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
     out, lse, *parts = pl.pallas_call(
         kernel,
         grid=(n, num_tiles, b),
-        in_specs=[q_spec, qp_spec, kv_spec, kv_spec, vp_spec, vp_spec] + [pl.no_block_spec] * len(extra),
+        in_specs=([q_spec, qp_spec, kv_spec, kv_spec, vp_spec, vp_spec] if poison else [q_spec, kv_spec, kv_spec])
+        + [pl.no_block_spec] * len(extra),
         out_specs=[q_spec, lse_spec] + part_specs,
         out_shape=[jax.ShapeDtypeStruct(qg.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, n, tgp), jnp.float32)] + part_shapes,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="qsa_topk",
-    )(qg, qp, k_in, v_in, kp, vp_in, *extra)
+    )(*((qg, qp, k_in, v_in, kp, vp_in) if poison else (qg, k_in, v_in)), *extra)
     if not parts:
         vals = jnp.full((b, n, tg, top_k), -jnp.inf, jnp.float32)
         ids = jnp.full((b, n, tg, top_k), -1, jnp.int32)
