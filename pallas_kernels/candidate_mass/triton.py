@@ -54,12 +54,17 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, pos_ref, o_ref, *, scale: float, bl
                                              "num_warps", "per_step", "num_stages"))
 def candidate_mass_triton(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: jax.Array, *,
                           query_block: int, block: int, stride: int, gamma: int, sm_scale: float,
-                          interpret: bool = False, num_warps: int | None = None, per_step: int | None = None,
-                          num_stages: int = 2) -> jax.Array:
+                          interpret: bool = False, num_warps: int = 4, per_step: int | None = None,
+                          num_stages: int = 3) -> jax.Array:
     """Shapes and meaning as in `pallas_kernels.candidate_mass.api.candidate_mass`; inputs assumed validated.
 
-    ``per_step``: candidate blocks per loop step (a power of two; default: 256 keys per step, at most the
-    padded candidate count); ``num_warps``: default 4, or 8 for score tiles over 16k elements."""
+    ``per_step``: candidate blocks per loop step (a power of two; default: score tiles of 4096 elements, at
+    least one block, at most the padded candidate count); ``num_warps`` (default 4), ``num_stages`` (default 3).
+
+    Tile sweep on an H100 (2026-11-25, `tools/candidate_mass_tune.py`: 128k tokens, 28 / 4 heads, D 128, bf16,
+    256 candidates of 64 keys per 128-row query block; `bench/results/candidate-mass-tune_*`): every row
+    (128-row tiles) 51.1 ms with one block per step (52.6 before this form, 81-117 with four); every 4th row
+    (32-row tiles) 18.5 ms with two blocks per step (26.5 before). 8 warps were slower in every case."""
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
@@ -69,10 +74,8 @@ def candidate_mass_triton(q: jax.Array, k: jax.Array, candidates: jax.Array, ref
     t_pad = nq * query_block
     d_pad = max(16, next_pow2(d))
     if per_step is None:
-        per_step = max(1, 256 // block)
+        per_step = max(1, 4096 // (rows * block))
     per_step = min(per_step, next_pow2(c))
-    if num_warps is None:
-        num_warps = 8 if rows * per_step * block > 16384 else 4
     steps = -(-c // per_step)
     c_pad = max(2, steps * per_step)
     idx = jnp.arange(0, t_pad, stride, dtype=jnp.int32)  # the rows taken, [nq * rows]
