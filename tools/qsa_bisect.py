@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import time
 
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--label", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[131072])
+    p.add_argument("--rows", type=int, nargs="+", default=[64], help="sampled rows per program (tile)")
     args = p.parse_args()
     import pallas_kernels
     from pallas_kernels.qsa_topk.triton import qsa_topk_triton
@@ -47,15 +49,16 @@ def main() -> None:
         q = jax.random.normal(kq, (1, s, 28, 128), jnp.bfloat16)
         k = jax.random.normal(kk, (1, s, 4, 128), jnp.bfloat16)
         v = jax.random.normal(kv, (1, s, 4, 128), jnp.bfloat16)
-        for name, kw in (("none", dict(top_k=1, k_exact=0, topk="none")),
-                         ("estimated", dict(top_k=128, k_exact=8, topk="estimated"))):
+        for rows, (name, kw) in itertools.product(args.rows, (("none", dict(top_k=1, k_exact=0, topk="none")),
+                                                             ("estimated", dict(top_k=128, k_exact=8,
+                                                                                topk="estimated")))):
             if has_scan and name == "estimated":
                 kw = dict(kw, scan="natural")
-            fn = jax.jit(lambda q, k, v, kw=kw: qsa_topk_triton(q, k, v, gamma=16, block_kv=64, sink_blocks=1,
-                                                               local=128, sm_scale=128 ** -0.5, interpret=interpret,
-                                                               **kw))
-            ms = _median_ms(lambda: fn(q, k, v))
-            row = dict(label=args.label, module=pallas_kernels.__file__, S=s, variant=name, ms=ms,
+            fn = jax.jit(lambda q, k, v, kw=kw, rows=rows: qsa_topk_triton(
+                q, k, v, gamma=16, block_kv=64, sink_blocks=1, local=128, sm_scale=128 ** -0.5, interpret=interpret,
+                rows=rows, **kw))
+            ms = _median_ms(lambda: fn(q, k, v), reps=5 if s <= 262144 else 3)
+            row = dict(label=args.label, module=pallas_kernels.__file__, S=s, rows=rows, variant=name, ms=ms,
                        device=jax.devices()[0].device_kind)
             print(json.dumps(row), flush=True)
             with open(args.out, "a") as f:
