@@ -24,6 +24,7 @@ from models.common import context_axis_size, map_chunks, rms_norm, scaled_normal
 from models.kv_cache import KVCache, read_kv, write_kv
 from models.moe import local_experts_mlp, moe_mlp
 from models.rotary import apply_rotary
+from pallas_kernels.layer_matmul import layer_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,21 +233,41 @@ def _moe_expert_parallel(c: TextConfig, p, h):
         h, p["router"], p["e_gate_up"], p["e_down"])
 
 
-def _out_and_mlp(c: TextConfig, p, x, o, chunk):
+# Decode steps with at most this many tokens (B x T) on one GPU multiply by W_o inside the stacked weight
+# (`pallas_kernels.layer_matmul`): XLA's few-row GEMM copies the layer's 24.5 MiB slice first (7B).
+LAYER_MATMUL_MAX_ROWS = 16
+
+
+def _wo_in_place(x: jax.Array, wo: jax.Array) -> bool:
+    """The unrolled layers (static layer index) multiply by ``wo`` [L, N, D, H] in place: at most
+    `LAYER_MATMUL_MAX_ROWS` tokens on one CUDA device, weights in the activations' dtype."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return (jax.default_backend() == "gpu" and x.shape[0] * x.shape[1] <= LAYER_MATMUL_MAX_ROWS
+            and wo.dtype == x.dtype and (mesh.empty or mesh.size == 1))
+
+
+def _out_and_mlp(c: TextConfig, p, x, o, chunk, wo_layer=None):
     """x + o W_o, then + MLP(RMSNorm(.)), in sequence chunks written over ``x`` (donated in place):
-    x [B, T, H], o [B, T, N, D] -> [B, T, H]."""
+    x [B, T, H], o [B, T, N, D] -> [B, T, H]. ``wo_layer``: (stacked wo [L, N, D, H], layer int) to
+    multiply inside the stacked weight (`_wo_in_place`) instead of by ``p["wo"]``."""
     def f(xc, oc):
-        a = jnp.einsum("btnd,ndh->bth", oc.astype(xc.dtype), p["wo"])
+        if wo_layer is not None:
+            w, i = wo_layer
+            n_layers, heads, dim, hidden = w.shape
+            rows = oc.reshape(-1, heads * dim).astype(xc.dtype)
+            a = layer_matmul(rows, w.reshape(n_layers, heads * dim, hidden), i).reshape(xc.shape)
+        else:
+            a = jnp.einsum("btnd,ndh->bth", oc.astype(xc.dtype), p["wo"])
         xc = xc + (a + p["bo"] if c.o_bias else a)
         return xc + _mlp(c, p, rms_norm(xc, p["post_norm"], c.rms_norm_eps))
     return map_chunks(f, (x, o), 1, chunk, out=x)
 
 
-def _layer(c: TextConfig, p, x, kv, li: LayerInputs, attn_fn, layer, kv_len: int | None, chunk):
+def _layer(c: TextConfig, p, x, kv, li: LayerInputs, attn_fn, layer, kv_len: int | None, chunk, wo_layer=None):
     """One decoder layer. x: [B, T, H]; kv: the cache arrays ({"k", "v", "k_scale", "v_scale"}) or
     None. The new keys / values are written at ``li.write_index`` of layer ``layer``; attention sees
     them alone (``kv_len`` None: prefill from an empty cache) or the layer's first ``kv_len`` cache
-    slots. Returns (x, kv)."""
+    slots. ``wo_layer``: see `_out_and_mlp`. Returns (x, kv)."""
     q, k, v = _qkv(c, p, x, li.cos, li.sin, chunk)
     if kv is not None:
         kv = write_kv(kv, layer, li.write_index, k, v)
@@ -257,7 +278,7 @@ def _layer(c: TextConfig, p, x, kv, li: LayerInputs, attn_fn, layer, kv_len: int
         else:
             k, v = read_kv(kv, layer, kv_len, x.dtype)
     o = attn_fn(q, k, v, layer=layer, q_positions=li.q_positions, kv_valid=li.kv_valid, modality=li.modality)
-    return _out_and_mlp(c, p, x, o, chunk), kv
+    return _out_and_mlp(c, p, x, o, chunk, wo_layer), kv
 
 
 def run_decoder(model: TextDecoder, x: jax.Array, li: LayerInputs, attention: LayerAttention, *,
@@ -310,9 +331,11 @@ def run_decoder(model: TextDecoder, x: jax.Array, li: LayerInputs, attention: La
 
         (x, kv, buf), _ = jax.lax.scan(step, (x, kv, buf), (params, jnp.arange(L, dtype=jnp.int32)))
     else:
+        in_place = _wo_in_place(x, params["wo"])
         for i in range(L):
-            p = {n: a[i] for n, a in params.items()}
-            x, kv = _layer(c, p, x, kv, li, attention.for_layer(i), i, kv_len, mlp_chunk)
+            p = {n: a[i] for n, a in params.items() if not (in_place and n == "wo")}
+            x, kv = _layer(c, p, x, kv, li, attention.for_layer(i), i, kv_len, mlp_chunk,
+                           (params["wo"], i) if in_place else None)
             if i + 1 < L:
                 buf = capture(buf, i + 1, x)
     x = rms_norm(x, model.final_norm[...], c.rms_norm_eps)

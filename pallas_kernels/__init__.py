@@ -1,4 +1,4 @@
-"""Attention kernels (and the MoE grouped matmul) only: no notion of patterns, models or modalities.
+"""Attention kernels (and the matmuls of MoE layers and decode steps) only: no notion of patterns, models or modalities.
 
 One op per folder, each with ``api.py`` (validation, dispatch by ``implementation=``),
 ``reference.py`` (pure JAX, the definition of correct) and ``triton.py`` (Pallas Triton):
@@ -10,6 +10,7 @@ One op per folder, each with ``api.py`` (validation, dispatch by ``implementatio
 * ``candidate_mass/``: the softmax mass a query block's rows put on listed key blocks (MOMO's re-rank).
 * ``grouped_matmul/``: rows grouped by a traced size per group, each group times its own matrix
   (the experts of a mixture-of-experts layer; ``jax.lax.ragged_dot``'s contract without its dense lowering).
+* ``layer_matmul/``: a few rows times one layer of a stacked weight, read where it lies (decode steps).
 
 Shared by the ops: ``checks.py`` (argument checks), ``platform.py`` (default implementation,
 core count), ``tiling.py`` (ceil division, padding, softmax constants), ``nonfinite.py`` (the
@@ -20,6 +21,7 @@ Triton kernels' softmax step).
 from pallas_kernels.block_sparse import BlockLayout, block_sparse_attention, merge_attention
 from pallas_kernels.candidate_mass import candidate_mass
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.layer_matmul import layer_matmul
 from pallas_kernels.nonfinite import NonFiniteError
 from pallas_kernels.platform import default_implementation
 from pallas_kernels.qsa_topk import QSATopKResult, qsa_topk
@@ -27,4 +29,4 @@ from pallas_kernels.tree_decode import tree_decode_attention
 
 __all__ = ["BlockLayout", "NonFiniteError", "QSATopKResult", "block_sparse_attention", "candidate_mass",
            "default_implementation",
-           "grouped_matmul", "merge_attention", "qsa_topk", "tree_decode_attention"]
+           "grouped_matmul", "layer_matmul", "merge_attention", "qsa_topk", "tree_decode_attention"]

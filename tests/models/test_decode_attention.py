@@ -12,7 +12,9 @@ from jax import export
 from mmjax.inference import decode_step, prefill
 from models.attention import dense_attention
 from models.decode_attention import SPLIT_K_MIN_SLOTS, reduce_attention, split_k_decode_attention
+from models import text_decoder
 from models.qwen2_5_vl import Qwen2_5_VL
+from pallas_kernels.layer_matmul import layer_matmul
 from tests.models.helpers import random_decode_qkv, small_config, video_prompt
 
 
@@ -147,3 +149,31 @@ def test_dense_attention_stacked_cache_errors_name_the_argument():
         dense_attention(q, kv, kv, q_positions=pos, kv_valid=valid)
     with pytest.raises(ValueError, match="k/v: expected the stacked cache"):
         dense_attention(q, kv, kv[..., :4], layer=0, q_positions=pos, kv_valid=valid)
+
+
+def test_decode_with_wo_in_place_equals_the_slice_product(monkeypatch):
+    """The unrolled decode step's o-projection through `layer_matmul` on the stacked weight (forced here; on
+    a CPU it is off and layer_matmul runs its reference) gives the einsum path's logits."""
+    cfg = small_config()
+    model = Qwen2_5_VL(cfg, key=jax.random.key(6))
+    inputs = video_prompt(cfg, frames=2, rng=np.random.default_rng(2))
+    dense = prefill(model, inputs, "dense", max_length=96)
+    tok = jnp.argmax(dense.logits, -1)
+    assert not text_decoder._wo_in_place(jnp.ones((1, 1, 8)), jnp.ones((2, 2, 2, 8)))  # CPU: off
+    want, _ = decode_step(model, dense.cache, tok)
+    calls = []
+
+    def spy(x, w, layer, **kw):
+        calls.append((x.shape, w.shape, layer))
+        return layer_matmul(x, w, layer, **kw)
+
+    monkeypatch.setattr(text_decoder, "_wo_in_place", lambda x, wo: True)
+    monkeypatch.setattr(text_decoder, "layer_matmul", spy)
+    jax.clear_caches()  # decode_step's compiled step would skip the patched trace
+    again = prefill(model, inputs, "dense", max_length=96)
+    got, _ = decode_step(model, again.cache, tok)
+    c = cfg.text
+    head_dim = c.hidden_size // c.num_attention_heads
+    assert [layer for _, _, layer in calls] == list(range(c.num_hidden_layers))
+    assert calls[0][1] == (c.num_hidden_layers, c.num_attention_heads * head_dim, c.hidden_size)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)

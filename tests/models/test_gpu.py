@@ -8,6 +8,7 @@ import pytest
 from mmjax.inference import decode_step, prefill
 from models.attention import cudnn_attention, dense_attention
 from models.decode_attention import SPLIT_K_MIN_SLOTS, split_k_decode_attention
+from models import text_decoder
 from models.qwen2_5_vl import Qwen2_5_VL
 from tests.models.helpers import small_config, video_prompt
 
@@ -103,3 +104,20 @@ def test_dense_attention_reads_a_stacked_cache_layer_in_place_on_gpu():
         got = jax.jit(lambda *a, i=layer: dense_attention(
             *a[:3], layer=i, q_positions=a[3], kv_valid=a[4]))(q, k, v, pos, valid)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-2)
+
+
+@needs_gpu
+def test_decode_multiplies_wo_in_place_on_gpu(monkeypatch):
+    """On a GPU the unrolled decode step's o-projection runs `layer_matmul` on the stacked weight; its logits
+    equal the slice product's (bf16)."""
+    cfg = small_config()
+    model = Qwen2_5_VL(cfg, dtype=jnp.bfloat16, key=jax.random.key(8))
+    inputs = video_prompt(cfg, frames=2, rng=np.random.default_rng(3))
+    tok = jnp.argmax(prefill(model, inputs, "dense", max_length=96).logits, -1)
+    x = jnp.ones((1, 1, cfg.text.hidden_size), jnp.bfloat16)
+    assert text_decoder._wo_in_place(x, jnp.ones((2, 2, 2, cfg.text.hidden_size), jnp.bfloat16))
+    got, _ = decode_step(model, prefill(model, inputs, "dense", max_length=96).cache, tok)
+    monkeypatch.setattr(text_decoder, "_wo_in_place", lambda x, wo: False)
+    jax.clear_caches()
+    want, _ = decode_step(model, prefill(model, inputs, "dense", max_length=96).cache, tok)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=5e-2, rtol=5e-2)
