@@ -57,7 +57,9 @@ correction.
    0.95 (every 2), 1.22 (every 4); with the "estimated" top-k its candidates miss blocks (gap 5.53,
    re-rank 4x: 4.09); with ``k_exact=32`` and c = 2 it is 1.37 (exact top-k: 0.58). Extra work: the ``[rows / stride, block]`` score tiles of
    ``c * k_trim`` blocks per query block, no values. One H100 at 128k (2026-11-25): MOMO 89.3 ms,
-   with c = 2 every row 141.0 ms, every 4th row 115.5 ms; hence off by default.
+   with c = 2 every row 141.0 ms, every 4th row 115.5 ms (the candidate-mass kernel alone, tuned since:
+   51.1 / 18.5 ms). At 1M on an H100 (``k_exact=32``, estimated top-k) the mixed gap is 6.51 points, 3.12
+   with c = 2 every row: still above 1.5; video 0.42 -> 0.23, needle 0.07 -> 0.04. Hence off by default.
 3. Key-sparse attention of all queries on that layout (`block_sparse_attention`) -> O_*.
 4. Delta correction (Eq. 3): ``out[t] = O_*[t] + (O_gamma - O_*)[gamma * (t // gamma)]``,
    so the sampled rows equal dense attention and every row of a gamma group is shifted by
