@@ -13,21 +13,10 @@ import argparse
 import inspect
 import itertools
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-
-
-def _median_ms(fn, reps: int = 5) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+from gpu_timing import median_ms
 
 
 def main() -> None:
@@ -61,7 +50,7 @@ def main() -> None:
                        num_warps=warps, num_stages=stages, device=jax.devices()[0].device_kind)
             try:
                 fn = jax.jit(lambda q, k, cand, ref, kw=kw: candidate_mass_triton(q, k, cand, ref, **kw))
-                row["ms"] = _median_ms(lambda: fn(q, k, cand, ref))
+                row["ms"] = median_ms(lambda: fn(q, k, cand, ref))
             except Exception as e:  # a tile the compiler refuses (e.g. out of shared memory) is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(json.dumps(row), flush=True)

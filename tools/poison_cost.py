@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
+from gpu_timing import median_ms
 
 from pallas_kernels import BlockLayout
 from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
-
-
-def _median_ms(fn, reps: int = 5) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def _inputs(s: int):
@@ -58,7 +47,7 @@ def main() -> None:
         if on_gpu:
             cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                         implementation="cudnn"))
-            emit(kernel="cudnn", S=s, layout="dense", ms=_median_ms(lambda: cudnn(q, k, v)))
+            emit(kernel="cudnn", S=s, layout="dense", ms=median_ms(lambda: cudnn(q, k, v)))
         layouts = {"dense": BlockLayout.dense_causal(s, s, block_q=128, block_k=64)}
         if s >= 131072:
             layouts["random10"] = BlockLayout.random_causal(jax.random.key(1), s, s, keep=0.1, block_q=128,
@@ -68,7 +57,7 @@ def main() -> None:
                 fn = jax.jit(lambda q, k, v, layout, poison=poison: block_sparse_attention_triton(
                     q, k, v, layout, sm_scale=128 ** -0.5, interpret=not on_gpu, poison=poison))
                 emit(kernel="block_sparse", S=s, layout=name, poison=poison,
-                     ms=_median_ms(lambda: fn(q, k, v, layout)))
+                     ms=median_ms(lambda: fn(q, k, v, layout)))
         if s >= 131072:
             for topk, kw in (("none", dict(top_k=1, k_exact=0)), ("estimated", dict(top_k=128, k_exact=8,
                                                                                      scan="golden"))):
@@ -76,7 +65,7 @@ def main() -> None:
                     fn = jax.jit(lambda q, k, v, kw=kw, topk=topk, poison=poison: qsa_topk_triton(
                         q, k, v, gamma=16, block_kv=64, topk=topk, sink_blocks=1, local=128, sm_scale=128 ** -0.5,
                         interpret=not on_gpu, poison=poison, **kw))
-                    emit(kernel="qsa_topk", S=s, topk=topk, poison=poison, ms=_median_ms(lambda: fn(q, k, v)))
+                    emit(kernel="qsa_topk", S=s, topk=topk, poison=poison, ms=median_ms(lambda: fn(q, k, v)))
 
 
 if __name__ == "__main__":

@@ -15,21 +15,10 @@ import argparse
 import inspect
 import itertools
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-
-
-def _median_ms(fn, reps: int = 5) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+from gpu_timing import median_ms
 
 
 def main() -> None:
@@ -57,7 +46,7 @@ def main() -> None:
             fn = jax.jit(lambda q, k, v, kw=kw, rows=rows: qsa_topk_triton(
                 q, k, v, gamma=16, block_kv=64, sink_blocks=1, local=128, sm_scale=128 ** -0.5, interpret=interpret,
                 rows=rows, **kw))
-            ms = _median_ms(lambda: fn(q, k, v), reps=5 if s <= 262144 else 3)
+            ms = median_ms(lambda: fn(q, k, v), reps=5 if s <= 262144 else 3)
             row = dict(label=args.label, module=pallas_kernels.__file__, S=s, rows=rows, variant=name, ms=ms,
                        device=jax.devices()[0].device_kind)
             print(json.dumps(row), flush=True)
