@@ -177,3 +177,16 @@ def test_decode_with_wo_in_place_equals_the_slice_product(monkeypatch):
     assert [layer for _, _, layer in calls] == list(range(c.num_hidden_layers))
     assert calls[0][1] == (c.num_hidden_layers, c.num_attention_heads * head_dim, c.hidden_size)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+
+def test_wo_in_place_only_for_few_tokens_on_one_cuda_device(monkeypatch):
+    wo = jnp.ones((2, 2, 4, 8), jnp.bfloat16)
+    x16, x17 = jnp.ones((4, 4, 8), jnp.bfloat16), jnp.ones((1, 17, 8), jnp.bfloat16)
+    assert not text_decoder._wo_in_place(x16, wo)  # a CPU backend
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert text_decoder._wo_in_place(x16, wo)  # B * T = 16 tokens
+    assert not text_decoder._wo_in_place(x17, wo)  # 17 tokens: XLA's GEMM
+    assert not text_decoder._wo_in_place(x16.astype(jnp.float32), wo)  # weights in another dtype
+    mesh = jax.sharding.AbstractMesh((2,), ("tp",))
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert not text_decoder._wo_in_place(x16, wo)  # a layout over several devices
