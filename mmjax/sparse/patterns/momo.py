@@ -60,6 +60,9 @@ correction.
    with c = 2 every row 141.0 ms, every 4th row 115.5 ms (the candidate-mass kernel alone, tuned since:
    51.1 / 18.5 ms). At 1M on an H100 (``k_exact=32``, estimated top-k) the mixed gap is 6.51 points, 3.12
    with c = 2 every row: still above 1.5; video 0.42 -> 0.23, needle 0.07 -> 0.04. Hence off by default.
+   Why it grows with the length (CPU, 256k, `tools/momo_sink_gap.py`): the mixed family's per-frame sinks give
+   more near-equal sink blocks than k_trim (224 at 256k); the estimated top-k keeps the first good ones it meets.
+   Sinks on / off, points: estimated 4.15 / 0.75, exact 2.38 / 0.47, exact + re-rank c = 2 0.45 / 0.24.
 3. Key-sparse attention of all queries on that layout (`block_sparse_attention`) -> O_*.
 4. Delta correction (Eq. 3): ``out[t] = O_*[t] + (O_gamma - O_*)[gamma * (t // gamma)]``,
    so the sampled rows equal dense attention and every row of a gamma group is shifted by
