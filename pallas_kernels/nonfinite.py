@@ -19,12 +19,15 @@ score, and a masked one is nothing. Kernels that cannot afford the copy (the cac
 tree-decode kernel) zero masked values in the tile and check the accumulator in `finish`.
 
 The checks cost 15-22% of the block-sparse and QSA Triton kernels' time, so those run a copy
-without them when `all_finite` says every input is finite (a ``lax.cond`` on the device); the
+without them when `all_finite` says every input is finite (`checked_if_nonfinite`: a ``lax.cond`` on the device); the
 contract is the same, except that a score which overflows from finite inputs is not flagged
 (+inf still ends NaN in the exponent, -inf counts as weight 0).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +54,14 @@ def value_poison(v: jax.Array, axis: int = -1) -> jax.Array:
 
 
 def all_finite(*arrays: jax.Array) -> jax.Array:
-    """bool scalar: no NaN or inf in any of the arrays. Kernels branch on it (``lax.cond``) to run without
-    their per-tile checks when every input is finite; the branch is chosen on the device."""
+    """bool scalar: no NaN or inf in any of the arrays."""
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in arrays]))
+
+
+def checked_if_nonfinite(run: Callable[[bool], Any], *arrays: jax.Array) -> Any:
+    """``run(poison)`` with ``poison=False`` (the kernel without its per-tile checks) when every array is finite,
+    else ``run(True)``: one ``lax.cond`` on `all_finite`, decided on the device (both branches are compiled)."""
+    return jax.lax.cond(all_finite(*arrays), lambda: run(False), lambda: run(True))
 
 
 def score_poison(s: jax.Array, ok: jax.Array | None = None) -> jax.Array:

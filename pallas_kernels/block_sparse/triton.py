@@ -13,7 +13,7 @@ kernel's flag-based poison (per-row q / k flags made by the wrapper, `online_sof
 was tried here and measured 33-34% slower on an H200 (2026-11-25: dense 32k 20.1 -> 26.7 ms), so each
 tile checks its own scores. That check costs 15-20% by itself, so the wrapper runs the kernel without it
 (``poison=False``) when q, k and v are all finite: one device-side `nonfinite.all_finite` read of the
-inputs picks the branch (``lax.cond``; both kernels are compiled). Same run on an H100 (2026-11-25,
+inputs picks the branch (`nonfinite.checked_if_nonfinite`; both kernels are compiled). Same run on an H100 (2026-11-25,
 `tools/poison_cost.py`, 28 / 4 heads, D 128, bf16, 128x64 tiles; cuDNN 12.08 / 211.9 ms): dense 32k
 19.99 -> 16.98 ms, dense 128k 327.6 -> 273.2 ms, random 10% at 128k 33.3 -> 28.1 ms.
 
@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.block_sparse.layout import BlockLayout
-from pallas_kernels.nonfinite import all_finite, finish, poison_keys
+from pallas_kernels.nonfinite import checked_if_nonfinite, finish, poison_keys
 from pallas_kernels.online_softmax import masked_tile, softmax_step, softmax_update, unmasked_tile
 from pallas_kernels.tiling import LOG2E, inverse_permutation
 from pallas_kernels.tiling import next_pow2 as _next_pow2
@@ -287,14 +287,12 @@ def block_sparse_attention_triton(
     (`nonfinite.all_finite`, one read of the inputs, chosen on the device by ``lax.cond``) and with them
     otherwise; True / False force one of the two.
     """
-    if poison is None:
-        return lax.cond(all_finite(q, k, v),
-                        lambda: _attention(q, k, v, layout, sm_scale, causal, interpret, num_warps, num_stages, False),
-                        lambda: _attention(q, k, v, layout, sm_scale, causal, interpret, num_warps, num_stages, True))
-    return _attention(q, k, v, layout, sm_scale, causal, interpret, num_warps, num_stages, poison)
+    run = functools.partial(_attention, q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
+                            num_warps=num_warps, num_stages=num_stages)
+    return checked_if_nonfinite(run, q, k, v) if poison is None else run(poison)
 
 
-def _attention(q, k, v, layout, sm_scale, causal, interpret, num_warps, num_stages, poison):
+def _attention(q, k, v, layout, poison, *, sm_scale, causal, interpret, num_warps, num_stages):
     b, t, n, d = q.shape
     q_in, k_in, v_in, ops = prepare_operands(q, k, v, layout, poison)
     out, lse = launch(

@@ -27,7 +27,7 @@ flagged: +inf still ends NaN (``inf - inf`` in the exponent), -inf counts as wei
 
 The flags cost 15-22% (a regression bisected to the commit that added the non-finite contract), so
 the wrapper runs the kernel without them (``poison=False``) when the sampled queries, k and v are all
-finite, chosen on the device (``lax.cond`` on `nonfinite.all_finite`). Same run on an H100 (2026-11-25,
+finite, chosen on the device (`nonfinite.checked_if_nonfinite`). Same run on an H100 (2026-11-25,
 `tools/poison_cost.py`, 128k tokens): no top-k 29.9 -> 23.3 ms, estimated top-k 41.1 -> 34.7 ms
 (before the contract, `tools/qsa_bisect.py`: 25.2 and 35.3 ms).
 
@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.nonfinite import all_finite, finish, value_poison
+from pallas_kernels.nonfinite import checked_if_nonfinite, finish, value_poison
 from pallas_kernels.online_softmax import masked_flag_tile, unmasked_flag_tile
 from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table
@@ -232,17 +232,14 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
     (default) runs the kernel without the non-finite flags when the sampled queries, k and v are all
     finite (`nonfinite.all_finite`, chosen on the device by ``lax.cond``) and with them otherwise;
     True / False force one of the two."""
-    kw = dict(gamma=gamma, block_kv=block_kv, top_k=top_k, k_exact=k_exact, topk=topk, sink_blocks=sink_blocks,
-              local=local, sm_scale=sm_scale, rows=rows, interpret=interpret, num_warps=num_warps,
-              num_stages=num_stages, scan=scan)
-    if poison is None:
-        return lax.cond(all_finite(q[:, ::gamma], k, v), lambda: _qsa_topk(q, k, v, poison=False, **kw),
-                        lambda: _qsa_topk(q, k, v, poison=True, **kw))
-    return _qsa_topk(q, k, v, poison=poison, **kw)
+    run = functools.partial(_qsa_topk, q, k, v, gamma=gamma, block_kv=block_kv, top_k=top_k, k_exact=k_exact,
+                            topk=topk, sink_blocks=sink_blocks, local=local, sm_scale=sm_scale, rows=rows,
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages, scan=scan)
+    return checked_if_nonfinite(run, q[:, ::gamma], k, v) if poison is None else run(poison)
 
 
-def _qsa_topk(q, k, v, *, gamma, block_kv, top_k, k_exact, topk, sink_blocks, local, sm_scale, rows, interpret,
-              num_warps, num_stages, scan, poison) -> QSATopKResult:
+def _qsa_topk(q, k, v, poison, *, gamma, block_kv, top_k, k_exact, topk, sink_blocks, local, sm_scale, rows, interpret,
+              num_warps, num_stages, scan) -> QSATopKResult:
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
