@@ -17,6 +17,7 @@ import json
 import jax
 import jax.numpy as jnp
 from gpu_timing import median_ms
+from jsonl_log import append_jsonl
 
 
 def main() -> None:
@@ -54,8 +55,7 @@ def main() -> None:
             except Exception as e:  # a tile the compiler refuses (e.g. out of shared memory) is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(json.dumps(row), flush=True)
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(args.out, row)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import json
 import jax
 import jax.numpy as jnp
 from gpu_timing import median_ms
+from jsonl_log import append_jsonl
 
 from pallas_kernels import BlockLayout
 from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
@@ -39,8 +40,7 @@ def main() -> None:
         row["device"] = jax.devices()[0].device_kind
         print(json.dumps(row), flush=True)
         rows.append(row)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(args.out, row)
 
     for s in args.lens:
         q, k, v = _inputs(s)

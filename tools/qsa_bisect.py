@@ -19,6 +19,7 @@ import json
 import jax
 import jax.numpy as jnp
 from gpu_timing import median_ms
+from jsonl_log import append_jsonl
 
 
 def main() -> None:
@@ -50,8 +51,7 @@ def main() -> None:
             row = dict(label=args.label, module=pallas_kernels.__file__, S=s, rows=rows, variant=name, ms=ms,
                        device=jax.devices()[0].device_kind)
             print(json.dumps(row), flush=True)
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(args.out, row)
 
 
 if __name__ == "__main__":
