@@ -9,7 +9,7 @@ from pallas_kernels.checks import check_int, check_pow2, check_qkv, check_sm_sca
 from pallas_kernels.platform import default_implementation
 from pallas_kernels.qsa_topk.common import SCAN_ORDERS, QSATopKResult
 from pallas_kernels.qsa_topk.reference import qsa_topk_reference
-from pallas_kernels.qsa_topk.topk import ALGORITHMS
+from pallas_kernels.qsa_topk.topk import ALGORITHMS, QUANTILES
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 from pallas_kernels.tiling import cdiv
 
@@ -29,6 +29,7 @@ def qsa_topk(
     sink_blocks: int = 0,
     local: int = 0,
     scan: str = "natural",
+    quantile: str = "histogram",
     sm_scale: float | None = None,
     implementation: str | None = None,
     interpret: bool = False,
@@ -58,6 +59,9 @@ def qsa_topk(
         instead of the oldest blocks first; see `common.py`). Ignored by "exact" and
         "tournament", whose selection does not depend on the order. With "golden" the
         selection depends on ``rows``; the reference takes the same ``rows``.
+      quantile: how the "estimated" top-k sets its acceptance threshold: "histogram" (counts at
+        frozen edges; default) or "gaussian" (a normal quantile of the running mean and
+        deviation); see `topk.py`. Ignored by "exact" and "tournament".
       sm_scale: a finite float > 0; default ``D ** -0.5``.
       implementation: "reference" | "triton" | None (triton on a GPU or when ``interpret``).
       rows, num_warps, num_stages: Triton tile (sampled rows per program; also the tile of
@@ -90,6 +94,8 @@ def qsa_topk(
     check_pow2("rows", rows)
     if scan not in SCAN_ORDERS:
         raise ValueError(f"scan: expected one of {SCAN_ORDERS}; received {scan!r}")
+    if quantile not in QUANTILES:
+        raise ValueError(f"quantile: expected one of {QUANTILES}; received {quantile!r}")
     if implementation is None:
         implementation = default_implementation(bool(interpret))
     if implementation not in IMPLEMENTATIONS:
@@ -99,7 +105,8 @@ def qsa_topk(
     if check_finite:
         nonfinite.check_finite(q=q, k=k, v=v)
     kw = dict(gamma=gamma, block_kv=block_kv, top_k=top_k, k_exact=k_exact, topk=topk,
-              sink_blocks=sink_blocks, local=local, sm_scale=sm_scale, scan=scan, rows=rows)
+              sink_blocks=sink_blocks, local=local, sm_scale=sm_scale, scan=scan, rows=rows,
+              quantile=quantile)
     if implementation == "reference":
         return qsa_topk_reference(q, k, v, **kw)
     return qsa_topk_triton(q, k, v, interpret=interpret, num_warps=num_warps,

@@ -113,13 +113,14 @@ def candidates(tg_pos: jax.Array, nk: int, *, block_kv: int, sink_blocks: int, l
 
 
 def select_blocks(scores: jax.Array, active: jax.Array, remaining: jax.Array, *, algorithm: str,
-                  top_k: int, k_exact: int, order: jax.Array | None = None
+                  top_k: int, k_exact: int, order: jax.Array | None = None, quantile: str = "histogram"
                   ) -> tuple[jax.Array, jax.Array]:
     """scores ``[..., nk]`` -> (block_score, block_idx) ``[..., top_k]`` (see `QSATopKResult`).
 
     ``order`` (int32, broadcastable to scores): the block the "estimated" scan offers at each
     step (`common.scan_block_ids`; default id order). ``active`` / ``remaining`` are given per
-    step; they are the same functions of the step as of the id in id order (`candidates`)."""
+    step; they are the same functions of the step as of the id in id order (`candidates`).
+    ``quantile``: the "estimated" threshold rule (`topk.py`)."""
     lead, nk = scores.shape[:-1], scores.shape[-1]
     active = jnp.broadcast_to(active, scores.shape)
     if algorithm in ("exact", "tournament"):
@@ -141,16 +142,17 @@ def select_blocks(scores: jax.Array, active: jax.Array, remaining: jax.Array, *,
         scores = jnp.take_along_axis(scores, order, axis=-1)
         block_ids = order.reshape(-1, nk)
     vals, ids = topk_lib.run_scan(algorithm, scores.reshape(-1, nk), active.reshape(-1, nk), rem,
-                                  k=top_k, k_exact=k_exact, block_ids=block_ids)
+                                  k=top_k, k_exact=k_exact, block_ids=block_ids, quantile=quantile)
     return vals.reshape(lead + (top_k,)), ids.reshape(lead + (top_k,))
 
 
 @functools.partial(jax.jit, static_argnames=(
     "gamma", "block_kv", "top_k", "k_exact", "topk", "sink_blocks", "local", "sm_scale", "scan",
-    "rows"))
+    "rows", "quantile"))
 def qsa_topk_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, block_kv: int,
                        top_k: int, k_exact: int, topk: str, sink_blocks: int, local: int,
-                       sm_scale: float, scan: str = "natural", rows: int = 64) -> QSATopKResult:
+                       sm_scale: float, scan: str = "natural", rows: int = 64,
+                       quantile: str = "histogram") -> QSATopKResult:
     """See `api.qsa_topk`; inputs are assumed validated. ``scan`` / ``rows``: the scan order
     of the "estimated" top-k and the tile it is defined on (`common.py`)."""
     t, s = q.shape[1], k.shape[1]
@@ -167,5 +169,5 @@ def qsa_topk_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, 
         # The barrier keeps XLA from constant-folding the [Tg, nk] gather indices (seconds).
         order = lax.optimization_barrier(jnp.asarray(tiles))[np.arange(cdiv(t, gamma)) // rows]  # [Tg, nk]
     vals, ids = select_blocks(scores, active, remaining, algorithm=topk, top_k=top_k,
-                              k_exact=k_exact, order=order)
+                              k_exact=k_exact, order=order, quantile=quantile)
     return QSATopKResult(out.astype(q.dtype), lse, ids, vals)

@@ -25,14 +25,42 @@ A scan offers, at step ``j``, one score ``x [R]`` (block id ``j``) to every row 
   is identical to the exact buffer's.
 * **estimated** (hybrid): ``k_exact`` exact slots; whatever the exact buffer rejects or
   evicts (the *spill*) is offered to ``k - k_exact`` append-only slots, accepted when its
-  score is at least the running estimate of the p-quantile of all scores seen so far,
-  ``m + sqrt(2) * sigma * erfinv(2p - 1)`` with ``p = 1 - remaining_slots /
-  remaining_offers`` (running mean m and population variance sigma^2 by Welford). When
-  ``remaining_slots >= remaining_offers`` (p <= 0) everything is accepted, so a row with
-  at least k candidates always fills its k slots. With fewer than two scores seen the
-  threshold is +inf unless p <= 0. O(k_exact) vector work per update: the kernel writes
-  accepted items straight to its output (one scattered store per row), so the k - k_exact
-  estimated slots never occupy registers.
+  score is at least a running estimate of the score above which the offers still to come hold
+  about as many items as there are free slots: the quantile ``p = 1 - remaining_slots /
+  remaining_offers`` of the row's scores. When ``remaining_slots >= remaining_offers``
+  (p <= 0) everything is accepted, so a row with at least k candidates always fills its k
+  slots. With fewer than two scores seen the threshold is +inf unless p <= 0. Two estimates
+  of that quantile (``quantile=``):
+
+  - ``"gaussian"``: ``m + sqrt(2) * sigma * erfinv(2p - 1)`` from the running mean m and
+    population variance sigma^2 (Welford) of all scores seen so far;
+  - ``"histogram"`` (default): the Gaussian threshold, raised where counts show more scores
+    above it than slots. Once `HIST_WARMUP` scores are seen, m and sigma are frozen and the row
+    counts, for `HIST_BINS` edges ``m + sigma * HIST_WIDTH * b`` (b = 0 .. 15, up to 7.5
+    sigma), how many later scores reached each edge. The offers still to come that reach edge b
+    are estimated as ``count_b * remaining_offers / counted``; the histogram threshold lies
+    between the last edge where that exceeds ``remaining_slots`` and the next one (log-linear
+    in the count; one bin width past the top edge when every edge has too many). It needs the
+    scores in a random-like order (``scan="golden"``).
+
+  Why: the Gaussian quantile assumes a bell-shaped upper tail. Video rows have a cluster of
+  near-equal high scores (a sink key in every frame: ~900 blocks per row at 1M tokens), more
+  than the slots and far above the bell; every one of them clears the Gaussian threshold, so
+  the slots fill with the first of them the scan meets rather than the best. The counts place
+  the threshold inside the cluster. Taking the larger of the two keeps the Gaussian's
+  precision where the scores are bell-shaped (the histogram alone, from fewer scores, lost
+  3-5 points of mass on i.i.d. normal rows of 256 scores, k = 16). Mass of the row held by its
+  128 blocks, gaussian / histogram / exact top 128 (`tools/topk_threshold_mass.py`, CPU, the
+  MOMO bench's inputs, 2 / 1 heads, fp32, k_exact = 8, golden order, 32 rows of the second
+  half; 2026-11-25, `bench/results/topk-threshold-mass_cpu_2026-11-25.jsonl`): mixed video +
+  text at 1M 0.194 / 0.340 / 0.346, at 256k 0.361 / 0.421 / 0.427, at 64k 0.511 / 0.511 /
+  0.515; video at 1M 0.044 / 0.049 / 0.050; needle within 0.001 of the Gaussian at every
+  length. (An exponential-tail fit to the exact slots instead of the counts kept 0.310 at 1M
+  mixed but lost 9-16 points on needles, whose small cluster it extrapolated.)
+
+  O(k_exact + HIST_BINS) vector work per update: the kernel writes accepted items straight
+  to its output (one scattered store per row), so the k - k_exact estimated slots never
+  occupy registers.
 
 Empty slots hold value -inf and a distinct negative id (``-1 - slot``); padding slots
 (when k is not a power of two) hold +inf and are never evicted. `finalize` maps both to
@@ -59,6 +87,10 @@ from jax import lax
 from pallas_kernels.tiling import next_pow2
 
 ALGORITHMS = ("exact", "tournament", "estimated")
+QUANTILES = ("histogram", "gaussian")  # the "estimated" hybrid's threshold (see the module docstring)
+HIST_BINS = 16
+HIST_WIDTH = 0.5  # bin width in running standard deviations
+HIST_WARMUP = 64  # scores seen before the mean and deviation are frozen and counting starts
 _INT_MIN = -(2**31)
 RANK_NAN = float(jnp.finfo(jnp.float32).max)  # how a NaN score ranks: above every finite score
 
@@ -216,11 +248,23 @@ class EstimatedState(NamedTuple):
     n: jax.Array  # f32 [R] scores seen (Welford)
     mean: jax.Array  # f32 [R]
     m2: jax.Array  # f32 [R] sum of squared deviations
+    # quantile="histogram" only (None for "gaussian"):
+    hist: jax.Array | None = None  # f32 [R, HIST_BINS] scores since the freeze that reached each edge
+    hist_base: jax.Array | None = None  # f32 [R] frozen mean (edge 0)
+    hist_step: jax.Array | None = None  # f32 [R] frozen deviation * HIST_WIDTH (edge spacing)
+    hist_n0: jax.Array | None = None  # f32 [R] scores seen at the freeze (0: not frozen yet)
 
 
-def estimated_init(rows: int, k: int, k_exact: int, *, buffers: bool = True) -> EstimatedState:
+def _check_quantile(quantile: str) -> None:
+    if quantile not in QUANTILES:
+        raise ValueError(f"quantile: expected one of {QUANTILES}; received {quantile!r}")
+
+
+def estimated_init(rows: int, k: int, k_exact: int, *, buffers: bool = True,
+                   quantile: str = "histogram") -> EstimatedState:
     """``buffers=False``: the append-only slots are not held in the state; the caller
     stores each accepted item itself (the kernel writes it straight to its output)."""
+    _check_quantile(quantile)
     k_est = k - k_exact
     est_vals, est_ids = _empty_slots(rows, max(k_est, 1))
     if k_est == 0:
@@ -228,8 +272,40 @@ def estimated_init(rows: int, k: int, k_exact: int, *, buffers: bool = True) -> 
     if not buffers:
         est_vals = est_ids = None
     zeros = jnp.zeros((rows,), jnp.float32)
+    hist = (jnp.zeros((rows, HIST_BINS), jnp.float32), zeros, zeros, zeros) if quantile == "histogram" else ()
     return EstimatedState(exact_init(rows, max(k_exact, 1)), est_vals, est_ids,
-                          jnp.zeros((rows,), jnp.int32), zeros, zeros, zeros)
+                          jnp.zeros((rows,), jnp.int32), zeros, zeros, zeros, *hist)
+
+
+def _histogram_threshold(state: EstimatedState, slots_left: jax.Array, remaining: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(threshold [R], usable [R]): the lowest edge whose estimated count among the offers
+    still to come fits the free slots (see the module docstring); usable once counting ran."""
+    counted = state.n - state.hist_n0
+    usable = (state.hist_n0 > 0.0) & (counted > 0.0)
+    too_many = state.hist * remaining[:, None] > (slots_left * counted)[:, None]  # decreasing in b
+    b = jnp.sum(too_many.astype(jnp.float32), axis=1)
+    # Between the last edge with too many (b - 1) and the first that fits (b): log-linear in the count.
+    bins = _iota(*state.hist.shape).astype(jnp.float32)
+    c_lo = jnp.sum(jnp.where(bins == b[:, None] - 1.0, state.hist, 0.0), axis=1)  # too many
+    c_hi = jnp.sum(jnp.where(bins == b[:, None], state.hist, 0.0), axis=1)  # fits
+    target = slots_left * counted / jnp.maximum(remaining, 1.0)
+    lo, hi = jnp.maximum(c_lo, 0.5), jnp.maximum(c_hi, 0.5)
+    frac = jnp.log(lo / jnp.maximum(target, 0.5)) / jnp.maximum(jnp.log(lo / hi), 1e-6)
+    frac = jnp.where((b > 0.0) & (b < HIST_BINS), jnp.clip(frac, 0.0, 1.0), 1.0)
+    return state.hist_base + state.hist_step * (b - 1.0 + frac), usable
+
+
+def _histogram_update(state: EstimatedState, x: jax.Array, stat: jax.Array, n, mean, m2):
+    """Count ``x`` at the frozen edges, or freeze mean / deviation once `HIST_WARMUP` scores
+    are seen -> (hist, hist_base, hist_step, hist_n0)."""
+    frozen = state.hist_n0 > 0.0
+    edges = state.hist_base[:, None] + state.hist_step[:, None] * _iota(x.shape[0], HIST_BINS).astype(jnp.float32)
+    hit = (stat & frozen)[:, None] & (x[:, None] >= edges)
+    hist = state.hist + hit.astype(jnp.float32)
+    freeze = stat & ~frozen & (n >= HIST_WARMUP)
+    sigma = jnp.sqrt(jnp.maximum(m2, 0.0) / jnp.maximum(n, 1.0))
+    return (hist, jnp.where(freeze, mean, state.hist_base), jnp.where(freeze, sigma * HIST_WIDTH, state.hist_step),
+            jnp.where(freeze, n, state.hist_n0))
 
 
 def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
@@ -238,7 +314,8 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
     at ``slot`` of the estimated slots where ``accept``. ``remaining [R]``: offers this row
     still gets, this one included (the row's candidates are contiguous block ids, so the
     caller knows it in closed form). A `RANK_NAN` item is accepted whenever a slot is free
-    and stays out of the running statistics."""
+    and stays out of the running statistics. The threshold rule ("histogram" or "gaussian")
+    is the one `estimated_init` built the state for."""
     x = rank_value(x)
     # Welford over every finite score offered.
     stat = active & (x != RANK_NAN)
@@ -252,17 +329,23 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
         exact, sv, si, ok = state.exact, x, jnp.full(x.shape, j, jnp.int32), active
     k_est = k - k_exact
     slots_left = (k_est - state.count).astype(jnp.float32)
-    p = 1.0 - slots_left / jnp.maximum(remaining, 1).astype(jnp.float32)
+    rem = jnp.maximum(remaining, 1).astype(jnp.float32)
+    p = 1.0 - slots_left / rem
     sigma = jnp.sqrt(jnp.maximum(m2, 0.0) / jnp.maximum(n, 1.0))
     z = erfinv(jnp.clip(2.0 * p - 1.0, -0.9999999, 0.9999999))
     thr = mean + math.sqrt(2.0) * sigma * z
+    hist = ()
+    if state.hist is not None:
+        thr_h, usable = _histogram_threshold(state, slots_left, rem)
+        thr = jnp.where(usable, jnp.maximum(thr_h, thr), thr)
+        hist = _histogram_update(state, x, stat, n, mean, m2)
     accept = ok & (slots_left > 0) & ((p <= 0.0) | (sv == RANK_NAN) | ((n >= 2.0) & (sv >= thr)))
     est_vals, est_ids = state.est_vals, state.est_ids
     if est_vals is not None:
         hit = (_iota(x.shape[0], est_vals.shape[1]) == state.count[:, None]) & accept[:, None]
         est_vals = jnp.where(hit, sv[:, None], est_vals)
         est_ids = jnp.where(hit, si[:, None], est_ids)
-    new = EstimatedState(exact, est_vals, est_ids, state.count + accept.astype(jnp.int32), n, mean, m2)
+    new = EstimatedState(exact, est_vals, est_ids, state.count + accept.astype(jnp.int32), n, mean, m2, *hist)
     return new, (accept, sv, si, state.count)
 
 
@@ -280,16 +363,16 @@ def estimated_result(state: EstimatedState, k_exact: int):
 
 
 # ----------------------------------------------------------------- shared driver
-def init(algorithm: str, rows: int, k: int, k_exact: int):
+def init(algorithm: str, rows: int, k: int, k_exact: int, quantile: str = "histogram"):
     """``algorithm`` may also be "none" (no structure: the kernel's attention alone, for
-    benchmarks)."""
+    benchmarks). ``quantile``: the "estimated" threshold rule (ignored by the others)."""
     if algorithm == "none":
         return ()
     if algorithm == "exact":
         return exact_init(rows, k)
     if algorithm == "tournament":
         return tournament_init(rows, k)
-    return estimated_init(rows, k, k_exact)
+    return estimated_init(rows, k, k_exact, quantile=quantile)
 
 
 def offer(algorithm: str, state, x, j, active, remaining, *, k: int, k_exact: int):
@@ -335,13 +418,13 @@ def finalize(vals: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, jax.Ar
 
 
 def run_scan(algorithm: str, scores: jax.Array, active: jax.Array, remaining: jax.Array,
-             *, k: int, k_exact: int = 0, block_ids: jax.Array | None = None
+             *, k: int, k_exact: int = 0, block_ids: jax.Array | None = None, quantile: str = "histogram"
              ) -> tuple[jax.Array, jax.Array]:
     """Run a structure over scores ``[R, nb]`` left to right (``active``/``remaining``
     ``[R, nb]``) -> finalized (scores, ids) ``[R, k]``. The scan the kernel performs, as a
     `lax.scan`: used by the reference and the tests. ``block_ids`` (int32 ``[R, nb]``): the
     id of the block offered at each step (default: the step, id order); scores, active and
-    remaining are then per step."""
+    remaining are then per step. ``quantile``: the "estimated" threshold rule."""
     rows, nb = scores.shape
     if block_ids is None:
         block_ids = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (rows, nb))
@@ -350,7 +433,7 @@ def run_scan(algorithm: str, scores: jax.Array, active: jax.Array, remaining: ja
         x, a, rem, j = xs
         return offer(algorithm, state, x, j, a, rem, k=k, k_exact=k_exact), None
 
-    state, _ = lax.scan(step, init(algorithm, rows, k, k_exact),
+    state, _ = lax.scan(step, init(algorithm, rows, k, k_exact, quantile),
                         (scores.T, active.T, remaining.T, jnp.asarray(block_ids, jnp.int32).T))
     ps = parts(algorithm, state, k_exact)
     vals = jnp.concatenate([v for v, _ in ps], axis=1)

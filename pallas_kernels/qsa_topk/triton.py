@@ -74,7 +74,7 @@ def default_launch(rows: int, register_slots: int, d_pad: int) -> tuple[int, int
 
 
 def _kernel(q_ref, *refs, sm_scale, gamma, rows, block_kv, num_tiles,
-            tg, kv_len, q_offset, algorithm, top_k, k_exact, sink_blocks, local, golden, poison):
+            tg, kv_len, q_offset, algorithm, top_k, k_exact, sink_blocks, local, golden, poison, quantile):
     if poison:
         qp_ref, k_ref, v_ref, kp_ref, vp_ref, *refs = refs
     else:
@@ -177,7 +177,7 @@ def _kernel(q_ref, *refs, sm_scale, gamma, rows, block_kv, num_tiles,
 
     row_iota = lax.broadcasted_iota(jnp.int32, (rows,), 0)
     if algorithm == "estimated":
-        state0 = topk_lib.estimated_init(rows, top_k, k_exact, buffers=False)
+        state0 = topk_lib.estimated_init(rows, top_k, k_exact, buffers=False, quantile=quantile)
     else:
         state0 = topk_lib.init(algorithm, rows, top_k, k_exact)
     carry = (
@@ -218,12 +218,12 @@ def _part_sizes(algorithm: str, top_k: int, k_exact: int) -> tuple[int, ...]:
 
 @functools.partial(jax.jit, static_argnames=(
     "gamma", "block_kv", "top_k", "k_exact", "topk", "sink_blocks", "local", "sm_scale",
-    "rows", "interpret", "num_warps", "num_stages", "scan", "poison"))
+    "rows", "interpret", "num_warps", "num_stages", "scan", "poison", "quantile"))
 def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, block_kv: int,
                     top_k: int, k_exact: int, topk: str, sink_blocks: int, local: int,
                     sm_scale: float, rows: int = 64, interpret: bool = False,
                     num_warps: int | None = None, num_stages: int | None = None,
-                    scan: str = "natural", poison: bool | None = None) -> QSATopKResult:
+                    scan: str = "natural", poison: bool | None = None, quantile: str = "histogram") -> QSATopKResult:
     """See `api.qsa_topk`; inputs are assumed validated. ``rows``: sampled rows per program
     (a power of two >= 16). ``topk="none"`` (benchmarks only, not accepted by the API) runs
     the attention and block scores without any top-k structure and selects nothing.
@@ -231,15 +231,16 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
     permutation of the loop index, the same blocks and work; `common.py`). ``poison``: None
     (default) runs the kernel without the non-finite flags when the sampled queries, k and v are all
     finite (`nonfinite.all_finite`, chosen on the device by ``lax.cond``) and with them otherwise;
-    True / False force one of the two."""
+    True / False force one of the two. ``quantile``: the "estimated" threshold rule (`topk.py`)."""
     run = functools.partial(_qsa_topk, q, k, v, gamma=gamma, block_kv=block_kv, top_k=top_k, k_exact=k_exact,
                             topk=topk, sink_blocks=sink_blocks, local=local, sm_scale=sm_scale, rows=rows,
-                            interpret=interpret, num_warps=num_warps, num_stages=num_stages, scan=scan)
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages, scan=scan,
+                            quantile=quantile)
     return checked_if_nonfinite(run, q[:, ::gamma], k, v) if poison is None else run(poison)
 
 
 def _qsa_topk(q, k, v, poison, *, gamma, block_kv, top_k, k_exact, topk, sink_blocks, local, sm_scale, rows, interpret,
-              num_warps, num_stages, scan) -> QSATopKResult:
+              num_warps, num_stages, scan, quantile) -> QSATopKResult:
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
@@ -280,7 +281,7 @@ def _qsa_topk(q, k, v, poison, *, gamma, block_kv, top_k, k_exact, topk, sink_bl
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, gamma=gamma, rows=rows, block_kv=block_kv,
         num_tiles=num_tiles, tg=tg, kv_len=s, q_offset=s - t, algorithm=topk, top_k=top_k,
-        k_exact=k_exact, sink_blocks=sink_blocks, local=local, golden=golden, poison=poison,
+        k_exact=k_exact, sink_blocks=sink_blocks, local=local, golden=golden, poison=poison, quantile=quantile,
     )
     extra = []
     if golden:

@@ -42,6 +42,7 @@ from mmjax.sparse.patterns.momo import Momo, assemble_layout, delta_correct, uni
 from mmjax.sparse.synthetic import GridVideo, mixed_video_text_qkv
 from mmjax.timing import device_name, time_fn
 from pallas_kernels import block_sparse_attention, qsa_topk
+from pallas_kernels.qsa_topk.topk import QUANTILES
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 
 
@@ -63,6 +64,8 @@ class MomoBenchConfig:
     algorithms: tuple[str, ...] = ("exact", "tournament", "estimated")
     timed_algorithm: str = "estimated"
     timed_scan: str = "golden"  # scan order of the estimated top-k in the sweep, timing and fig4
+    quantile: str = "histogram"  # threshold rule of the estimated top-k in the sweep, timing and fig4
+    quantiles: tuple[str, ...] = ("histogram", "gaussian")  # threshold rules of the estimated top-k (mass)
     anchor: str = "cudnn"
     mass_rows: int = 256
     frame: int = 1024
@@ -147,11 +150,11 @@ def mixed_like(cfg: MomoBenchConfig, s: int, seed: int):
 
 
 def _pattern(cfg: MomoBenchConfig, algorithm: str, k: int | None = None, trim_rule: str = "auto",
-             scan: str = "golden") -> Momo:
+             scan: str = "golden", quantile: str | None = None) -> Momo:
     return Momo(gamma=cfg.gamma, block=cfg.block, k=cfg.k if k is None else k,
                 k_exact=min(cfg.k_exact, cfg.k if k is None else k), k_trim=cfg.k_trim,
                 query_block=cfg.query_block, topk=algorithm, sink=cfg.sink, local=cfg.local, trim_rule=trim_rule,
-                scan=scan)
+                scan=scan, quantile=cfg.quantile if quantile is None else quantile)
 
 
 def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
@@ -159,7 +162,8 @@ def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
     rows, warps = tile
     kw = dict(gamma=pattern.gamma, block_kv=pattern.block, top_k=pattern.k, k_exact=pattern.k_exact,
               topk=pattern.topk, sink_blocks=pattern.sink_blocks, local=pattern.local,
-              scan=pattern.scan, implementation=cfg.implementation, interpret=cfg.interpret, rows=rows,
+              scan=pattern.scan, quantile=pattern.quantile, implementation=cfg.implementation,
+              interpret=cfg.interpret, rows=rows,
               num_warps=warps or None)
 
     def qsa(q, k, v):
@@ -309,22 +313,26 @@ class Runner:
             layouts = {}
             default = _pattern(cfg, cfg.timed_algorithm)
             default_name = None
-            for alg in cfg.algorithms:
-                for scan in cfg.scans if alg == "estimated" else ("natural",):
-                    res = None  # one QSA pass per (algorithm, scan), both trim rules on it
-                    for rule in ("mass", "mean"):
-                        pattern = _pattern(cfg, alg, trim_rule=rule, scan=scan)
-                        qsa, trim = _stages(cfg, pattern, tile)[:2]
-                        name = f"{alg}{', natural scan' if alg == 'estimated' and scan == 'natural' else ''} ({rule} trim)"
-                        if (alg, scan, rule) == (default.topk, default.scan, default.rule):
-                            default_name = name
-                        try:
-                            res = qsa(q, k, v) if res is None else res
-                            layouts[name] = trim(res, sk, sk)
-                        except Exception as e:
-                            self.result.setdefault("mass", []).append({"S": sk, "input": kind, "method": name,
-                                                                       "error": _err(e)})
-                    del res
+            variants = [(alg, scan, quantile) for alg in cfg.algorithms
+                        for scan in (cfg.scans if alg == "estimated" else ("natural",))
+                        for quantile in (cfg.quantiles if alg == "estimated" else (cfg.quantile,))]
+            for alg, scan, quantile in variants:
+                res = None  # one QSA pass per (algorithm, scan, threshold rule), both trim rules on it
+                for rule in ("mass", "mean"):
+                    pattern = _pattern(cfg, alg, trim_rule=rule, scan=scan, quantile=quantile)
+                    qsa, trim = _stages(cfg, pattern, tile)[:2]
+                    name = (f"{alg}{', natural scan' if alg == 'estimated' and scan == 'natural' else ''}"
+                            f"{', gaussian threshold' if alg == 'estimated' and quantile == 'gaussian' else ''}"
+                            f" ({rule} trim)")
+                    if (alg, scan, quantile, rule) == (default.topk, default.scan, default.quantile, default.rule):
+                        default_name = name
+                    try:
+                        res = qsa(q, k, v) if res is None else res
+                        layouts[name] = trim(res, sk, sk)
+                    except Exception as e:
+                        self.result.setdefault("mass", []).append({"S": sk, "input": kind, "method": name,
+                                                                   "error": _err(e)})
+                del res
             for c, st in cfg.reranks:  # re-rank variants of the default pattern
                 rr = dataclasses.replace(default, rerank=c, rerank_stride=st)
                 opts = KernelOptions(implementation=cfg.implementation, interpret=cfg.interpret)
@@ -487,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
                         "mass sections (repeatable)")
     p.add_argument("--scans", nargs="+", choices=("golden", "natural"),
                    help="scan orders of the estimated top-k in the mass section (default both)")
+    p.add_argument("--quantile", choices=QUANTILES,
+                   help="threshold rule of the estimated top-k in the sweep, timing and top-k sweep (default histogram)")
+    p.add_argument("--quantiles", nargs="+", choices=QUANTILES,
+                   help="threshold rules of the estimated top-k in the mass section (default both)")
     args = p.parse_args(argv)
     if args.heads and args.heads[0] % args.heads[1]:
         p.error(f"--heads: expected N a multiple of K; received {args.heads}")
@@ -513,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, k_exact=args.k_exact)
     if args.scans:
         cfg = dataclasses.replace(cfg, scans=tuple(args.scans))
+    if args.quantile:
+        cfg = dataclasses.replace(cfg, quantile=args.quantile)
+    if args.quantiles:
+        cfg = dataclasses.replace(cfg, quantiles=tuple(args.quantiles))
     if args.mass_only:
         cfg = dataclasses.replace(cfg, mass_only=True)
     if args.seq_lens is not None:

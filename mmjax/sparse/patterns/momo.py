@@ -89,6 +89,7 @@ from pallas_kernels import BlockLayout, QSATopKResult, block_sparse_attention, q
 from pallas_kernels.candidate_mass import candidate_mass
 from pallas_kernels.checks import check_int, check_pow2
 from pallas_kernels.qsa_topk.common import SCAN_ORDERS
+from pallas_kernels.qsa_topk.topk import QUANTILES
 from pallas_kernels.tiling import cdiv
 
 TOPK_ALGORITHMS = ("exact", "tournament", "estimated")
@@ -251,6 +252,9 @@ class Momo(Pattern):
       scan: order in which the "estimated" top-k is offered the key blocks: "golden"
         (default: a golden-ratio permutation of most candidates per kernel tile) or
         "natural" (id order, oldest first); see the module docstring.
+      quantile: how the "estimated" top-k sets its acceptance threshold: "histogram" (default: the
+        Gaussian quantile raised where counts at frozen edges show more scores above it than free
+        slots) or "gaussian" (the rule before 2026-11-25); see `pallas_kernels.qsa_topk.topk`.
       rerank: 0 (default: off) or c >= 1: union + trim keeps ``c * k_trim`` candidates per query block,
         and `pallas_kernels.candidate_mass` scores them with the block's rows (every ``rerank_stride``-th)
         before the best ``k_trim`` are kept; see the module docstring ("Re-rank").
@@ -268,6 +272,7 @@ class Momo(Pattern):
     local: int = 128
     trim_rule: str = "auto"
     scan: str = "golden"
+    quantile: str = "histogram"
     rerank: int = 0
     rerank_stride: int = 1
 
@@ -317,6 +322,8 @@ class Momo(Pattern):
         check_int("local", self.local, 0)
         if self.scan not in SCAN_ORDERS:
             raise ValueError(f"scan: expected one of {SCAN_ORDERS}; received {self.scan!r}")
+        if self.quantile not in QUANTILES:
+            raise ValueError(f"quantile: expected one of {QUANTILES}; received {self.quantile!r}")
         if self.trim_rule not in MOMO_TRIM_RULES:
             raise ValueError(f"trim_rule: expected one of {MOMO_TRIM_RULES}; received {self.trim_rule!r}")
         check_int("rerank", self.rerank, 0)
@@ -342,7 +349,7 @@ class Momo(Pattern):
         t, s = q.shape[1], k.shape[1]
         res = qsa_topk(q, k, v, gamma=self.gamma, block_kv=self.block, top_k=self.k,
                        k_exact=self.k_exact, topk=self.topk, sink_blocks=self.sink_blocks,
-                       local=self.local, scan=self.scan, sm_scale=options.sm_scale,
+                       local=self.local, scan=self.scan, quantile=self.quantile, sm_scale=options.sm_scale,
                        implementation=options.implementation, interpret=options.interpret,
                        check_finite=options.check_finite)
         geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,
