@@ -91,6 +91,8 @@ QUANTILES = ("histogram", "gaussian")  # the "estimated" hybrid's threshold (see
 HIST_BINS = 16
 HIST_WIDTH = 0.5  # bin width in running standard deviations
 HIST_WARMUP = 64  # scores seen before the mean and deviation are frozen and counting starts
+HIST_COUNT_EVERY = 1  # count the scores of every n-th scan step
+HIST_REFRESH_EVERY = 8  # recompute the histogram threshold every n-th scan step
 _INT_MIN = -(2**31)
 RANK_NAN = float(jnp.finfo(jnp.float32).max)  # how a NaN score ranks: above every finite score
 
@@ -249,10 +251,10 @@ class EstimatedState(NamedTuple):
     mean: jax.Array  # f32 [R]
     m2: jax.Array  # f32 [R] sum of squared deviations
     # quantile="histogram" only (None for "gaussian"):
-    hist: jax.Array | None = None  # f32 [R, HIST_BINS] scores since the freeze that reached each edge
-    hist_base: jax.Array | None = None  # f32 [R] frozen mean (edge 0)
-    hist_step: jax.Array | None = None  # f32 [R] frozen deviation * HIST_WIDTH (edge spacing)
-    hist_n0: jax.Array | None = None  # f32 [R] scores seen at the freeze (0: not frozen yet)
+    hist: jax.Array | None = None  # f32 [R, HIST_BINS] counted scores since the freeze that reached each edge
+    hist_edges: jax.Array | None = None  # f32 [R, HIST_BINS] frozen mean + b * deviation * HIST_WIDTH
+    hist_counted: jax.Array | None = None  # f32 [R] scores counted since the freeze (-1: not frozen yet)
+    hist_thr: jax.Array | None = None  # f32 [R] the histogram threshold of the last refresh (-inf: none yet)
 
 
 def _check_quantile(quantile: str) -> None:
@@ -272,16 +274,18 @@ def estimated_init(rows: int, k: int, k_exact: int, *, buffers: bool = True,
     if not buffers:
         est_vals = est_ids = None
     zeros = jnp.zeros((rows,), jnp.float32)
-    hist = (jnp.zeros((rows, HIST_BINS), jnp.float32), zeros, zeros, zeros) if quantile == "histogram" else ()
+    hist = ()
+    if quantile == "histogram":
+        hist = (jnp.zeros((rows, HIST_BINS), jnp.float32), jnp.zeros((rows, HIST_BINS), jnp.float32), zeros - 1.0,
+                zeros - jnp.inf)
     return EstimatedState(exact_init(rows, max(k_exact, 1)), est_vals, est_ids,
                           jnp.zeros((rows,), jnp.int32), zeros, zeros, zeros, *hist)
 
 
-def _histogram_threshold(state: EstimatedState, slots_left: jax.Array, remaining: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(threshold [R], usable [R]): the lowest edge whose estimated count among the offers
-    still to come fits the free slots (see the module docstring); usable once counting ran."""
-    counted = state.n - state.hist_n0
-    usable = (state.hist_n0 > 0.0) & (counted > 0.0)
+def _histogram_threshold(state: EstimatedState, slots_left: jax.Array, remaining: jax.Array) -> jax.Array:
+    """f32 [R]: the score above which the offers still to come are estimated to hold
+    ``slots_left`` items (see the module docstring); -inf before any score was counted."""
+    counted = state.hist_counted
     too_many = state.hist * remaining[:, None] > (slots_left * counted)[:, None]  # decreasing in b
     b = jnp.sum(too_many.astype(jnp.float32), axis=1)
     # Between the last edge with too many (b - 1) and the first that fits (b): log-linear in the count.
@@ -292,30 +296,39 @@ def _histogram_threshold(state: EstimatedState, slots_left: jax.Array, remaining
     lo, hi = jnp.maximum(c_lo, 0.5), jnp.maximum(c_hi, 0.5)
     frac = jnp.log(lo / jnp.maximum(target, 0.5)) / jnp.maximum(jnp.log(lo / hi), 1e-6)
     frac = jnp.where((b > 0.0) & (b < HIST_BINS), jnp.clip(frac, 0.0, 1.0), 1.0)
-    return state.hist_base + state.hist_step * (b - 1.0 + frac), usable
+    base = jnp.sum(jnp.where(bins == 0.0, state.hist_edges, 0.0), axis=1)
+    width = jnp.sum(jnp.where(bins == 1.0, state.hist_edges, 0.0), axis=1) - base
+    return jnp.where(counted > 0.0, base + width * (b - 1.0 + frac), -jnp.inf)
 
 
-def _histogram_update(state: EstimatedState, x: jax.Array, stat: jax.Array, n, mean, m2):
+def _histogram_count(state: EstimatedState, x: jax.Array, stat: jax.Array, n, mean, m2):
     """Count ``x`` at the frozen edges, or freeze mean / deviation once `HIST_WARMUP` scores
-    are seen -> (hist, hist_base, hist_step, hist_n0)."""
-    frozen = state.hist_n0 > 0.0
-    edges = state.hist_base[:, None] + state.hist_step[:, None] * _iota(x.shape[0], HIST_BINS).astype(jnp.float32)
-    hit = (stat & frozen)[:, None] & (x[:, None] >= edges)
-    hist = state.hist + hit.astype(jnp.float32)
+    are seen -> (hist, hist_edges, hist_counted). Before the freeze the edges are 0 and the
+    counts stay 0 (``take`` is false)."""
+    frozen = state.hist_counted >= 0.0
+    take = stat & frozen
+    hist = state.hist + (take[:, None] & (x[:, None] >= state.hist_edges)).astype(jnp.float32)
     freeze = stat & ~frozen & (n >= HIST_WARMUP)
-    sigma = jnp.sqrt(jnp.maximum(m2, 0.0) / jnp.maximum(n, 1.0))
-    return (hist, jnp.where(freeze, mean, state.hist_base), jnp.where(freeze, sigma * HIST_WIDTH, state.hist_step),
-            jnp.where(freeze, n, state.hist_n0))
+
+    def frozen_edges():  # once per row: a branch the tile takes only at the steps where some row freezes
+        sigma = jnp.sqrt(jnp.maximum(m2, 0.0) / jnp.maximum(n, 1.0))
+        edges = mean[:, None] + (sigma * HIST_WIDTH)[:, None] * _iota(x.shape[0], HIST_BINS).astype(jnp.float32)
+        return jnp.where(freeze[:, None], edges, state.hist_edges)
+
+    edges = lax.cond(jnp.max(freeze.astype(jnp.int32)) > 0, frozen_edges, lambda: state.hist_edges)
+    return hist, edges, jnp.where(freeze, 0.0, state.hist_counted + take.astype(jnp.float32))
 
 
 def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
-                   remaining: jax.Array, *, k: int, k_exact: int):
+                   remaining: jax.Array, *, k: int, k_exact: int, step=0):
     """One offer -> (state, (accept [R], value [R], id [R], slot [R])): the item appended
     at ``slot`` of the estimated slots where ``accept``. ``remaining [R]``: offers this row
     still gets, this one included (the row's candidates are contiguous block ids, so the
     caller knows it in closed form). A `RANK_NAN` item is accepted whenever a slot is free
     and stays out of the running statistics. The threshold rule ("histogram" or "gaussian")
-    is the one `estimated_init` built the state for."""
+    is the one `estimated_init` built the state for. ``step`` (a scalar, the scan step): the
+    histogram counts the scores of every `HIST_COUNT_EVERY`-th step and refreshes its threshold
+    every `HIST_REFRESH_EVERY`-th (a branch the whole kernel tile takes or skips)."""
     x = rank_value(x)
     # Welford over every finite score offered.
     stat = active & (x != RANK_NAN)
@@ -336,9 +349,13 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
     thr = mean + math.sqrt(2.0) * sigma * z
     hist = ()
     if state.hist is not None:
-        thr_h, usable = _histogram_threshold(state, slots_left, rem)
-        thr = jnp.where(usable, jnp.maximum(thr_h, thr), thr)
-        hist = _histogram_update(state, x, stat, n, mean, m2)
+        thr_h = lax.cond(step % HIST_REFRESH_EVERY == 0,
+                         lambda: _histogram_threshold(state, slots_left, rem), lambda: state.hist_thr)
+        thr = jnp.maximum(thr, thr_h)
+        counts = (state.hist, state.hist_edges, state.hist_counted)
+        counts = lax.cond(step % HIST_COUNT_EVERY == 0,
+                          lambda: _histogram_count(state, x, stat, n, mean, m2), lambda: counts)
+        hist = (*counts, thr_h)
     accept = ok & (slots_left > 0) & ((p <= 0.0) | (sv == RANK_NAN) | ((n >= 2.0) & (sv >= thr)))
     est_vals, est_ids = state.est_vals, state.est_ids
     if est_vals is not None:
@@ -350,8 +367,8 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
 
 
 def estimated_offer(state: EstimatedState, x: jax.Array, j, active: jax.Array,
-                    remaining: jax.Array, *, k: int, k_exact: int) -> EstimatedState:
-    return estimated_step(state, x, j, active, remaining, k=k, k_exact=k_exact)[0]
+                    remaining: jax.Array, *, k: int, k_exact: int, step=0) -> EstimatedState:
+    return estimated_step(state, x, j, active, remaining, k=k, k_exact=k_exact, step=step)[0]
 
 
 def estimated_result(state: EstimatedState, k_exact: int):
@@ -375,8 +392,9 @@ def init(algorithm: str, rows: int, k: int, k_exact: int, quantile: str = "histo
     return estimated_init(rows, k, k_exact, quantile=quantile)
 
 
-def offer(algorithm: str, state, x, j, active, remaining, *, k: int, k_exact: int):
-    """Offer score ``x [R]`` of block ``j`` to the rows where ``active`` (NaN ranks first)."""
+def offer(algorithm: str, state, x, j, active, remaining, *, k: int, k_exact: int, step=0):
+    """Offer score ``x [R]`` of block ``j`` at scan step ``step`` to the rows where ``active``
+    (NaN ranks first)."""
     if algorithm == "none":
         return state
     x = rank_value(x)
@@ -384,7 +402,7 @@ def offer(algorithm: str, state, x, j, active, remaining, *, k: int, k_exact: in
         return exact_offer(state, x, j, active)[0]
     if algorithm == "tournament":
         return tournament_offer(state, x, j, active)[0]
-    return estimated_offer(state, x, j, active, remaining, k=k, k_exact=k_exact)
+    return estimated_offer(state, x, j, active, remaining, k=k, k_exact=k_exact, step=step)
 
 
 def weakest_value(algorithm: str, state) -> jax.Array:
@@ -430,11 +448,12 @@ def run_scan(algorithm: str, scores: jax.Array, active: jax.Array, remaining: ja
         block_ids = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (rows, nb))
 
     def step(state, xs):
-        x, a, rem, j = xs
-        return offer(algorithm, state, x, j, a, rem, k=k, k_exact=k_exact), None
+        x, a, rem, j, i = xs
+        return offer(algorithm, state, x, j, a, rem, k=k, k_exact=k_exact, step=i), None
 
     state, _ = lax.scan(step, init(algorithm, rows, k, k_exact, quantile),
-                        (scores.T, active.T, remaining.T, jnp.asarray(block_ids, jnp.int32).T))
+                        (scores.T, active.T, remaining.T, jnp.asarray(block_ids, jnp.int32).T,
+                         jnp.arange(nb, dtype=jnp.int32)))
     ps = parts(algorithm, state, k_exact)
     vals = jnp.concatenate([v for v, _ in ps], axis=1)
     ids = jnp.concatenate([i for _, i in ps], axis=1)

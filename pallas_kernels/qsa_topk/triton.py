@@ -154,7 +154,7 @@ def _kernel(q_ref, *refs, sm_scale, gamma, rows, block_kv, num_tiles,
             # Accepted items go straight to the output: the estimated slots never live in
             # registers. Each row writes its own slot ``count`` (distinct addresses).
             state, (accept, sv, si, slot) = topk_lib.estimated_step(
-                state, score, j, active, lo - i, k=top_k, k_exact=k_exact)
+                state, score, j, active, lo - i, k=top_k, k_exact=k_exact, step=i)
             est_v_ref, est_i_ref = topk_refs[2], topk_refs[3]
             pltriton.store(est_v_ref.at[row_iota, slot], sv, mask=accept)
             pltriton.store(est_i_ref.at[row_iota, slot], si, mask=accept)

@@ -182,11 +182,11 @@ def test_histogram_threshold_is_never_below_the_gaussian_one():
         # The same state (the Gaussian run's slots and statistics) under both rules.
         h = h._replace(exact=g.exact, count=g.count, n=g.n, mean=g.mean, m2=g.m2, est_vals=g.est_vals,
                        est_ids=g.est_ids)
-        g2, (acc_g, *_) = topk_lib.estimated_step(g, x[:, j], j, active[:, j], remaining[:, j], k=32, k_exact=4)
-        h, (acc_h, *_) = topk_lib.estimated_step(h, x[:, j], j, active[:, j], remaining[:, j], k=32, k_exact=4)
+        g2, (acc_g, *_) = topk_lib.estimated_step(g, x[:, j], j, active[:, j], remaining[:, j], k=32, k_exact=4, step=j)
+        h, (acc_h, *_) = topk_lib.estimated_step(h, x[:, j], j, active[:, j], remaining[:, j], k=32, k_exact=4, step=j)
         assert not np.any(np.asarray(acc_h) & ~np.asarray(acc_g)), j
         g = g2
-    assert float(jnp.min(h.hist_n0)) == topk_lib.HIST_WARMUP, "every row froze its edges and counted"
+    assert float(jnp.min(h.hist_counted)) > 0, "every row froze its edges and counted"
 
 
 def test_erfinv_matches_scipy_style_values():
