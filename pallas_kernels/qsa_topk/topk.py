@@ -91,8 +91,8 @@ QUANTILES = ("histogram", "gaussian")  # the "estimated" hybrid's threshold (see
 HIST_BINS = 16
 HIST_WIDTH = 0.5  # bin width in running standard deviations
 HIST_WARMUP = 64  # scores seen before the mean and deviation are frozen and counting starts
-HIST_COUNT_EVERY = 1  # count the scores of every n-th scan step
-HIST_REFRESH_EVERY = 8  # recompute the histogram threshold every n-th scan step
+HIST_COUNT_EVERY = 1  # count the scores of every n-th scan step (a power of two)
+HIST_REFRESH_EVERY = 8  # recompute the histogram threshold every n-th scan step (a power of two)
 _INT_MIN = -(2**31)
 RANK_NAN = float(jnp.finfo(jnp.float32).max)  # how a NaN score ranks: above every finite score
 
@@ -319,6 +319,15 @@ def _histogram_count(state: EstimatedState, x: jax.Array, stat: jax.Array, n, me
     return hist, edges, jnp.where(freeze, 0.0, state.hist_counted + take.astype(jnp.float32))
 
 
+def _every(period: int, step, run, keep):
+    """``run()`` at the steps that are multiples of ``period`` (a power of two), ``keep()`` at the
+    others: a scalar branch (no branch when ``period`` is 1). Bitwise, not ``%``: the Triton
+    lowering of ``rem`` by a constant fails (jax 0.11.2)."""
+    if period == 1:
+        return run()
+    return lax.cond((jnp.asarray(step, jnp.int32) & (period - 1)) == 0, run, keep)
+
+
 def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
                    remaining: jax.Array, *, k: int, k_exact: int, step=0):
     """One offer -> (state, (accept [R], value [R], id [R], slot [R])): the item appended
@@ -349,12 +358,11 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
     thr = mean + math.sqrt(2.0) * sigma * z
     hist = ()
     if state.hist is not None:
-        thr_h = lax.cond(step % HIST_REFRESH_EVERY == 0,
-                         lambda: _histogram_threshold(state, slots_left, rem), lambda: state.hist_thr)
+        thr_h = _every(HIST_REFRESH_EVERY, step, lambda: _histogram_threshold(state, slots_left, rem),
+                       lambda: state.hist_thr)
         thr = jnp.maximum(thr, thr_h)
-        counts = (state.hist, state.hist_edges, state.hist_counted)
-        counts = lax.cond(step % HIST_COUNT_EVERY == 0,
-                          lambda: _histogram_count(state, x, stat, n, mean, m2), lambda: counts)
+        counts = _every(HIST_COUNT_EVERY, step, lambda: _histogram_count(state, x, stat, n, mean, m2),
+                        lambda: (state.hist, state.hist_edges, state.hist_counted))
         hist = (*counts, thr_h)
     accept = ok & (slots_left > 0) & ((p <= 0.0) | (sv == RANK_NAN) | ((n >= 2.0) & (sv >= thr)))
     est_vals, est_ids = state.est_vals, state.est_ids
