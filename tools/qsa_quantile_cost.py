@@ -20,8 +20,7 @@ from jsonl_log import append_jsonl
 from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 
-CASES = (("none", "histogram", 0), ("estimated", "gaussian", 8), ("estimated", "histogram", 8),
-         ("estimated", "gaussian", 16), ("estimated", "histogram", 16))
+CASES = (("none", "histogram", 0), ("estimated", "gaussian", 8), ("estimated", "histogram", 8))
 
 
 def main() -> None:

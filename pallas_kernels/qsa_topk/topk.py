@@ -91,7 +91,8 @@ QUANTILES = ("histogram", "gaussian")  # the "estimated" hybrid's threshold (see
 HIST_BINS = 16
 HIST_WIDTH = 0.5  # bin width in running standard deviations
 HIST_WARMUP = 64  # scores seen before the mean and deviation are frozen and counting starts
-HIST_COUNT_EVERY = 1  # count the scores of every n-th scan step (a power of two)
+HIST_COUNT_EVERY = 4  # count the scores of about one block in n (a power of two; by a hash of the block id)
+HIST_MIN_COUNT = 64  # counted scores before the histogram threshold takes part
 HIST_REFRESH_EVERY = 8  # recompute the histogram threshold every n-th scan step (a power of two)
 _INT_MIN = -(2**31)
 RANK_NAN = float(jnp.finfo(jnp.float32).max)  # how a NaN score ranks: above every finite score
@@ -284,7 +285,7 @@ def estimated_init(rows: int, k: int, k_exact: int, *, buffers: bool = True,
 
 def _histogram_threshold(state: EstimatedState, slots_left: jax.Array, remaining: jax.Array) -> jax.Array:
     """f32 [R]: the score above which the offers still to come are estimated to hold
-    ``slots_left`` items (see the module docstring); -inf before any score was counted."""
+    ``slots_left`` items (see the module docstring); -inf before `HIST_MIN_COUNT` scores were counted."""
     counted = state.hist_counted
     too_many = state.hist * remaining[:, None] > (slots_left * counted)[:, None]  # decreasing in b
     b = jnp.sum(too_many.astype(jnp.float32), axis=1)
@@ -298,7 +299,7 @@ def _histogram_threshold(state: EstimatedState, slots_left: jax.Array, remaining
     frac = jnp.where((b > 0.0) & (b < HIST_BINS), jnp.clip(frac, 0.0, 1.0), 1.0)
     base = jnp.sum(jnp.where(bins == 0.0, state.hist_edges, 0.0), axis=1)
     width = jnp.sum(jnp.where(bins == 1.0, state.hist_edges, 0.0), axis=1) - base
-    return jnp.where(counted > 0.0, base + width * (b - 1.0 + frac), -jnp.inf)
+    return jnp.where(counted >= HIST_MIN_COUNT, base + width * (b - 1.0 + frac), -jnp.inf)
 
 
 def _histogram_count(state: EstimatedState, x: jax.Array, stat: jax.Array, n, mean, m2):
@@ -320,12 +321,28 @@ def _histogram_count(state: EstimatedState, x: jax.Array, stat: jax.Array, n, me
 
 
 def _every(period: int, step, run, keep):
-    """``run()`` at the steps that are multiples of ``period`` (a power of two), ``keep()`` at the
-    others: a scalar branch (no branch when ``period`` is 1). Bitwise, not ``%``: the Triton
-    lowering of ``rem`` by a constant fails (jax 0.11.2)."""
+    """``run()`` where the scalar ``step`` is a multiple of ``period`` (a power of two), ``keep()``
+    elsewhere: a branch the kernel tile takes or skips (none when ``period`` is 1). Bitwise, not
+    ``%``: the Triton lowering of ``rem`` by a constant fails (jax 0.11.2)."""
     if period == 1:
         return run()
     return lax.cond((jnp.asarray(step, jnp.int32) & (period - 1)) == 0, run, keep)
+
+
+def _where_rows(on: jax.Array, new, old):
+    """Per row (``on [R]``), the leaves of ``new`` or of ``old``."""
+    return jax.tree.map(lambda a, b: jnp.where(on.reshape(on.shape + (1,) * (a.ndim - 1)), a, b), new, old)
+
+
+def _hash(j):
+    """A scalar hash of block id ``j`` (Fibonacci hashing, the high bits of ``j * 2^32 / phi``):
+    ``_hash(j) & (c - 1) == 0`` picks about one block in c with no relation to the block grid
+    (``j`` a scalar in the kernel, per row ``[R]`` in the reference, whose rows may scan in
+    different orders).
+    A step or id parity would not do: the golden order visits only even blocks at even steps,
+    and per-frame sinks sit on a fixed residue of the block id."""
+    h = jnp.asarray(j, jnp.int32) * jnp.int32(-1640531535)  # 0x9E3779B1 as int32, wrapping
+    return lax.shift_right_logical(h, jnp.int32(16))
 
 
 def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
@@ -336,8 +353,9 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
     caller knows it in closed form). A `RANK_NAN` item is accepted whenever a slot is free
     and stays out of the running statistics. The threshold rule ("histogram" or "gaussian")
     is the one `estimated_init` built the state for. ``step`` (a scalar, the scan step): the
-    histogram counts the scores of every `HIST_COUNT_EVERY`-th step and refreshes its threshold
-    every `HIST_REFRESH_EVERY`-th (a branch the whole kernel tile takes or skips)."""
+    histogram refreshes its threshold every `HIST_REFRESH_EVERY`-th step and, once a row has counted
+    `HIST_MIN_COUNT` scores, counts about one block id in `HIST_COUNT_EVERY` (branches the whole
+    kernel tile takes or skips; `_hash`)."""
     x = rank_value(x)
     # Welford over every finite score offered.
     stat = active & (x != RANK_NAN)
@@ -361,8 +379,11 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
         thr_h = _every(HIST_REFRESH_EVERY, step, lambda: _histogram_threshold(state, slots_left, rem),
                        lambda: state.hist_thr)
         thr = jnp.maximum(thr, thr_h)
-        counts = _every(HIST_COUNT_EVERY, step, lambda: _histogram_count(state, x, stat, n, mean, m2),
-                        lambda: (state.hist, state.hist_edges, state.hist_counted))
+        # Every score until HIST_MIN_COUNT are counted, then about one block in HIST_COUNT_EVERY.
+        on = ((_hash(j) & (HIST_COUNT_EVERY - 1)) == 0) | (state.hist_counted < HIST_MIN_COUNT)
+        keep = (state.hist, state.hist_edges, state.hist_counted)
+        counts = lax.cond(jnp.max(on.astype(jnp.int32)) > 0,  # (jnp.any: no Triton lowering of reduce_or)
+                          lambda: _where_rows(on, _histogram_count(state, x, stat, n, mean, m2), keep), lambda: keep)
         hist = (*counts, thr_h)
     accept = ok & (slots_left > 0) & ((p <= 0.0) | (sv == RANK_NAN) | ((n >= 2.0) & (sv >= thr)))
     est_vals, est_ids = state.est_vals, state.est_ids
