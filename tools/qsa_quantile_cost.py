@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--lens", type=int, nargs="+", default=[131072, 1048576])
     p.add_argument("--hist-every", nargs="+", default=None, metavar="C:R")
+    p.add_argument("--warps", type=int, nargs="+", default=[0], help="num_warps of the histogram cases (0: default)")
     args = p.parse_args()
     defaults = (topk_lib.HIST_COUNT_EVERY, topk_lib.HIST_REFRESH_EVERY)
     every = [tuple(int(x) for x in e.split(":")) for e in args.hist_every] if args.hist_every else [defaults]
@@ -37,18 +38,19 @@ def main() -> None:
         q = jax.random.normal(kq, (1, s, 28, 128), jnp.bfloat16)
         k = jax.random.normal(kk, (1, s, 4, 128), jnp.bfloat16)
         v = jax.random.normal(kv, (1, s, 4, 128), jnp.bfloat16)
-        cases = [(t, qn, ke, e) for t, qn, ke in CASES for e in (every if qn == "histogram" and t != "none" else
-                                                                   [defaults])]
-        for topk, quantile, k_exact, (count_every, refresh_every) in cases:
+        cases = [(t, qn, ke, e, w) for t, qn, ke in CASES
+                 for e in (every if qn == "histogram" and t != "none" else [defaults])
+                 for w in (args.warps if qn == "histogram" and t != "none" else [0])]
+        for topk, quantile, k_exact, (count_every, refresh_every), warps in cases:
             topk_lib.HIST_COUNT_EVERY, topk_lib.HIST_REFRESH_EVERY = count_every, refresh_every
             jax.clear_caches()  # the kernel reads the constants when traced
-            fn = jax.jit(lambda q, k, v, topk=topk, quantile=quantile, k_exact=k_exact: qsa_topk_triton(
+            fn = jax.jit(lambda q, k, v, topk=topk, quantile=quantile, k_exact=k_exact, warps=warps: qsa_topk_triton(
                 q, k, v, gamma=16, block_kv=64, top_k=128 if topk != "none" else 1, k_exact=k_exact, topk=topk,
-                sink_blocks=1, local=128, sm_scale=128 ** -0.5, scan="golden", quantile=quantile,
+                sink_blocks=1, local=128, sm_scale=128 ** -0.5, scan="golden", quantile=quantile, num_warps=warps or None,
                 interpret=not on_gpu))
             reps = 5 if s <= 262144 else 3
             row = dict(kernel="qsa_topk", S=s, topk=topk, quantile=quantile if topk != "none" else None,
-                       k_exact=k_exact, hist_count_every=count_every, hist_refresh_every=refresh_every, ms=median_ms(lambda: fn(q, k, v), reps=reps, warmup=1),
+                       k_exact=k_exact, num_warps=warps or None, hist_count_every=count_every, hist_refresh_every=refresh_every, ms=median_ms(lambda: fn(q, k, v), reps=reps, warmup=1),
                        device=jax.devices()[0].device_kind)
             print(json.dumps(row), flush=True)
             append_jsonl(args.out, row)

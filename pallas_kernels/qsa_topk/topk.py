@@ -253,7 +253,8 @@ class EstimatedState(NamedTuple):
     m2: jax.Array  # f32 [R] sum of squared deviations
     # quantile="histogram" only (None for "gaussian"):
     hist: jax.Array | None = None  # f32 [R, HIST_BINS] counted scores since the freeze that reached each edge
-    hist_edges: jax.Array | None = None  # f32 [R, HIST_BINS] frozen mean + b * deviation * HIST_WIDTH
+    hist_base: jax.Array | None = None  # f32 [R] frozen mean (edge 0)
+    hist_width: jax.Array | None = None  # f32 [R] frozen deviation * HIST_WIDTH (edge b: base + b * width)
     hist_counted: jax.Array | None = None  # f32 [R] scores counted since the freeze (-1: not frozen yet)
     hist_thr: jax.Array | None = None  # f32 [R] the histogram threshold of the last refresh (-inf: none yet)
 
@@ -277,8 +278,7 @@ def estimated_init(rows: int, k: int, k_exact: int, *, buffers: bool = True,
     zeros = jnp.zeros((rows,), jnp.float32)
     hist = ()
     if quantile == "histogram":
-        hist = (jnp.zeros((rows, HIST_BINS), jnp.float32), jnp.zeros((rows, HIST_BINS), jnp.float32), zeros - 1.0,
-                zeros - jnp.inf)
+        hist = (jnp.zeros((rows, HIST_BINS), jnp.float32), zeros, zeros, zeros - 1.0, zeros - jnp.inf)
     return EstimatedState(exact_init(rows, max(k_exact, 1)), est_vals, est_ids,
                           jnp.zeros((rows,), jnp.int32), zeros, zeros, zeros, *hist)
 
@@ -297,27 +297,22 @@ def _histogram_threshold(state: EstimatedState, slots_left: jax.Array, remaining
     lo, hi = jnp.maximum(c_lo, 0.5), jnp.maximum(c_hi, 0.5)
     frac = jnp.log(lo / jnp.maximum(target, 0.5)) / jnp.maximum(jnp.log(lo / hi), 1e-6)
     frac = jnp.where((b > 0.0) & (b < HIST_BINS), jnp.clip(frac, 0.0, 1.0), 1.0)
-    base = jnp.sum(jnp.where(bins == 0.0, state.hist_edges, 0.0), axis=1)
-    width = jnp.sum(jnp.where(bins == 1.0, state.hist_edges, 0.0), axis=1) - base
-    return jnp.where(counted >= HIST_MIN_COUNT, base + width * (b - 1.0 + frac), -jnp.inf)
+    return jnp.where(counted >= HIST_MIN_COUNT, state.hist_base + state.hist_width * (b - 1.0 + frac), -jnp.inf)
 
 
 def _histogram_count(state: EstimatedState, x: jax.Array, stat: jax.Array, n, mean, m2):
     """Count ``x`` at the frozen edges, or freeze mean / deviation once `HIST_WARMUP` scores
-    are seen -> (hist, hist_edges, hist_counted). Before the freeze the edges are 0 and the
-    counts stay 0 (``take`` is false)."""
+    are seen -> (hist, hist_base, hist_width, hist_counted). Before the freeze the counts stay
+    0 (``take`` is false). The edges are recomputed here rather than held: registers, not
+    arithmetic, are what the kernel's top-k structures cost."""
     frozen = state.hist_counted >= 0.0
     take = stat & frozen
-    hist = state.hist + (take[:, None] & (x[:, None] >= state.hist_edges)).astype(jnp.float32)
+    edges = state.hist_base[:, None] + state.hist_width[:, None] * _iota(x.shape[0], HIST_BINS).astype(jnp.float32)
+    hist = state.hist + (take[:, None] & (x[:, None] >= edges)).astype(jnp.float32)
     freeze = stat & ~frozen & (n >= HIST_WARMUP)
-
-    def frozen_edges():  # once per row: a branch the tile takes only at the steps where some row freezes
-        sigma = jnp.sqrt(jnp.maximum(m2, 0.0) / jnp.maximum(n, 1.0))
-        edges = mean[:, None] + (sigma * HIST_WIDTH)[:, None] * _iota(x.shape[0], HIST_BINS).astype(jnp.float32)
-        return jnp.where(freeze[:, None], edges, state.hist_edges)
-
-    edges = lax.cond(jnp.max(freeze.astype(jnp.int32)) > 0, frozen_edges, lambda: state.hist_edges)
-    return hist, edges, jnp.where(freeze, 0.0, state.hist_counted + take.astype(jnp.float32))
+    sigma = jnp.sqrt(jnp.maximum(m2, 0.0) / jnp.maximum(n, 1.0))
+    return (hist, jnp.where(freeze, mean, state.hist_base), jnp.where(freeze, sigma * HIST_WIDTH, state.hist_width),
+            jnp.where(freeze, 0.0, state.hist_counted + take.astype(jnp.float32)))
 
 
 def _every(period: int, step, run, keep):
@@ -381,7 +376,7 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
         thr = jnp.maximum(thr, thr_h)
         # Every score until HIST_MIN_COUNT are counted, then about one block in HIST_COUNT_EVERY.
         on = ((_hash(j) & (HIST_COUNT_EVERY - 1)) == 0) | (state.hist_counted < HIST_MIN_COUNT)
-        keep = (state.hist, state.hist_edges, state.hist_counted)
+        keep = (state.hist, state.hist_base, state.hist_width, state.hist_counted)
         counts = lax.cond(jnp.max(on.astype(jnp.int32)) > 0,  # (jnp.any: no Triton lowering of reduce_or)
                           lambda: _where_rows(on, _histogram_count(state, x, stat, n, mean, m2), keep), lambda: keep)
         hist = (*counts, thr_h)
