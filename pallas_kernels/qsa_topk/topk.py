@@ -37,11 +37,14 @@ A scan offers, at step ``j``, one score ``x [R]`` (block id ``j``) to every row 
   - ``"histogram"`` (default): the Gaussian threshold, raised where counts show more scores
     above it than slots. Once `HIST_WARMUP` scores are seen, m and sigma are frozen and the row
     counts, for `HIST_BINS` edges ``m + sigma * HIST_WIDTH * b`` (b = 0 .. 15, up to 7.5
-    sigma), how many later scores reached each edge. The offers still to come that reach edge b
-    are estimated as ``count_b * remaining_offers / counted``; the histogram threshold lies
-    between the last edge where that exceeds ``remaining_slots`` and the next one (log-linear
-    in the count; one bin width past the top edge when every edge has too many). It needs the
-    scores in a random-like order (``scan="golden"``).
+    sigma), how many later scores reached each edge: every score until `HIST_MIN_COUNT` are
+    counted, then about one block id in `HIST_COUNT_EVERY` (a hash of the id, `_hash`). The
+    offers still to come that reach edge b are estimated as ``count_b * remaining_offers /
+    counted``; the histogram threshold lies between the last edge where that exceeds
+    ``remaining_slots`` and the next one (log-linear in the count; one bin width past the top
+    edge when every edge has too many), recomputed every `HIST_REFRESH_EVERY`-th step and used
+    from `HIST_MIN_COUNT` counted scores on. It needs the scores in a random-like order
+    (``scan="golden"``).
 
   Why: the Gaussian quantile assumes a bell-shaped upper tail. Video rows have a cluster of
   near-equal high scores (a sink key in every frame: ~900 blocks per row at 1M tokens), more
@@ -49,14 +52,23 @@ A scan offers, at step ``j``, one score ``x [R]`` (block id ``j``) to every row 
   the slots fill with the first of them the scan meets rather than the best. The counts place
   the threshold inside the cluster. Taking the larger of the two keeps the Gaussian's
   precision where the scores are bell-shaped (the histogram alone, from fewer scores, lost
-  3-5 points of mass on i.i.d. normal rows of 256 scores, k = 16). Mass of the row held by its
-  128 blocks, gaussian / histogram / exact top 128 (`tools/topk_threshold_mass.py`, CPU, the
-  MOMO bench's inputs, 2 / 1 heads, fp32, k_exact = 8, golden order, 32 rows of the second
-  half; 2026-11-25, `bench/results/topk-threshold-mass_cpu_2026-11-25.jsonl`): mixed video +
-  text at 1M 0.194 / 0.340 / 0.346, at 256k 0.361 / 0.421 / 0.427, at 64k 0.511 / 0.511 /
-  0.515; video at 1M 0.044 / 0.049 / 0.050; needle within 0.001 of the Gaussian at every
-  length. (An exponential-tail fit to the exact slots instead of the counts kept 0.310 at 1M
-  mixed but lost 9-16 points on needles, whose small cluster it extrapolated.)
+  3-5 points of mass on i.i.d. normal rows of 256 scores, k = 16). Mass of the row held by
+  its 128 blocks, gaussian / histogram / exact top 128 (`tools/topk_threshold_mass.py`, CPU,
+  the MOMO bench's inputs, 2 / 1 heads, fp32, k_exact = 8, golden order, 32 rows of the second
+  half; `bench/results/topk-threshold-mass_cpu_2026-11-26.jsonl`): mixed video +
+  text at 1M 0.194 / 0.337 / 0.345, at 256k 0.361 / 0.421 / 0.427, at 64k 0.511 / 0.511 /
+  0.515; video at 1M 0.044 / 0.049 / 0.050, at 64k 0.297 / 0.296 / 0.300; needle within
+  0.001 of the Gaussian at 64k, 256k and 1M.
+  (An exponential-tail fit to the exact slots instead of the counts kept 0.310 at 1M mixed
+  but lost 9-16 points on needles, whose small cluster it extrapolated.)
+
+  Cost in the fused kernel (one H200, 2026-11-26, 1M tokens, `tools/qsa_quantile_cost.py`):
+  2211 ms against 2125 ms with the Gaussian rule and 1564 ms without a top-k. What costs is
+  registers, not arithmetic: a [64, 16] edge array per program and the threshold at every
+  step took 2807 ms, the threshold every 8th step 2521, counting one block in 4 2527, and
+  holding base and width per row instead of the edges 2211. Counting at even steps only was
+  biased (the golden order visits only even blocks at even steps, and per-frame sinks sit on
+  a fixed residue of the block id), hence the hash.
 
   O(k_exact + HIST_BINS) vector work per update: the kernel writes accepted items straight
   to its output (one scattered store per row), so the k - k_exact estimated slots never
