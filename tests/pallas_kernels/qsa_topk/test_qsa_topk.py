@@ -114,28 +114,33 @@ def test_golden_scan_permutes_the_leading_candidates_of_each_tile(q_len, kv_len,
     assert (natural == 0).all()
 
 
+def _scan_mass_fraction(x: np.ndarray, k: int, k_exact: int, *, golden: bool, quantile: str = "histogram"):
+    """Run the estimated top-k over whole rows ``x [R, nb]`` (every block a candidate) in id or
+    golden order; check the selections (all k slots, no block twice, the reported scores) and
+    return each row's fraction of its exact top-k's softmax mass."""
+    rows, nb = x.shape
+    scores = jnp.asarray(x, jnp.float32)
+    active = jnp.ones(scores.shape, bool)
+    remaining = jnp.broadcast_to(nb - jnp.arange(nb), scores.shape).astype(jnp.int32)
+    table = np.asarray([[nb, golden_multiplier(nb)]], np.int32) if golden else np.zeros((1, 2), np.int32)
+    order = jnp.asarray(np.repeat(scan_block_ids(table, sink_blocks=0, n_steps=nb), rows, 0))
+    vals, ids = topk_lib.run_scan("estimated", jnp.take_along_axis(scores, order, 1), active, remaining,
+                                  k=k, k_exact=k_exact, block_ids=order, quantile=quantile)
+    ids = np.asarray(ids)
+    assert (ids >= 0).all() and all(len(set(r)) == k for r in ids)
+    np.testing.assert_array_equal(np.take_along_axis(x.astype(np.float32), ids, 1), np.asarray(vals))
+    ev = np.asarray(jax.lax.top_k(scores, k)[0], np.float64)
+    return np.exp(np.asarray(vals, np.float64)).sum(1) / np.exp(ev).sum(1)
+
+
 def test_golden_scan_keeps_the_mass_of_rows_whose_scores_rise():
     """Scores that rise along the ids (recency, as in video): in id order the running
     quantile lags behind and the estimated slots fill with old blocks; the golden order
     offers a spread sample first. Measured fractions of the exact top-k's softmax mass
     (2026-11-23): natural mean 0.57 (worst row 0.52), golden 0.99 (0.95)."""
     rng = np.random.default_rng(0)
-    nb, k, k_exact, rows = 512, 64, 8, 64
-    x = rng.normal(size=(rows, nb)) * 0.5 + np.linspace(0.0, 2.0, nb)[None, :]
-    scores = jnp.asarray(x, jnp.float32)
-    active = jnp.ones(scores.shape, bool)
-    remaining = jnp.broadcast_to(nb - jnp.arange(nb), scores.shape).astype(jnp.int32)
-    ev = np.asarray(jax.lax.top_k(scores, k)[0], np.float64)
-    fracs = {}
-    for name in ("natural", "golden"):
-        table = np.asarray([[nb, golden_multiplier(nb)]], np.int32) if name == "golden" else np.zeros((1, 2), np.int32)
-        order = jnp.asarray(np.repeat(scan_block_ids(table, sink_blocks=0, n_steps=nb), rows, 0))
-        vals, ids = topk_lib.run_scan("estimated", jnp.take_along_axis(scores, order, 1), active, remaining,
-                                      k=k, k_exact=k_exact, block_ids=order)
-        ids = np.asarray(ids)
-        assert (ids >= 0).all() and all(len(set(r)) == k for r in ids)
-        np.testing.assert_array_equal(np.take_along_axis(x.astype(np.float32), ids, 1), np.asarray(vals))
-        fracs[name] = (np.exp(np.asarray(vals, np.float64)).sum(1) / np.exp(ev).sum(1)).mean()
+    x = rng.normal(size=(64, 512)) * 0.5 + np.linspace(0.0, 2.0, 512)[None, :]
+    fracs = {name: _scan_mass_fraction(x, 64, 8, golden=name == "golden").mean() for name in ("natural", "golden")}
     assert fracs["golden"] >= 0.97 and fracs["natural"] <= 0.8, fracs
 
 
@@ -146,24 +151,10 @@ def test_histogram_threshold_picks_the_best_of_a_cluster_larger_than_the_slots()
     the cluster. Fractions of the exact top-k's softmax mass measured 2026-11-26: gaussian 0.59
     (worst row 0.49), histogram 0.96 (0.91)."""
     rng = np.random.default_rng(1)
-    rows, nb, k, k_exact = 16, 4096, 64, 8
-    x = rng.normal(size=(rows, nb))
-    cluster = np.argsort(rng.random((rows, nb)), axis=1)[:, :400]
-    np.put_along_axis(x, cluster, 6.0 + 1.5 * rng.normal(size=(rows, 400)), axis=1)
-    scores = jnp.asarray(x, jnp.float32)
-    active = jnp.ones(scores.shape, bool)
-    remaining = jnp.broadcast_to(nb - jnp.arange(nb), scores.shape).astype(jnp.int32)
-    order = jnp.asarray(np.repeat(scan_block_ids(np.asarray([[nb, golden_multiplier(nb)]], np.int32),
-                                                 sink_blocks=0, n_steps=nb), rows, 0))
-    ev = np.asarray(jax.lax.top_k(scores, k)[0], np.float64)
-    fracs = {}
-    for quantile in topk_lib.QUANTILES:
-        vals, ids = topk_lib.run_scan("estimated", jnp.take_along_axis(scores, order, 1), active, remaining,
-                                      k=k, k_exact=k_exact, block_ids=order, quantile=quantile)
-        ids = np.asarray(ids)
-        assert (ids >= 0).all() and all(len(set(r)) == k for r in ids)
-        np.testing.assert_array_equal(np.take_along_axis(x.astype(np.float32), ids, 1), np.asarray(vals))
-        fracs[quantile] = (np.exp(np.asarray(vals, np.float64)).sum(1) / np.exp(ev).sum(1)).mean()
+    x = rng.normal(size=(16, 4096))
+    cluster = np.argsort(rng.random(x.shape), axis=1)[:, :400]
+    np.put_along_axis(x, cluster, 6.0 + 1.5 * rng.normal(size=(16, 400)), axis=1)
+    fracs = {qn: _scan_mass_fraction(x, 64, 8, golden=True, quantile=qn).mean() for qn in topk_lib.QUANTILES}
     assert fracs["histogram"] >= 0.93 and fracs["gaussian"] <= 0.7, fracs
 
 
