@@ -299,6 +299,10 @@ class Runner:
         rng = np.random.default_rng(s)
         for kind, make in (("video", video_like), ("needle", needle_like), ("mixed", mixed_like)):
             if kind not in cfg.inputs:
+                # Draw its query blocks anyway, so the later inputs get the same blocks as in a run of all three
+                # (video and needle are exactly s long).
+                rng.choice(np.arange((s // cfg.query_block) // 2, s // cfg.query_block),
+                           max(1, cfg.mass_rows // cfg.query_block), replace=False)
                 continue
             if self.left() < 0:
                 self.result["sections_skipped"].append(f"mass S={s} {kind}")
@@ -489,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=positive_int, nargs=2, metavar=("N", "K"), help="query and key heads")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="input dtype")
     p.add_argument("--inputs", nargs="+", choices=("video", "needle", "mixed"), help="mass section inputs")
+    p.add_argument("--mass-rows", type=positive_int,
+                   help="query rows of the mass section, whole query blocks drawn from the second half (default 256)")
     p.add_argument("--k-exact", type=nonneg_int, help="exact slots of the estimated top-k (default 8 on a GPU)")
     p.add_argument("--rerank", type=positive_int, nargs=2, action="append", metavar=("C", "STRIDE"),
                    help="also run the default pattern with Momo(rerank=C, rerank_stride=STRIDE) in the timing and "
@@ -527,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, scans=tuple(args.scans))
     if args.quantile:
         cfg = dataclasses.replace(cfg, quantile=args.quantile)
+    if args.mass_rows:
+        cfg = dataclasses.replace(cfg, mass_rows=args.mass_rows)
     if args.quantiles:
         cfg = dataclasses.replace(cfg, quantiles=tuple(args.quantiles))
     if args.mass_only:
