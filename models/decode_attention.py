@@ -15,8 +15,13 @@ uses this form only for one query per row, more than one row, on CUDA
 At long context both XLA forms fall well short of reading the cache at the memory's speed; the split-K
 Pallas kernel of ``pallas_kernels.tree_decode`` (key slices in parallel, merged) does better. Same shape, one
 H100, 2026-11-25 (``mmjax bench decode --contexts 25600 --variants default,split_k``): batch 1 8.76 -> 8.10 ms
-per step, batch 4 18.65 -> 12.22 ms. So on CUDA a step over at least `SPLIT_K_MIN_SLOTS` cache slots uses
-`split_k_decode_attention` at every batch size (shorter caches were not measured with it).
+per step, batch 4 18.65 -> 12.22 ms. Short caches too (one H200, 2026-11-26, ``--contexts 1024,4096
+--variants default,split_k``, `bench/results/decode-splitk-short_NVIDIA-H200_2026-11-26.json`; the default then was
+the einsum form at batch 1 and the reduce form above it): 1k slots, batch 1 / 4 / 16: 5.07 / 5.48 / 9.16 ->
+4.84 / 4.56 / 5.32 ms; 4k slots: 5.14 / 9.28 / 22.89 -> 5.08 / 5.22 / 7.36 ms (the reduce form wrote a float32
+transposed copy of the cache, 4 MiB per row and 1k slots, before reading it). So on CUDA a step over at least
+`SPLIT_K_MIN_SLOTS` = 1024 cache slots uses `split_k_decode_attention` at every batch size (shorter caches were not
+measured with it).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pallas_kernels.nonfinite import score_poison
 from pallas_kernels.tree_decode import tree_decode_attention
 
 # Cache slots from which a one-query-per-row step on CUDA runs the split-K kernel (see the module docstring).
-SPLIT_K_MIN_SLOTS = 16384
+SPLIT_K_MIN_SLOTS = 1024
 
 
 def reduce_attention(q, k, v, *, layer=None, q_positions, kv_valid, modality=None, sm_scale: float | None = None,
