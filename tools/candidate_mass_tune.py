@@ -19,6 +19,9 @@ import jax.numpy as jnp
 from gpu_timing import median_ms
 from jsonl_log import append_jsonl
 
+import pallas_kernels
+from pallas_kernels.candidate_mass.triton import candidate_mass_triton
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -28,8 +31,6 @@ def main() -> None:
     p.add_argument("--strides", type=int, nargs="+", default=[1, 4])
     p.add_argument("--per-steps", type=int, nargs="+", default=[1, 2, 4, 8])
     args = p.parse_args()
-    import pallas_kernels
-    from pallas_kernels.candidate_mass.triton import candidate_mass_triton
 
     s, n, kh, d, qb, block, c, gamma = args.seq_len, 28, 4, 128, 128, 64, 256, 16
     kq, kk, kc, kr = jax.random.split(jax.random.key(0), 4)

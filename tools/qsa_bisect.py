@@ -21,6 +21,9 @@ import jax.numpy as jnp
 from gpu_timing import median_ms
 from jsonl_log import append_jsonl
 
+import pallas_kernels
+from pallas_kernels.qsa_topk.triton import qsa_topk_triton
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -29,8 +32,6 @@ def main() -> None:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[131072])
     p.add_argument("--rows", type=int, nargs="+", default=[64], help="sampled rows per program (tile)")
     args = p.parse_args()
-    import pallas_kernels
-    from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 
     has_scan = "scan" in inspect.signature(qsa_topk_triton).parameters
     interpret = jax.default_backend() != "gpu"

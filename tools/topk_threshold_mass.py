@@ -19,11 +19,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jsonl_log import append_jsonl
 
 from mmjax.drivers.bench import momo as bench_momo
 from pallas_kernels.qsa_topk.common import scan_block_ids, scan_table
 from pallas_kernels.qsa_topk.reference import block_scores, candidates, select_blocks
-from tools.jsonl_log import append_jsonl
 
 K, BLOCK, SINK_BLOCKS, LOCAL, GAMMA = 128, 64, 1, 128, 16
 INPUTS = {"mixed": bench_momo.mixed_like, "video": bench_momo.video_like, "needle": bench_momo.needle_like}

@@ -9,7 +9,7 @@ from pallas_kernels.checks import check_int, check_pow2, check_qkv, check_sm_sca
 from pallas_kernels.platform import default_implementation
 from pallas_kernels.qsa_topk.common import SCAN_ORDERS, QSATopKResult
 from pallas_kernels.qsa_topk.reference import qsa_topk_reference
-from pallas_kernels.qsa_topk.topk import ALGORITHMS, QUANTILES
+from pallas_kernels.qsa_topk.topk import ALGORITHMS, check_quantile
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 from pallas_kernels.tiling import cdiv
 
@@ -94,8 +94,7 @@ def qsa_topk(
     check_pow2("rows", rows)
     if scan not in SCAN_ORDERS:
         raise ValueError(f"scan: expected one of {SCAN_ORDERS}; received {scan!r}")
-    if quantile not in QUANTILES:
-        raise ValueError(f"quantile: expected one of {QUANTILES}; received {quantile!r}")
+    check_quantile(quantile)
     if implementation is None:
         implementation = default_implementation(bool(interpret))
     if implementation not in IMPLEMENTATIONS:

@@ -271,7 +271,8 @@ class EstimatedState(NamedTuple):
     hist_thr: jax.Array | None = None  # f32 [R] the histogram threshold of the last refresh (-inf: none yet)
 
 
-def _check_quantile(quantile: str) -> None:
+def check_quantile(quantile: str) -> None:
+    """ValueError naming ``quantile`` unless it is one of `QUANTILES`."""
     if quantile not in QUANTILES:
         raise ValueError(f"quantile: expected one of {QUANTILES}; received {quantile!r}")
 
@@ -280,7 +281,7 @@ def estimated_init(rows: int, k: int, k_exact: int, *, buffers: bool = True,
                    quantile: str = "histogram") -> EstimatedState:
     """``buffers=False``: the append-only slots are not held in the state; the caller
     stores each accepted item itself (the kernel writes it straight to its output)."""
-    _check_quantile(quantile)
+    check_quantile(quantile)
     k_est = k - k_exact
     est_vals, est_ids = _empty_slots(rows, max(k_est, 1))
     if k_est == 0:
@@ -312,7 +313,7 @@ def _histogram_threshold(state: EstimatedState, slots_left: jax.Array, remaining
     return jnp.where(counted >= HIST_MIN_COUNT, state.hist_base + state.hist_width * (b - 1.0 + frac), -jnp.inf)
 
 
-def _histogram_count(state: EstimatedState, x: jax.Array, stat: jax.Array, n, mean, m2):
+def _histogram_count(state: EstimatedState, x: jax.Array, stat: jax.Array, n, mean, sigma):
     """Count ``x`` at the frozen edges, or freeze mean / deviation once `HIST_WARMUP` scores
     are seen -> (hist, hist_base, hist_width, hist_counted). Before the freeze the counts stay
     0 (``take`` is false). The edges are recomputed here rather than held: registers, not
@@ -322,7 +323,6 @@ def _histogram_count(state: EstimatedState, x: jax.Array, stat: jax.Array, n, me
     edges = state.hist_base[:, None] + state.hist_width[:, None] * _iota(x.shape[0], HIST_BINS).astype(jnp.float32)
     hist = state.hist + (take[:, None] & (x[:, None] >= edges)).astype(jnp.float32)
     freeze = stat & ~frozen & (n >= HIST_WARMUP)
-    sigma = jnp.sqrt(jnp.maximum(m2, 0.0) / jnp.maximum(n, 1.0))
     return (hist, jnp.where(freeze, mean, state.hist_base), jnp.where(freeze, sigma * HIST_WIDTH, state.hist_width),
             jnp.where(freeze, 0.0, state.hist_counted + take.astype(jnp.float32)))
 
@@ -390,7 +390,7 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
         on = ((_hash(j) & (HIST_COUNT_EVERY - 1)) == 0) | (state.hist_counted < HIST_MIN_COUNT)
         keep = (state.hist, state.hist_base, state.hist_width, state.hist_counted)
         counts = lax.cond(jnp.max(on.astype(jnp.int32)) > 0,  # (jnp.any: no Triton lowering of reduce_or)
-                          lambda: _where_rows(on, _histogram_count(state, x, stat, n, mean, m2), keep), lambda: keep)
+                          lambda: _where_rows(on, _histogram_count(state, x, stat, n, mean, sigma), keep), lambda: keep)
         hist = (*counts, thr_h)
     accept = ok & (slots_left > 0) & ((p <= 0.0) | (sv == RANK_NAN) | ((n >= 2.0) & (sv >= thr)))
     est_vals, est_ids = state.est_vals, state.est_ids

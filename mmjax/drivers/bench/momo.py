@@ -297,12 +297,15 @@ class Runner:
     def mass(self, s: int, tile) -> None:
         cfg = self.cfg
         rng = np.random.default_rng(s)
+
+        def draw_blocks(nq: int) -> np.ndarray:  # the query blocks measured, from the second half
+            return np.sort(rng.choice(np.arange(nq // 2, nq), max(1, cfg.mass_rows // cfg.query_block), replace=False))
+
         for kind, make in (("video", video_like), ("needle", needle_like), ("mixed", mixed_like)):
             if kind not in cfg.inputs:
                 # Draw its query blocks anyway, so the later inputs get the same blocks as in a run of all three
                 # (video and needle are exactly s long).
-                rng.choice(np.arange((s // cfg.query_block) // 2, s // cfg.query_block),
-                           max(1, cfg.mass_rows // cfg.query_block), replace=False)
+                draw_blocks(s // cfg.query_block)
                 continue
             if self.left() < 0:
                 self.result["sections_skipped"].append(f"mass S={s} {kind}")
@@ -310,8 +313,7 @@ class Runner:
             q, k, v = make(cfg, s, seed=s + 1)
             sk = q.shape[1]
             nq = sk // cfg.query_block
-            blocks = np.sort(rng.choice(np.arange(nq // 2, nq), max(1, cfg.mass_rows // cfg.query_block),
-                                        replace=False))
+            blocks = draw_blocks(nq)
             rows = jnp.asarray((blocks[:, None] * cfg.query_block + np.arange(cfg.query_block)).ravel(), jnp.int32)
             m = jax.jit(lambda q, k: block_mass(q, k, rows, block=cfg.block))(q, k)
             layouts = {}

@@ -92,7 +92,7 @@ from pallas_kernels import BlockLayout, QSATopKResult, block_sparse_attention, q
 from pallas_kernels.candidate_mass import candidate_mass
 from pallas_kernels.checks import check_int, check_pow2
 from pallas_kernels.qsa_topk.common import SCAN_ORDERS
-from pallas_kernels.qsa_topk.topk import QUANTILES
+from pallas_kernels.qsa_topk.topk import check_quantile
 from pallas_kernels.tiling import cdiv
 
 TOPK_ALGORITHMS = ("exact", "tournament", "estimated")
@@ -325,8 +325,7 @@ class Momo(Pattern):
         check_int("local", self.local, 0)
         if self.scan not in SCAN_ORDERS:
             raise ValueError(f"scan: expected one of {SCAN_ORDERS}; received {self.scan!r}")
-        if self.quantile not in QUANTILES:
-            raise ValueError(f"quantile: expected one of {QUANTILES}; received {self.quantile!r}")
+        check_quantile(self.quantile)
         if self.trim_rule not in MOMO_TRIM_RULES:
             raise ValueError(f"trim_rule: expected one of {MOMO_TRIM_RULES}; received {self.trim_rule!r}")
         check_int("rerank", self.rerank, 0)
