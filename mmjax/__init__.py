@@ -10,6 +10,7 @@ Layers, each importing only the ones before it: ``pallas_kernels`` (attention ke
 from mmjax import io, parallel, patterns, speculative
 from mmjax.inference import PrefillOutput, decode_step, prefill
 from mmjax.load import load
+from mmjax.quantize import quantize_fp8
 from mmjax.sparse import (Calibration, CalibrationRecorder, LayoutSet, Modality, RowSplit, SearchSpace, SparseConfig,
                           attention_recall, build_layout, plot_layout, search, sparse_attention)
 from mmjax.speculative import GenerateOutput, generate
@@ -18,4 +19,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Calibration", "CalibrationRecorder", "GenerateOutput", "LayoutSet", "Modality", "PrefillOutput",
            "RowSplit", "SearchSpace", "SparseConfig", "attention_recall", "build_layout", "decode_step", "generate",
-           "io", "load", "parallel", "patterns", "plot_layout", "prefill", "search", "sparse_attention", "speculative"]
+           "io", "load", "parallel", "patterns", "plot_layout", "prefill", "quantize_fp8", "search", "sparse_attention", "speculative"]

@@ -10,6 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# XLA options of the programs that run the decoder over a prompt or a prompt chunk: cuBLAS GEMMs instead of XLA's
+# Triton GEMM fusions. With the fp8 weights of `models.fp8_linear` the autotuner otherwise compiles Triton fp8 GEMM
+# candidates: the 7B decoder program at 262k tokens took 96.5 s to compile instead of 2.6 s (bf16 weights: 5.1 -> 1.9
+# s; one H200, 2026-11-26, `tools/fp8_compile_time.py`). With bf16 weights the warm prefill time did not change (one
+# H100, 2026-11-25, README). Harmless on other backends.
+PREFILL_XLA_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm as in HF Qwen2: normalise in float32, cast back to ``x.dtype``, then scale.

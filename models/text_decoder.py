@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.attention import LayerAttention
 from models.common import context_axis_size, map_chunks, rms_norm, scaled_normal, token_split
+from models.fp8_linear import FP8_WEIGHTS, fp8_matmul, normed_fp8_matmul
 from models.kv_cache import KVCache, read_kv, write_kv
 from models.moe import local_experts_mlp, moe_mlp
 from models.rotary import apply_rotary
@@ -123,8 +124,13 @@ class TextDecoder(nnx.Module):
         self.final_norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
         self.lm_head = None if config.tie_word_embeddings else normal((config.vocab_size, config.hidden_size))
 
-    def stacked(self) -> dict[str, jax.Array]:
-        return {name: getattr(self, name)[...] for name in layer_param_shapes(self.config)}
+    def stacked(self, fp8: bool = False) -> dict[str, jax.Array]:
+        """The stacked layer weights by name; with ``fp8`` also the fp8 copies of `models.fp8_linear.quantize_decoder`
+        where the decoder holds them."""
+        names = list(layer_param_shapes(self.config))
+        if fp8:
+            names += [n for base in FP8_WEIGHTS for n in (base, base + "_scale") if getattr(self, n, None) is not None]
+        return {name: getattr(self, name)[...] for name in names}
 
 
 def check_token_inputs(input_ids, attention_mask, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -188,10 +194,18 @@ def _qkv(c: TextConfig, p, x, cos, sin, chunk):
     """Normed projections of the new tokens with rotary applied, in sequence chunks:
     x [B, T, H] -> q [B, T, N, D], k / v [B, T, K, D]."""
     def f(xc, cc, sc):
-        h = rms_norm(xc, p["input_norm"], c.rms_norm_eps)
-        q = jnp.einsum("bth,hnd->btnd", h, p["wq"])
-        k = jnp.einsum("bth,hkd->btkd", h, p["wk"])
-        v = jnp.einsum("bth,hkd->btkd", h, p["wv"])
+        if "fp8_wqkv" in p:
+            b, t = xc.shape[:2]
+            n, kh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+            qkv = normed_fp8_matmul(xc, p["input_norm"], c.rms_norm_eps, p["fp8_wqkv"], p["fp8_wqkv_scale"])
+            q = qkv[..., :n * d].reshape(b, t, n, d)
+            k = qkv[..., n * d:(n + kh) * d].reshape(b, t, kh, d)
+            v = qkv[..., (n + kh) * d:].reshape(b, t, kh, d)
+        else:
+            h = rms_norm(xc, p["input_norm"], c.rms_norm_eps)
+            q = jnp.einsum("bth,hnd->btnd", h, p["wq"])
+            k = jnp.einsum("bth,hkd->btkd", h, p["wk"])
+            v = jnp.einsum("bth,hkd->btkd", h, p["wv"])
         if c.qkv_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if c.qk_norm:
@@ -199,6 +213,14 @@ def _qkv(c: TextConfig, p, x, cos, sin, chunk):
         cc, sc = cc.astype(xc.dtype), sc.astype(xc.dtype)
         return apply_rotary(q, cc, sc), apply_rotary(k, cc, sc), v
     return map_chunks(f, (x, cos, sin), 1, chunk)
+
+
+def _fp8_mlp(c: TextConfig, p, x):
+    """The dense MLP with fp8 GEMMs (`models.fp8_linear`), the post-attention norm folded into the first one:
+    x [B, C, H] (not normed) -> [B, C, H]."""
+    gu = normed_fp8_matmul(x, p["post_norm"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_gate_up_scale"])
+    g, u = jnp.split(gu, 2, axis=-1)
+    return fp8_matmul(jax.nn.silu(g) * u, p["fp8_w_down"], p["fp8_w_down_scale"])
 
 
 def _mlp(c: TextConfig, p, h):
@@ -256,9 +278,13 @@ def _out_and_mlp(c: TextConfig, p, x, o, chunk, wo_layer=None):
             n_layers, heads, dim, hidden = w.shape
             rows = oc.reshape(-1, heads * dim).astype(xc.dtype)
             a = layer_matmul(rows, w.reshape(n_layers, heads * dim, hidden), i).reshape(xc.shape)
+        elif "fp8_wo" in p:
+            a = fp8_matmul(oc.reshape(*oc.shape[:2], -1).astype(xc.dtype), p["fp8_wo"], p["fp8_wo_scale"])
         else:
             a = jnp.einsum("btnd,ndh->bth", oc.astype(xc.dtype), p["wo"])
         xc = xc + (a + p["bo"] if c.o_bias else a)
+        if "fp8_w_gate_up" in p:
+            return xc + _fp8_mlp(c, p, xc)
         return xc + _mlp(c, p, rms_norm(xc, p["post_norm"], c.rms_norm_eps))
     return map_chunks(f, (x, o), 1, chunk, out=x)
 
@@ -296,7 +322,9 @@ def run_decoder(model: TextDecoder, x: jax.Array, li: LayerInputs, attention: La
     body; the cache and the residual stream are loop state updated in place), unless ``unroll``: a
     Python loop over layers with static weight slices (a decode step on an H200 takes 6.4 instead of
     11.8 ms at the 7B shape, since the scan copies each layer's weights before the matrix-vector
-    products); per-layer attention functions always unroll.
+    products); per-layer attention functions always unroll. A decoder quantized by
+    `models.fp8_linear.quantize_decoder` runs its projections and dense MLP as fp8 GEMMs when the call has at least
+    its ``fp8_min_rows`` tokens (B x T), its bf16 weights otherwise.
     Returns (final normed hidden [B, T, H], cache with the new keys / values, hidden [len(hidden_layers), B, T, H]).
     """
     c = model.config
@@ -317,7 +345,7 @@ def run_decoder(model: TextDecoder, x: jax.Array, li: LayerInputs, attention: La
         return jnp.where(hit, h[None], buf)
 
     buf = capture(buf, 0, x)
-    params = model.stacked()
+    params = model.stacked(fp8=x.shape[0] * x.shape[1] >= getattr(model, "fp8_min_rows", 0) > 0)
     kv = None if cache is None else {n: getattr(cache, n) for n in ("k", "v", "k_scale", "v_scale")
                                      if getattr(cache, n) is not None}
     if attention.scannable and not unroll:

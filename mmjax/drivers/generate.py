@@ -54,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", metavar="dense|cudnn|CONFIG.json",
                    help="prefill attention: dense (XLA), cudnn (GPU) or a SparseConfig JSON from `mmjax search`; "
                         "default cudnn on a GPU, dense otherwise")
+    p.add_argument("--matmul", choices=("bf16", "fp8"), default="bf16",
+                   help="prefill matmuls: the model's weights, or fp8 GEMMs (mmjax.quantize_fp8; H100 / H200)")
     p.add_argument("--draft", metavar="DIR", help="a Sparrow draft (SparrowDraft.save) for speculative decoding")
     p.add_argument("--tree", default=str(TreeConfig()), metavar="T-D-K",
                    help="draft tree total_tokens-depth-top_k (default %(default)s)")
@@ -222,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     mesh = devices_mesh(args.devices, args.sequence_parallel)
     if mesh is not None and args.draft:
         raise ValueError("--draft: speculative decoding runs on one device; drop --devices / --sequence-parallel")
+    if mesh is not None and args.matmul == "fp8":
+        raise ValueError("--matmul fp8: the fp8 weights run on one device; drop --devices / --sequence-parallel")
     tree = TreeConfig.parse(args.tree)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
@@ -234,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             model, processor = mmjax.load(args.model, dtype=DTYPES[args.dtype], mesh=mesh)
         except ValueError as e:
             raise _flag_error("--model", args.model, e) from None
+        if args.matmul == "fp8":
+            model = mmjax.quantize_fp8(model)
         bar.update(1)
     model_s = time.perf_counter() - t0
     attention = _attention(args.attention, model)

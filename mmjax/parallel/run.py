@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.attention import LayerAttention
+from models.fp8_linear import is_quantized
 from models.kv_cache import KVCache
 from models.sharding import SP, axis_size, cache_sharding, check_mesh, is_laid_out
 
@@ -26,6 +27,9 @@ def check(model: nnx.Module, mesh: Any) -> Mesh:
     """The mesh to run ``model`` on (`models.sharding.check_mesh`); ValueError when the model's
     parameters are not laid out on it."""
     config = model.language_model.config
+    if is_quantized(model.language_model):
+        raise ValueError("model: its fp8 weights (mmjax.quantize_fp8) run on one device; pass mesh=None or the "
+                         "unquantized model")
     mesh = check_mesh(mesh, config)
     if not is_laid_out(model, mesh):
         raise ValueError("model: its parameters are not laid out on the mesh; call "
@@ -97,6 +101,7 @@ def prefill_program(fn, model, input_ids, image_feats, video_feats, position_ids
     if pad:
         input_ids, mask, types = (_right_pad(x, pad, v) for x, v in ((input_ids, 0), (mask, False), (types, 0)))
         position_ids = _right_pad(position_ids, pad, None)
+    fn = getattr(fn, "__wrapped__", fn)  # traced inline: a nested jit may not carry the port's compiler options
     logits, cache, hidden = fn(model, _by_token(input_ids, mesh), image_feats, video_feats,
                                _by_token(position_ids, mesh), _by_token(mask, mesh), _by_token(types, mesh),
                                rope_deltas, attention=attention, max_length=max_length, hidden_layers=hidden_layers,

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import LayerAttention, resolve_attention
+from models.common import PREFILL_XLA_OPTIONS
 from models.causal_lm.config import CausalLMConfig
 from models.kv_cache import KVCache
 from models.rotary import rope_cos_sin
@@ -114,7 +115,8 @@ def init_cache(config: CausalLMConfig, batch: int, max_length: int, dtype, kv_dt
     return KVCache.empty(config.text, batch, max_length, dtype, kv_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("attention", "max_length", "hidden_layers", "mlp_chunk", "kv_dtype"))
+@functools.partial(jax.jit, static_argnames=("attention", "max_length", "hidden_layers", "mlp_chunk", "kv_dtype"),
+                   compiler_options=PREFILL_XLA_OPTIONS)
 def prefill_language_model(model: CausalLM, input_ids, image_feats, video_feats, position_ids, mask, types,
                            rope_deltas, *, attention: LayerAttention, max_length: int, hidden_layers: tuple = (),
                            mlp_chunk: int | None = None, kv_dtype=None):
@@ -155,7 +157,7 @@ def final_logits(model: CausalLM, h: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "start", "hidden_layers", "mlp_chunk"),
-                   donate_argnames=("cache",))
+                   donate_argnames=("cache",), compiler_options=PREFILL_XLA_OPTIONS)
 def prefill_chunk(model: CausalLM, cache: KVCache, embeds, position_ids, mask, types, *, attention: LayerAttention,
                   start: int, hidden_layers: tuple = (), mlp_chunk: int | None = None):
     """Chunked prefill: the prompt tokens ``start .. start + C - 1`` (embeds [B, C, H], position_ids

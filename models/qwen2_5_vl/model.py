@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import LayerAttention, resolve_attention
+from models.common import PREFILL_XLA_OPTIONS
 from models.kv_cache import KVCache
 from models.qwen2_5_vl import vision as vision_lib
 from models.qwen2_5_vl.config import Qwen2_5_VLConfig
@@ -181,7 +182,8 @@ def init_cache(config: Qwen2_5_VLConfig, batch: int, max_length: int, dtype, kv_
     return KVCache.empty(config.text, batch, max_length, dtype, kv_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("attention", "max_length", "hidden_layers", "mlp_chunk", "kv_dtype"))
+@functools.partial(jax.jit, static_argnames=("attention", "max_length", "hidden_layers", "mlp_chunk", "kv_dtype"),
+                   compiler_options=PREFILL_XLA_OPTIONS)
 def prefill_language_model(model: Qwen2_5_VL, input_ids, image_feats, video_feats, position_ids, mask, types,
                            rope_deltas, *, attention: LayerAttention, max_length: int, hidden_layers: tuple = (),
                            mlp_chunk: int | None = None, kv_dtype=None):
@@ -221,7 +223,7 @@ def final_logits(model: Qwen2_5_VL, h: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "start", "hidden_layers", "mlp_chunk"),
-                   donate_argnames=("cache",))
+                   donate_argnames=("cache",), compiler_options=PREFILL_XLA_OPTIONS)
 def prefill_chunk(model: Qwen2_5_VL, cache: KVCache, embeds, position_ids, mask, types, *, attention: LayerAttention,
                   start: int, hidden_layers: tuple = (), mlp_chunk: int | None = None):
     """Chunked prefill: run the decoder over the prompt tokens ``start .. start + C - 1`` (embeds

@@ -13,7 +13,7 @@ partial windows at the frame's edge) tokens stay in the processor's order and ev
 gathers its patches into padded ``[windows, window_patches]`` tiles and scatters them back.
 
 Matmuls. The programs that run the tower are compiled with `XLA_OPTIONS` (cuBLAS, not XLA's Triton GEMM
-fusions).
+fusions). A tower quantized by `models.fp8_linear.quantize_tower` runs its blocks' matmuls as fp8 GEMMs.
 
 Attention. ``attention="cudnn"`` runs both kinds of block through cuDNN flash attention
 (``jax.nn.dot_product_attention``; bf16 / fp16 on a GPU; padded window tiles as sequence lengths);
@@ -34,6 +34,7 @@ from flax import nnx
 
 from models.attention import dense_attention
 from models.common import rms_norm, scaled_normal
+from models.fp8_linear import VISION_FP8_WEIGHTS, fp8_matmul, normed_fp8_matmul
 from models.qwen2_5_vl.config import VisionConfig
 from models.rotary import apply_rotary, vision_cos_sin
 from models.vision_attention import attention_form, tile_attention
@@ -146,13 +147,28 @@ def _full_attention(q, k, v, scale, attention):
 
 def _block(c: VisionConfig, p, x, cos, sin, is_full, windows, attention):
     """x: [F, P, C]; cos/sin: [P, D]; is_full: bool scalar (frame-wide vs window attention)."""
-    h = rms_norm(x, p["norm1"], c.rms_norm_eps)
-    qkv = jnp.einsum("fpc,cind->ifpnd", h, p["wqkv"]) + p["bqkv"][:, None, None]
+    fp8 = "fp8_wqkv" in p  # fp8 GEMMs (`models.fp8_linear.quantize_tower`), the norms folded into them
+    if fp8:
+        qkv = normed_fp8_matmul(x, p["norm1"], c.rms_norm_eps, p["fp8_wqkv"], p["fp8_wqkv_scale"])
+        qkv = jnp.moveaxis(qkv.reshape(x.shape[:2] + p["bqkv"].shape) + p["bqkv"], 2, 0)
+    else:
+        h = rms_norm(x, p["norm1"], c.rms_norm_eps)
+        qkv = jnp.einsum("fpc,cind->ifpnd", h, p["wqkv"]) + p["bqkv"][:, None, None]
     q, k, v = apply_rotary(qkv[0], cos, sin), apply_rotary(qkv[1], cos, sin), qkv[2]
     scale = c.head_dim ** -0.5
     o = jax.lax.cond(is_full, lambda q, k, v: _full_attention(q, k, v, scale, attention),
                      lambda q, k, v: _window_attention(q, k, v, windows, scale, attention), q, k, v)
-    x = x + jnp.einsum("fpnd,ndc->fpc", o, p["wproj"]) + p["bproj"]
+    if fp8:
+        x = x + fp8_matmul(o.reshape(o.shape[:2] + (-1,)), p["fp8_wproj"], p["fp8_wproj_scale"]) + p["bproj"]
+    else:
+        x = x + jnp.einsum("fpnd,ndc->fpc", o, p["wproj"]) + p["bproj"]
+    if fp8:
+        f = c.intermediate_size
+        gu = normed_fp8_matmul(x, p["norm2"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_gate_up_scale"])
+        g, u = gu[..., :f] + p["b_gate"], gu[..., gu.shape[-1] // 2:][..., :f] + p["b_up"]
+        a = jax.nn.silu(g) * u
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, p["fp8_w_down"].shape[1] - f)))
+        return x + fp8_matmul(a, p["fp8_w_down"], p["fp8_w_down_scale"]) + p["b_down"]
     h = rms_norm(x, p["norm2"], c.rms_norm_eps)
     g = jnp.einsum("npc,ci->npi", h, p["w_gate"]) + p["b_gate"]
     u = jnp.einsum("npc,ci->npi", h, p["w_up"]) + p["b_up"]
@@ -209,6 +225,8 @@ def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, f
     cos, sin = vision_cos_sin(jnp.asarray(hpos), jnp.asarray(wpos), c.head_dim, c.rope_theta)
     full = jnp.asarray([i in c.fullatt_block_indexes for i in range(c.depth)])
     blocks = {name: getattr(model, name)[...] for name in BLOCK_PARAMS}
+    if getattr(model, "fp8_wqkv", None) is not None:
+        blocks.update({n: getattr(model, n)[...] for base in VISION_FP8_WEIGHTS for n in (base, base + "_scale")})
     f = frames_per_chunk or max(1, 16384 // n)
     f = min(f, t)
     chunks = -(-t // f)

@@ -9,16 +9,17 @@ import pytest
 from mmjax.drivers.bench import prefill as bench
 
 
-def _args(preset: str, profile: str | None = None) -> types.SimpleNamespace:
+def _args(preset: str, profile: str | None = None, matmul: str = "bf16") -> types.SimpleNamespace:
     return types.SimpleNamespace(model=None, preset=preset, layers=None, mlp_chunk=128, frames_per_chunk=None,
                                  chunk_tokens=None, kv_dtype="bf16", warm_budget_s=600.0, repeats=1, devices=1,
-                                 sequence_parallel=1, breakdown=True, profile=profile)
+                                 sequence_parallel=1, breakdown=True, profile=profile, matmul=matmul)
 
 
-@pytest.mark.parametrize("preset, tokens, visual", [("7b", 256, 256), ("qwen3-30b-a3b", 200, 0)])
-def test_row_runs_and_reports(preset, tokens, visual, tmp_path):
+@pytest.mark.parametrize("preset, tokens, visual, matmul", [("7b", 256, 256, "fp8"), ("qwen3-30b-a3b", 200, 0, "bf16")])
+def test_row_runs_and_reports(preset, tokens, visual, matmul, tmp_path):
     profile = None if visual else str(tmp_path)  # --profile: one more call traced (no GPU kernels on a CPU)
-    row = bench.run_row(_args(preset, profile), tokens, "dense")
+    row = bench.run_row(_args(preset, profile, matmul), tokens, "dense")
+    assert row["matmul"] == matmul
     assert ("profiled_s" in row) == (profile is not None)
     if profile:
         assert row["profiled_s"] > 0 and row["profile"] == {} and list(tmp_path.glob("*/plugins/profile/*/*.json.gz"))

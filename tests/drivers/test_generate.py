@@ -107,6 +107,14 @@ def test_sparse_config_attention(capsys, tmp_path):
     assert _one_json_object(out)["tokens"] == EXPECTED["generated_ids"]
 
 
+def test_fp8_matmuls_run(capsys):
+    """--matmul fp8: the vision tower runs fp8 GEMMs (the 63-token prompt is below the decoder's fp8 threshold)."""
+    rc, out, err = _run(FLAGS + ["--json", "--matmul", "fp8"], capsys)
+    assert rc == 0, err
+    result = _one_json_object(out)
+    assert len(result["tokens"]) == len(EXPECTED["generated_ids"]) and result["ttft_s"] > 0
+
+
 def test_streamed_answer(capsys):
     rc, out, err = _run(FLAGS, capsys)
     assert rc == 0, err

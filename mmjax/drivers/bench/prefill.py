@@ -199,6 +199,11 @@ def load_model(args, mesh=None):
     return model if mesh is None else shard_model(model, mesh)
 
 
+def with_matmul(model, matmul: str):
+    """``model``, or its `mmjax.quantize_fp8` copy for ``matmul == "fp8"``."""
+    return mmjax.quantize_fp8(model) if matmul == "fp8" else model
+
+
 def _compile_seconds(model, inputs, attention, kwargs) -> float:
     """Compile time of the programs a prefill runs (vision tower for a VLM, decoder), ahead of time."""
     run = runner(model)
@@ -246,7 +251,7 @@ def run_row(args, tokens: int, name: str) -> dict:
     """One (length, attention) row in this process."""
     mesh = devices_mesh(args.devices, args.sequence_parallel)
     t0 = time.perf_counter()
-    model = load_model(args, mesh)
+    model = with_matmul(load_model(args, mesh), args.matmul)
     jax.block_until_ready(jax.tree.leaves(model))
     init_s = time.perf_counter() - t0
     text_lm = isinstance(model, CausalLM)
@@ -257,7 +262,7 @@ def run_row(args, tokens: int, name: str) -> dict:
     visual = 0 if text_lm else int(np.isin(inputs["input_ids"], [model.config.video_token_id]).sum())
     row = {"tokens": int(inputs["input_ids"].shape[1]), "visual_tokens": visual,
            "attention": name, "init_s": init_s, **{k: (args.kv_dtype if k == "kv_dtype" else v) for k, v in kwargs.items()},
-           "devices": args.devices, "sequence_parallel": args.sequence_parallel}
+           "devices": args.devices, "sequence_parallel": args.sequence_parallel, "matmul": args.matmul}
     if mesh is not None:
         kwargs["mesh"] = mesh
 
@@ -391,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames-per-chunk", type=positive_int, default=None, help="temporal patches per vision-tower chunk")
     p.add_argument("--chunk-tokens", type=positive_int, default=None, help="chunked prefill (tokens per chunk)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV cache storage")
+    p.add_argument("--matmul", choices=("bf16", "fp8"), default="bf16",
+                   help="decoder projections and MLP: the model's weights, or fp8 GEMMs (mmjax.quantize_fp8)")
     p.add_argument("--devices", type=positive_int, default=1, metavar="N",
                    help="tensor-parallel over N devices (heads split; default %(default)s)")
     p.add_argument("--sequence-parallel", type=positive_int, default=1, metavar="S",
@@ -425,12 +432,14 @@ def main(argv: list[str] | None = None) -> int:
         args.configs = [c if c != "cudnn" else "dense" for c in args.configs]
     if args.devices % args.sequence_parallel:
         p.error(f"--sequence-parallel: expected a divisor of --devices {args.devices}, got {args.sequence_parallel}")
+    if args.matmul == "fp8" and args.devices > 1:
+        p.error("--matmul fp8: the fp8 weights run on one device; expected --devices 1")
     keep = ("model", "layers", "mlp_chunk", "frames_per_chunk", "chunk_tokens", "repeats", "warm_budget_s",
             "compile_cache", "devices", "sequence_parallel", "profile")
     args.passthrough = [x for k in keep if getattr(args, k) is not None
                         for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     args.passthrough += ["--breakdown"] if args.breakdown else []
-    args.passthrough += ["--preset", args.preset, "--kv-dtype", args.kv_dtype]
+    args.passthrough += ["--preset", args.preset, "--kv-dtype", args.kv_dtype, "--matmul", args.matmul]
     rows: list[dict] = []
     args.name = result_name(args.name, args.preset, args.model)
     llava = args.preset.startswith("llava-ov-")

@@ -5,8 +5,8 @@ Random bf16 weights of the 7B model's tower (32 blocks, width 1280, 16 heads of 
 ``--size`` pixels (448: 1,024 patches and 256 merged tokens each). Variants (attention, windows):
 ``xla_gather`` (the tower before 2026-11-25: XLA attention with float32 scores, per-block window gathers, XLA's
 Triton GEMM fusions), ``xla`` (window order once), ``cudnn_gather``, ``cudnn_triton_gemm`` (cuDNN attention,
-window order once, Triton GEMM fusions) and ``cudnn`` (the GPU default: also cuBLAS matmuls, the model's
-``vision.XLA_OPTIONS``). Columns: ms per call, patches
+window order once, Triton GEMM fusions), ``cudnn`` (the GPU default: also cuBLAS matmuls, the model's
+``vision.XLA_OPTIONS``) and ``cudnn_fp8`` (the same with fp8 GEMMs, `models.fp8_linear.quantize_tower`). Columns: ms per call, patches
 per second, TFLOP/s of the matmuls alone (attention FLOPs not counted, so the column is the same yardstick
 for every form), speedup over the first variant, max |diff| against its output. ``--profile DIR`` traces one
 more call per variant and puts its GPU time by kernel kind into the row. JSON to ``--out`` with a bar chart
@@ -29,6 +29,7 @@ from mmjax.drivers.args import ArgumentParser, add_result_args, name_list, posit
 from mmjax.drivers.bench import trace_summary
 from mmjax.drivers.bench.report import print_table, save_figure_beside, write_result
 from mmjax.timing import device_name, time_fn
+from models.fp8_linear import quantize_tower
 from models.qwen2_5_vl.config import VisionConfig, preset
 from models.qwen2_5_vl.vision import XLA_OPTIONS, VisionTower, encode_grid
 
@@ -36,7 +37,9 @@ matplotlib.use("Agg")
 
 # variant -> (attention, windows) of `encode_grid`, XLA options of its program
 VARIANTS = {"xla_gather": ("xla", "gather", {}), "xla": ("xla", "auto", {}), "cudnn_gather": ("cudnn", "gather", {}),
-            "cudnn_triton_gemm": ("cudnn", "auto", {}), "cudnn": ("cudnn", "auto", XLA_OPTIONS)}
+            "cudnn_triton_gemm": ("cudnn", "auto", {}), "cudnn": ("cudnn", "auto", XLA_OPTIONS),
+            "cudnn_fp8": ("cudnn", "auto", XLA_OPTIONS)}
+FP8_VARIANTS = ("cudnn_fp8",)  # the tower quantized by `models.fp8_linear.quantize_tower`
 
 
 def matmul_flops(c: VisionConfig, patches: int) -> float:
@@ -69,11 +72,12 @@ def run(tower: VisionTower, grid: tuple[int, int, int], variants: tuple[str, ...
                "patches": patches, "merged_tokens": patches // c.merge_unit}
         f = jax.jit(lambda tw, px, a=attention, wf=windows: encode_grid(tw, px, grid, attention=a, windows=wf),
                     compiler_options=options or None)
+        tw = quantize_tower(tower) if name in FP8_VARIANTS else tower
         try:
             t0 = time.perf_counter()
-            out = jax.block_until_ready(f(tower, pixels))
+            out = jax.block_until_ready(f(tw, pixels))
             row["first_s"] = time.perf_counter() - t0
-            timing = time_fn(lambda: f(tower, pixels), reps=reps)
+            timing = time_fn(lambda: f(tw, pixels), reps=reps)
         except Exception as e:  # noqa: BLE001 - e.g. cuDNN on a CPU: report and go on
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
@@ -89,7 +93,7 @@ def run(tower: VisionTower, grid: tuple[int, int, int], variants: tuple[str, ...
         if profile:
             log_dir = os.path.join(profile, f"vision_{name}_{t}x{h}x{w}")
             with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-                jax.block_until_ready(f(tower, pixels))
+                jax.block_until_ready(f(tw, pixels))
             summary = trace_summary.summarize_dir(log_dir)
             row["profile"] = summary["devices"]
             print(trace_summary.format_summary(summary), file=sys.stderr, flush=True)

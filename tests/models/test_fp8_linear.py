@@ -1,0 +1,152 @@
+"""fp8 matmuls (`models.fp8_linear`, `mmjax.quantize_fp8`): the GEMM equals the product of the dequantized operands,
+quantization error stays at fp8's level, prefill-sized calls use the fp8 weights and decode steps the bf16 ones, the
+vision tower's padded MLP, and the errors for bad inputs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mmjax
+from mmjax.parallel import make_mesh
+from mmjax.parallel.run import check as check_parallel
+from models.common import rms_norm
+from models.fp8_linear import (FP8, fp8_matmul, is_quantized, normed_fp8_matmul, padded, quantize_rows,
+                               quantize_weight)
+from models.qwen2_5_vl import Qwen2_5_VL
+from models.qwen2_5_vl import model as qwen_vl
+from tests.models.helpers import small_config, video_prompt
+
+
+def _rand(key, shape, dtype=jnp.bfloat16):
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
+
+
+@pytest.mark.parametrize("m, k, n", [(48, 64, 32), (7, 96, 80)])
+def test_fp8_matmul_is_the_product_of_the_dequantized_operands(m, k, n):
+    x, w = _rand(0, (2, m, k)), _rand(1, (1, k, n)) * k ** -0.5
+    wq, ws = quantize_weight(w, 1)
+    assert wq.dtype == FP8 and wq.shape == (1, n, k) and ws.shape == (1, n)
+    y = np.asarray(fp8_matmul(x, wq[0], ws[0]), np.float32)
+    assert y.shape == (2, m, n)
+    xq, xs = quantize_rows(x)
+    deq = lambda q, s: q.astype(jnp.float32) * s
+    want = np.asarray(jnp.einsum("bmk,nk->bmn", deq(xq, xs), deq(wq[0], ws[0][:, None]), precision="highest"))
+    np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())  # bf16 result, rescaled
+    exact = np.asarray(jnp.einsum("bmk,kn->bmn", x.astype(jnp.float32), w[0].astype(jnp.float32)))
+    err = np.linalg.norm(y - exact) / np.linalg.norm(exact)
+    assert 0.005 < err < 0.06  # e4m3 rounding of both operands: about 3.7%, never exact
+
+
+def test_quantize_rows_zero_and_nonfinite_rows():
+    x = jnp.stack([jnp.zeros(16), jnp.arange(16.0) - 3, jnp.full(16, jnp.nan), jnp.full(16, jnp.inf)])
+    q, s = quantize_rows(x)
+    q, s = np.asarray(q, np.float32), np.asarray(s)
+    assert s[0, 0] == 1.0 and (q[0] == 0).all()
+    assert np.abs(q[1]).max() == 448.0 and np.isclose(s[1, 0], 12 / 448)
+    w = quantize_weight(_rand(2, (1, 16, 8)), 1)
+    y = np.asarray(fp8_matmul(x, w[0][0], w[1][0]), np.float32)
+    assert (y[0] == 0).all() and np.isfinite(y[1]).all() and np.isnan(y[2]).all() and np.isnan(y[3]).all()
+
+
+def test_normed_fp8_matmul_folds_the_rms_norm():
+    x = _rand(6, (3, 40, 64)) * 5
+    g = jax.random.uniform(jax.random.key(7), (64,), minval=0.5, maxval=1.5).astype(jnp.bfloat16)
+    wq, ws = quantize_weight(_rand(8, (1, 64, 48)) * 0.125, 1)
+    got = np.asarray(normed_fp8_matmul(x, g, 1e-6, wq[0], ws[0]), np.float32)
+    via_norm = np.asarray(fp8_matmul(rms_norm(x, g, 1e-6), wq[0], ws[0]), np.float32)
+    assert got.shape == (3, 40, 48) and _rel(via_norm, got) < 0.03  # the same up to fp8 / bf16 rounding
+    exact = np.asarray(rms_norm(x.astype(jnp.float32), g.astype(jnp.float32), 1e-6) @ (
+        wq[0].astype(jnp.float32) * ws[0][:, None]).T)
+    assert _rel(exact, got) < 0.06
+    bad = x.at[0, 3, 9].set(jnp.nan).at[1, 5, 0].set(jnp.inf).at[2, 7].set(0)
+    y = np.asarray(normed_fp8_matmul(bad, g, 1e-6, wq[0], ws[0]), np.float32)
+    assert np.isnan(y[0, 3]).all() and np.isnan(y[1, 5]).all() and (y[2, 7] == 0).all()
+    assert np.isfinite(np.delete(y.reshape(-1, 48), [3, 40 + 5], axis=0)).all()
+
+
+def test_fp8_matmul_rejects_mismatched_weights():
+    wq, ws = quantize_weight(_rand(3, (1, 32, 16)), 1)
+    with pytest.raises(ValueError, match=r"w / w_scale: expected \[N, 24\]"):
+        fp8_matmul(_rand(4, (3, 24)), wq[0], ws[0])
+    with pytest.raises(ValueError, match="w / w_scale"):
+        fp8_matmul(_rand(4, (3, 32)), wq[0], ws[0][:5])
+
+
+def test_quantize_weight_pads_with_zeros():
+    wq, ws = quantize_weight(_rand(5, (2, 20, 12)), 1, pad_out=4, pad_in=12)
+    assert wq.shape == (2, 16, 32) and ws.shape == (2, 16) and padded(20) == 32 and padded(32) == 32
+    w = np.asarray(wq, np.float32)
+    assert (w[:, 12:] == 0).all() and (w[:, :, 20:] == 0).all() and (np.asarray(ws)[:, 12:] == 1).all()
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    cfg = small_config()
+    cfg = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, intermediate_size=40))  # not a multiple of 16
+    model = Qwen2_5_VL(cfg, dtype=jnp.bfloat16, key=jax.random.key(7))
+    inputs = video_prompt(cfg, frames=2, rng=np.random.default_rng(0))
+    return cfg, model, inputs
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return np.linalg.norm(a - b) / np.linalg.norm(a)
+
+
+def test_prefill_with_fp8_matmuls_stays_close_and_decode_keeps_bf16(vlm):
+    _, model, inputs = vlm
+    fp8 = mmjax.quantize_fp8(model, min_rows=1)
+    assert is_quantized(fp8.language_model) and not is_quantized(model.language_model)
+    assert fp8.language_model.wq[...] is model.language_model.wq[...]  # shared, not copied
+    a, b = mmjax.prefill(model, inputs), mmjax.prefill(fp8, inputs)
+    assert 1e-3 < _rel(a.logits, b.logits) < 0.1
+    assert 1e-3 < _rel(a.cache.k, b.cache.k) < 0.1
+    # a decode step (1 token, below the default min_rows) reads the bf16 weights: the same logits from the same cache
+    default = mmjax.quantize_fp8(model)
+    la, _ = mmjax.decode_step(model, mmjax.prefill(model, inputs).cache, jnp.asarray([5]))  # the cache is donated
+    lb, _ = mmjax.decode_step(default, a.cache, jnp.asarray([5]))
+    np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+
+
+def test_prefill_below_min_rows_uses_the_model_weights_in_the_decoder(vlm):
+    _, model, inputs = vlm
+    big = mmjax.quantize_fp8(model, min_rows=4096)
+    a = mmjax.prefill(model, inputs)
+    b = mmjax.prefill(big, inputs)  # the tower still runs fp8, so the logits move slightly ...
+    c = mmjax.prefill(mmjax.quantize_fp8(model, min_rows=1), inputs)
+    assert _rel(a.logits, b.logits) < _rel(a.logits, c.logits)  # ... less than with the decoder in fp8 as well
+
+
+def test_vision_tower_fp8_with_padded_mlp(vlm):
+    cfg, model, inputs = vlm
+    fp8 = mmjax.quantize_fp8(model)
+    assert fp8.visual.fp8_w_gate_up[...].shape == (cfg.vision.depth, 2 * 48, cfg.vision.hidden_size)  # 40 -> 48
+    assert fp8.visual.fp8_w_down[...].shape == (cfg.vision.depth, cfg.vision.hidden_size, 48)
+    p = qwen_vl.prepare_inputs(cfg, **inputs)
+    _, a = qwen_vl.visual_inputs(model, p, None)
+    _, b = qwen_vl.visual_inputs(fp8, p, None)
+    assert a.shape == b.shape and 1e-4 < _rel(a, b) < 0.1
+
+
+def test_fp8_program_holds_fp8_dots(vlm):
+    cfg, model, inputs = vlm
+    fp8 = mmjax.quantize_fp8(model, min_rows=1)
+    p = qwen_vl.prepare_inputs(cfg, **inputs)
+    img, vid = qwen_vl.visual_inputs(fp8, p, None)
+    text = qwen_vl.prefill_language_model.lower(
+        fp8, p.input_ids, img, vid, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas,
+        attention=mmjax.inference.resolve_attention("dense"), max_length=p.input_ids.shape[1] + 4).as_text()
+    assert text.count("xf8E4M3FN>, tensor<") >= 4  # qkv, output, gate-up, down: dots of two fp8 operands
+
+
+def test_quantize_fp8_errors(vlm):
+    _, model, _ = vlm
+    with pytest.raises(ValueError, match="model: expected"):
+        mmjax.quantize_fp8(object())
+    with pytest.raises(ValueError, match="min_rows: expected an int >= 1"):
+        mmjax.quantize_fp8(model, min_rows=0)
+    with pytest.raises(ValueError, match="fp8 weights"):
+        check_parallel(mmjax.quantize_fp8(model), make_mesh(tp=1))
