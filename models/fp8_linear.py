@@ -76,13 +76,16 @@ def fp8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
     return (y.astype(jnp.float32) * xs * w_scale[None, :]).astype(x.dtype).reshape(*lead, w.shape[0])
 
 
-def normed_fp8_matmul(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+def normed_fp8_matmul(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Array, w_scale: jax.Array,
+                      splits: tuple[int, ...] = ()):
     """``fp8_matmul(rms_norm(x, norm_weight, eps), w, w_scale)`` without the normed activations ever being written:
     with ``h = x * r * g`` (``r = rsqrt(mean(x^2) + eps)`` per row, ``g`` the norm's weight) the quantized values
     ``h / (max|h| / 448) = x * g * 448 / max|x * g|`` do not depend on r, which enters the row scale
     ``r * max|x * g| / 448`` only; both row reductions read x alone, so XLA fuses them into one pass (then one pass
     converts). x [..., K], norm_weight [K] -> [..., N] in x's dtype. The norm runs in float32 (`models.common.rms_norm`
-    rounds the normed row to x's dtype before the weight)."""
+    rounds the normed row to x's dtype before the weight). ``splits``: column offsets at which the result is returned
+    as a tuple of parts, each scaled on its own, so each part's scaling fuses into its consumer instead of the
+    whole product being scaled and written once more (the vision tower's q / k / v)."""
     lead, k = x.shape[:-1], x.shape[-1]
     _check_weight(k, w, w_scale)
     xf = x.reshape(-1, k).astype(jnp.float32)
@@ -93,7 +96,13 @@ def normed_fp8_matmul(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.A
     xq = (xg * jnp.where(ok, FP8_MAX / amax, 1.0)).astype(FP8)
     scale = jnp.where(ok, r * amax / FP8_MAX, 1.0) + jnp.where(jnp.isfinite(amax), 0.0, jnp.nan)
     y = fp8_gemm(xq, w)
-    return (y.astype(jnp.float32) * scale * w_scale[None, :]).astype(x.dtype).reshape(*lead, w.shape[0])
+
+    def part(a: int, b: int) -> jax.Array:
+        return (y[:, a:b].astype(jnp.float32) * scale * w_scale[None, a:b]).astype(x.dtype).reshape(*lead, b - a)
+    if not splits:
+        return part(0, w.shape[0])
+    bounds = (0, *splits, w.shape[0])
+    return tuple(part(a, b) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 def quantize_decoder(decoder, min_rows: int = FP8_MIN_ROWS):

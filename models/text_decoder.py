@@ -218,8 +218,8 @@ def _qkv(c: TextConfig, p, x, cos, sin, chunk):
 def _fp8_mlp(c: TextConfig, p, x):
     """The dense MLP with fp8 GEMMs (`models.fp8_linear`), the post-attention norm folded into the first one:
     x [B, C, H] (not normed) -> [B, C, H]."""
-    gu = normed_fp8_matmul(x, p["post_norm"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_gate_up_scale"])
-    g, u = jnp.split(gu, 2, axis=-1)
+    g, u = normed_fp8_matmul(x, p["post_norm"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_gate_up_scale"],
+                             splits=(c.intermediate_size,))
     return fp8_matmul(jax.nn.silu(g) * u, p["fp8_w_down"], p["fp8_w_down_scale"])
 
 

@@ -22,8 +22,8 @@ import numpy as np
 from flax import nnx
 
 from models.attention import LayerAttention, resolve_attention
-from models.common import PREFILL_XLA_OPTIONS
 from models.causal_lm.config import CausalLMConfig
+from models.common import PREFILL_XLA_OPTIONS
 from models.kv_cache import KVCache
 from models.rotary import rope_cos_sin
 from models.text_decoder import (LayerInputs, TextDecoder, check_token_inputs, decode_token, embed_tokens,

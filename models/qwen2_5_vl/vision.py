@@ -149,8 +149,10 @@ def _block(c: VisionConfig, p, x, cos, sin, is_full, windows, attention):
     """x: [F, P, C]; cos/sin: [P, D]; is_full: bool scalar (frame-wide vs window attention)."""
     fp8 = "fp8_wqkv" in p  # fp8 GEMMs (`models.fp8_linear.quantize_tower`), the norms folded into them
     if fp8:
-        qkv = normed_fp8_matmul(x, p["norm1"], c.rms_norm_eps, p["fp8_wqkv"], p["fp8_wqkv_scale"])
-        qkv = jnp.moveaxis(qkv.reshape(x.shape[:2] + p["bqkv"].shape) + p["bqkv"], 2, 0)
+        inner = c.num_heads * c.head_dim
+        parts = normed_fp8_matmul(x, p["norm1"], c.rms_norm_eps, p["fp8_wqkv"], p["fp8_wqkv_scale"],
+                                  splits=(inner, 2 * inner))
+        qkv = [a.reshape(x.shape[:2] + (c.num_heads, c.head_dim)) + b for a, b in zip(parts, p["bqkv"])]
     else:
         h = rms_norm(x, p["norm1"], c.rms_norm_eps)
         qkv = jnp.einsum("fpc,cind->ifpnd", h, p["wqkv"]) + p["bqkv"][:, None, None]
@@ -163,11 +165,11 @@ def _block(c: VisionConfig, p, x, cos, sin, is_full, windows, attention):
     else:
         x = x + jnp.einsum("fpnd,ndc->fpc", o, p["wproj"]) + p["bproj"]
     if fp8:
-        f = c.intermediate_size
-        gu = normed_fp8_matmul(x, p["norm2"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_gate_up_scale"])
-        g, u = gu[..., :f] + p["b_gate"], gu[..., gu.shape[-1] // 2:][..., :f] + p["b_up"]
-        a = jax.nn.silu(g) * u
-        a = jnp.pad(a, ((0, 0), (0, 0), (0, p["fp8_w_down"].shape[1] - f)))
+        f, fp = c.intermediate_size, p["fp8_w_down"].shape[1]
+        g, u = normed_fp8_matmul(x, p["norm2"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_gate_up_scale"],
+                                 splits=(fp,))
+        a = jax.nn.silu(g[..., :f] + p["b_gate"]) * (u[..., :f] + p["b_up"])
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, fp - f)))
         return x + fp8_matmul(a, p["fp8_w_down"], p["fp8_w_down_scale"]) + p["b_down"]
     h = rms_norm(x, p["norm2"], c.rms_norm_eps)
     g = jnp.einsum("npc,ci->npi", h, p["w_gate"]) + p["b_gate"]

@@ -13,8 +13,7 @@ import mmjax
 from mmjax.parallel import make_mesh
 from mmjax.parallel.run import check as check_parallel
 from models.common import rms_norm
-from models.fp8_linear import (FP8, fp8_matmul, is_quantized, normed_fp8_matmul, padded, quantize_rows,
-                               quantize_weight)
+from models.fp8_linear import FP8, fp8_matmul, is_quantized, normed_fp8_matmul, padded, quantize_rows, quantize_weight
 from models.qwen2_5_vl import Qwen2_5_VL
 from models.qwen2_5_vl import model as qwen_vl
 from tests.models.helpers import small_config, video_prompt
@@ -61,6 +60,9 @@ def test_normed_fp8_matmul_folds_the_rms_norm():
     exact = np.asarray(rms_norm(x.astype(jnp.float32), g.astype(jnp.float32), 1e-6) @ (
         wq[0].astype(jnp.float32) * ws[0][:, None]).T)
     assert _rel(exact, got) < 0.06
+    parts = normed_fp8_matmul(x, g, 1e-6, wq[0], ws[0], splits=(16, 40))
+    assert [a.shape for a in parts] == [(3, 40, 16), (3, 40, 24), (3, 40, 8)]
+    np.testing.assert_array_equal(np.concatenate([np.asarray(a, np.float32) for a in parts], axis=-1), got)
     bad = x.at[0, 3, 9].set(jnp.nan).at[1, 5, 0].set(jnp.inf).at[2, 7].set(0)
     y = np.asarray(normed_fp8_matmul(bad, g, 1e-6, wq[0], ws[0]), np.float32)
     assert np.isnan(y[0, 3]).all() and np.isnan(y[1, 5]).all() and (y[2, 7] == 0).all()
