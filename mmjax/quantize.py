@@ -17,7 +17,7 @@ def quantize_fp8(model, *, min_rows: int = FP8_MIN_ROWS):
     experts keep the model's weights. Qwen2.5-VL's vision tower runs its blocks' matmuls in fp8 too (LLaVA-OneVision's
     SigLIP tower keeps its weights). The bf16 arrays are shared with ``model``, not copied; the fp8 copies add half
     the bytes of the weights they copy (6.5 GB for the 7B decoder, 0.3 GB for its tower). One device only (no
-    ``mesh``)."""
+    ``mesh``). Quantize after loading: checkpoints (`mmjax.load`, the ports' ``save``) hold the unquantized model."""
     check_model(model)
     graph, state = nnx.split(model)
     new = nnx.merge(graph, state)

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 import mmjax
+from mmjax.drivers.bench.prefill import text_inputs, tiny_text_config
 from mmjax.parallel import make_mesh
 from mmjax.parallel.run import check as check_parallel
+from models.causal_lm import CausalLM
 from models.common import rms_norm
 from models.fp8_linear import FP8, fp8_matmul, is_quantized, normed_fp8_matmul, padded, quantize_rows, quantize_weight
 from models.qwen2_5_vl import Qwen2_5_VL
@@ -152,3 +154,28 @@ def test_quantize_fp8_errors(vlm):
         mmjax.quantize_fp8(model, min_rows=0)
     with pytest.raises(ValueError, match="fp8 weights"):
         check_parallel(mmjax.quantize_fp8(model), make_mesh(tp=1))
+
+
+def test_chunked_fp8_prefill_equals_one_shot(vlm):
+    """Activations are quantized per token, so a prompt prefilled in chunks meets the same fp8 products."""
+    _, model, inputs = vlm
+    fp8 = mmjax.quantize_fp8(model, min_rows=1)
+    one = mmjax.prefill(fp8, inputs)
+    chunked = mmjax.prefill(fp8, inputs, chunk_tokens=10)
+    np.testing.assert_allclose(np.asarray(chunked.logits, np.float32), np.asarray(one.logits, np.float32),
+                               rtol=0.02, atol=0.02 * np.abs(np.asarray(one.logits, np.float32)).max())
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_text_lm_fp8(moe):
+    """Qwen3 dense / MoE: the projections get fp8 copies; a MoE's experts keep their weights (no dense-MLP copies)."""
+    cfg = tiny_text_config(moe)
+    model = CausalLM(cfg, dtype=jnp.bfloat16, key=jax.random.key(3))
+    fp8 = mmjax.quantize_fp8(model, min_rows=1)
+    dec = fp8.language_model
+    assert dec.fp8_wqkv[...].shape == (cfg.text.num_hidden_layers, (4 + 2 * 2) * cfg.text.head_dim,
+                                       cfg.text.hidden_size)
+    assert (getattr(dec, "fp8_w_gate_up", None) is None) == moe
+    inputs = text_inputs(cfg, 40)
+    a, b = mmjax.prefill(model, inputs), mmjax.prefill(fp8, inputs)
+    assert 1e-3 < _rel(a.logits, b.logits) < 0.1
