@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.kv_cache import FP8_MAX
+
 FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # name of the fp8 weight -> the bf16 layer weights it holds, concatenated along the output axis
 FP8_WEIGHTS = {"fp8_wqkv": ("wq", "wk", "wv"), "fp8_wo": ("wo",), "fp8_w_gate_up": ("w_gate", "w_up"),
                "fp8_w_down": ("w_down",)}
@@ -33,7 +34,8 @@ FP8_MIN_ROWS = 1024
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., K] -> (float8_e4m3fn [..., K], float32 scale [..., 1]) with ``x ~ q * scale`` (scale 1 for an all-zero
-    row). A NaN or inf in a row makes its scale non-finite, so the row's products are NaN, never silently finite."""
+    row). A NaN in a row stays NaN in q and an inf makes the scale inf, so the row's products are NaN, never silently
+    finite."""
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32)
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
     return (x.astype(jnp.float32) / scale).astype(FP8), scale
@@ -66,14 +68,26 @@ def fp8_gemm(xq: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
 
 
+def _scaled(y: jax.Array, row_scale: jax.Array, w_scale: jax.Array, dtype, lead: tuple[int, ...],
+            splits: tuple[int, ...]):
+    """The GEMM result y [M, N] times its row [M, 1] and column [N] scales, in ``dtype``, shaped [*lead, n]: whole,
+    or as the parts between the column offsets ``splits``, each scaled on its own (so each part's scaling fuses into
+    its consumer instead of the whole product being scaled and written once more)."""
+    def part(a: int, b: int) -> jax.Array:
+        return (y[:, a:b].astype(jnp.float32) * row_scale * w_scale[None, a:b]).astype(dtype).reshape(*lead, b - a)
+    if not splits:
+        return part(0, y.shape[1])
+    bounds = (0, *splits, y.shape[1])
+    return tuple(part(a, b) for a, b in zip(bounds[:-1], bounds[1:]))
+
+
 def fp8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
     """x [..., K] (bf16 / fp16 / fp32) times a quantized weight w float8 [N, K] with scales float32 [N] ->
     [..., N] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     _check_weight(k, w, w_scale)
     xq, xs = quantize_rows(x.reshape(-1, k))
-    y = fp8_gemm(xq, w)
-    return (y.astype(jnp.float32) * xs * w_scale[None, :]).astype(x.dtype).reshape(*lead, w.shape[0])
+    return _scaled(fp8_gemm(xq, w), xs, w_scale, x.dtype, lead, ())
 
 
 def normed_fp8_matmul(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Array, w_scale: jax.Array,
@@ -84,8 +98,7 @@ def normed_fp8_matmul(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.A
     ``r * max|x * g| / 448`` only; both row reductions read x alone, so XLA fuses them into one pass (then one pass
     converts). x [..., K], norm_weight [K] -> [..., N] in x's dtype. The norm runs in float32 (`models.common.rms_norm`
     rounds the normed row to x's dtype before the weight). ``splits``: column offsets at which the result is returned
-    as a tuple of parts, each scaled on its own, so each part's scaling fuses into its consumer instead of the
-    whole product being scaled and written once more (the vision tower's q / k / v)."""
+    as a tuple of parts, each scaled on its own (`_scaled`; q / k / v, gate / up)."""
     lead, k = x.shape[:-1], x.shape[-1]
     _check_weight(k, w, w_scale)
     xf = x.reshape(-1, k).astype(jnp.float32)
@@ -95,14 +108,18 @@ def normed_fp8_matmul(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.A
     ok = amax > 0
     xq = (xg * jnp.where(ok, FP8_MAX / amax, 1.0)).astype(FP8)
     scale = jnp.where(ok, r * amax / FP8_MAX, 1.0) + jnp.where(jnp.isfinite(amax), 0.0, jnp.nan)
-    y = fp8_gemm(xq, w)
+    return _scaled(fp8_gemm(xq, w), scale, w_scale, x.dtype, lead, splits)
 
-    def part(a: int, b: int) -> jax.Array:
-        return (y[:, a:b].astype(jnp.float32) * scale * w_scale[None, a:b]).astype(x.dtype).reshape(*lead, b - a)
-    if not splits:
-        return part(0, w.shape[0])
-    bounds = (0, *splits, w.shape[0])
-    return tuple(part(a, b) for a, b in zip(bounds[:-1], bounds[1:]))
+
+def _with_fp8_copies(module, copies: dict[str, list[tuple[jax.Array, jax.Array]]]):
+    """A copy of the NNX ``module`` (arrays shared) with, per name, the (float8, scale) pieces of ``copies``
+    concatenated along the output axis as Params ``name`` and ``name + "_scale"``."""
+    graph, state = nnx.split(module)
+    new = nnx.merge(graph, state)
+    for name, pieces in copies.items():
+        setattr(new, name, nnx.Param(jnp.concatenate([q for q, _ in pieces], axis=1)))
+        setattr(new, name + "_scale", nnx.Param(jnp.concatenate([sc for _, sc in pieces], axis=1)))
+    return new
 
 
 def quantize_decoder(decoder, min_rows: int = FP8_MIN_ROWS):
@@ -114,16 +131,10 @@ def quantize_decoder(decoder, min_rows: int = FP8_MIN_ROWS):
         raise ValueError(f"decoder: expected a models.text_decoder.TextDecoder, got {type(decoder).__name__}")
     if not isinstance(min_rows, int) or isinstance(min_rows, bool) or min_rows < 1:
         raise ValueError(f"min_rows: expected an int >= 1; received {min_rows!r}")
-    graph, state = nnx.split(decoder)
-    new = nnx.merge(graph, state)
     p = decoder.stacked()
-    for name, parts in FP8_WEIGHTS.items():
-        if any(part not in p for part in parts):
-            continue  # MoE: no dense MLP
-        in_dims = 2 if parts == ("wo",) else 1
-        qs, scales = zip(*(quantize_weight(p[part], in_dims) for part in parts))
-        setattr(new, name, nnx.Param(jnp.concatenate(qs, axis=1)))
-        setattr(new, name + "_scale", nnx.Param(jnp.concatenate(scales, axis=1)))
+    new = _with_fp8_copies(decoder, {
+        name: [quantize_weight(p[part], 2 if parts == ("wo",) else 1) for part in parts]
+        for name, parts in FP8_WEIGHTS.items() if all(part in p for part in parts)})  # MoE: no dense MLP
     new.fp8_min_rows = min_rows
     return new
 
@@ -132,18 +143,13 @@ def quantize_tower(tower):
     """A copy of a Qwen2.5-VL `models.qwen2_5_vl.vision.VisionTower` (bf16 arrays shared) holding fp8 copies of its
     blocks' qkv, output, gate / up and down weights (`VISION_FP8_WEIGHTS`; the MLP width padded to a multiple of 16
     with zero rows and columns), which `models.qwen2_5_vl.vision.encode_grid` uses for every patch."""
-    graph, state = nnx.split(tower)
-    new = nnx.merge(graph, state)
     f = tower.config.intermediate_size
     fp = padded(f) - f
-    parts = {"fp8_wqkv": [quantize_weight(tower.wqkv[...], 1)], "fp8_wproj": [quantize_weight(tower.wproj[...], 2)],
-             "fp8_w_gate_up": [quantize_weight(tower.w_gate[...], 1, pad_out=fp),
-                               quantize_weight(tower.w_up[...], 1, pad_out=fp)],
-             "fp8_w_down": [quantize_weight(tower.w_down[...], 1, pad_in=fp)]}
-    for name, qs in parts.items():
-        setattr(new, name, nnx.Param(jnp.concatenate([q for q, _ in qs], axis=1)))
-        setattr(new, name + "_scale", nnx.Param(jnp.concatenate([sc for _, sc in qs], axis=1)))
-    return new
+    return _with_fp8_copies(tower, {
+        "fp8_wqkv": [quantize_weight(tower.wqkv[...], 1)], "fp8_wproj": [quantize_weight(tower.wproj[...], 2)],
+        "fp8_w_gate_up": [quantize_weight(tower.w_gate[...], 1, pad_out=fp),
+                          quantize_weight(tower.w_up[...], 1, pad_out=fp)],
+        "fp8_w_down": [quantize_weight(tower.w_down[...], 1, pad_in=fp)]})
 
 
 VISION_FP8_WEIGHTS = ("fp8_wqkv", "fp8_wproj", "fp8_w_gate_up", "fp8_w_down")
