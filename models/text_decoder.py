@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.attention import LayerAttention
 from models.common import context_axis_size, map_chunks, rms_norm, scaled_normal, token_split
-from models.fp8_linear import FP8_WEIGHTS, fp8_matmul, normed_fp8_matmul
+from models.fp8_linear import FP8_WEIGHTS, fp8_matmul, fp8_swiglu_mlp, normed_fp8_matmul
 from models.kv_cache import KVCache, read_kv, write_kv
 from models.moe import local_experts_mlp, moe_mlp
 from models.rotary import apply_rotary
@@ -216,11 +216,10 @@ def _qkv(c: TextConfig, p, x, cos, sin, chunk):
 
 
 def _fp8_mlp(c: TextConfig, p, x):
-    """The dense MLP with fp8 GEMMs (`models.fp8_linear`), the post-attention norm folded into the first one:
-    x [B, C, H] (not normed) -> [B, C, H]."""
-    g, u = normed_fp8_matmul(x, p["post_norm"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_gate_up_scale"],
-                             splits=(c.intermediate_size,))
-    return fp8_matmul(jax.nn.silu(g) * u, p["fp8_w_down"], p["fp8_w_down_scale"])
+    """The dense MLP with fp8 GEMMs (`models.fp8_linear.fp8_swiglu_mlp`), the post-attention norm folded into the
+    first one: x [B, C, H] (not normed) -> [B, C, H]."""
+    return fp8_swiglu_mlp(x, p["post_norm"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_down"], p["fp8_w_down_scale"],
+                          gate_scale=p["fp8_w_gate_up_scale"])
 
 
 def _mlp(c: TextConfig, p, h):

@@ -34,7 +34,7 @@ from flax import nnx
 
 from models.attention import dense_attention
 from models.common import rms_norm, scaled_normal
-from models.fp8_linear import VISION_FP8_WEIGHTS, fp8_matmul, normed_fp8_matmul
+from models.fp8_linear import VISION_FP8_WEIGHTS, fp8_matmul, fp8_swiglu_mlp, normed_fp8_matmul
 from models.qwen2_5_vl.config import VisionConfig
 from models.rotary import apply_rotary, vision_cos_sin
 from models.vision_attention import attention_form, tile_attention
@@ -164,13 +164,11 @@ def _block(c: VisionConfig, p, x, cos, sin, is_full, windows, attention):
         x = x + fp8_matmul(o.reshape(o.shape[:2] + (-1,)), p["fp8_wproj"], p["fp8_wproj_scale"]) + p["bproj"]
     else:
         x = x + jnp.einsum("fpnd,ndc->fpc", o, p["wproj"]) + p["bproj"]
-    if fp8:
-        f, fp = c.intermediate_size, p["fp8_w_down"].shape[1]
-        g, u = normed_fp8_matmul(x, p["norm2"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_gate_up_scale"],
-                                 splits=(fp,))
-        a = jax.nn.silu(g[..., :f] + p["b_gate"]) * (u[..., :f] + p["b_up"])
-        a = jnp.pad(a, ((0, 0), (0, 0), (0, fp - f)))
-        return x + fp8_matmul(a, p["fp8_w_down"], p["fp8_w_down_scale"]) + p["b_down"]
+    if fp8:  # the MLP width padded to fp (zero weights and biases: those channels stay 0)
+        pad = (0, p["fp8_w_down"].shape[1] - c.intermediate_size)
+        bias = jnp.concatenate([jnp.pad(p["b_gate"], pad), jnp.pad(p["b_up"], pad)])
+        return x + fp8_swiglu_mlp(x, p["norm2"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_down"],
+                                  p["fp8_w_down_scale"], col_scale=p["fp8_w_gate_up_scale"], col_bias=bias) + p["b_down"]
     h = rms_norm(x, p["norm2"], c.rms_norm_eps)
     g = jnp.einsum("npc,ci->npi", h, p["w_gate"]) + p["b_gate"]
     u = jnp.einsum("npc,ci->npi", h, p["w_up"]) + p["b_up"]

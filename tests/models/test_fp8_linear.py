@@ -15,7 +15,17 @@ from mmjax.parallel import make_mesh
 from mmjax.parallel.run import check as check_parallel
 from models.causal_lm import CausalLM
 from models.common import rms_norm
-from models.fp8_linear import FP8, fp8_matmul, is_quantized, normed_fp8_matmul, padded, quantize_rows, quantize_weight
+from models.fp8_linear import (
+    FP8,
+    _quantize_swiglu_mlp,
+    fp8_matmul,
+    fp8_swiglu_mlp,
+    is_quantized,
+    normed_fp8_matmul,
+    padded,
+    quantize_rows,
+    quantize_weight,
+)
 from models.qwen2_5_vl import Qwen2_5_VL
 from models.qwen2_5_vl import model as qwen_vl
 from tests.models.helpers import small_config, video_prompt
@@ -77,6 +87,42 @@ def test_fp8_matmul_rejects_mismatched_weights():
         fp8_matmul(_rand(4, (3, 24)), wq[0], ws[0])
     with pytest.raises(ValueError, match="w / w_scale"):
         fp8_matmul(_rand(4, (3, 32)), wq[0], ws[0][:5])
+
+
+def test_quantize_weight_per_tensor():
+    w = _rand(9, (2, 24, 16)) * jnp.linspace(0.1, 2.0, 16)  # columns of very different sizes
+    wq, ws = quantize_weight(w, 1, per_tensor=True)
+    assert wq.shape == (2, 16, 24) and ws.shape == (2, 16)
+    for layer in range(2):
+        np.testing.assert_allclose(np.asarray(ws[layer]), np.abs(np.asarray(w[layer], np.float32)).max() / 448)
+        assert np.abs(np.asarray(wq[layer], np.float32)).max() == 448.0
+    deq = np.asarray(wq, np.float32) * np.asarray(ws)[:, :, None]
+    assert _rel(np.swapaxes(np.asarray(w, np.float32), 1, 2), deq) < 0.05
+
+
+def test_fp8_swiglu_mlp_matches_the_mlp():
+    """Gate per tensor, up's per-channel scales folded into down: the same MLP up to fp8 rounding."""
+    n_layers, h, f = 2, 64, 48
+    p = {"w_gate": _rand(10, (n_layers, h, f)) * h ** -0.5,
+         "w_up": _rand(11, (n_layers, h, f)) * h ** -0.5 * jnp.linspace(0.2, 3.0, f),
+         "w_down": _rand(12, (n_layers, f, h)) * f ** -0.5}
+    copies = _quantize_swiglu_mlp(p)
+    [(wgu, sg)], [(wd, sd)] = copies["fp8_w_gate_up"], copies["fp8_w_down"]
+    assert wgu.shape == (n_layers, 2 * f, h) and sg.shape == (n_layers, 1) and wd.shape == (n_layers, h, f)
+    x = _rand(13, (2, 9, h)) * 3
+    g = jax.random.uniform(jax.random.key(14), (h,), minval=0.5, maxval=1.5)
+    for layer in range(n_layers):
+        got = np.asarray(fp8_swiglu_mlp(x, g, 1e-6, wgu[layer], wd[layer], sd[layer], gate_scale=sg[layer]), np.float32)
+        hn = rms_norm(x.astype(jnp.float32), g, 1e-6)
+        w = {k: v[layer].astype(jnp.float32) for k, v in p.items()}
+        want = np.asarray((jax.nn.silu(hn @ w["w_gate"]) * (hn @ w["w_up"])) @ w["w_down"])
+        assert got.shape == want.shape and 0.005 < _rel(want, got) < 0.08
+    with pytest.raises(ValueError, match="w_gate_up / w_down / w_down_scale / gate_scale / col_scale / col_bias"):
+        fp8_swiglu_mlp(x, g, 1e-6, wgu[0], wd[0][:, :40], sd[0], gate_scale=sg[0])
+    with pytest.raises(ValueError, match="w_gate_up / w_down"):
+        fp8_swiglu_mlp(x, g, 1e-6, wgu[0], wd[0], sd[0], gate_scale=sg)
+    with pytest.raises(ValueError, match="w_gate_up / w_down"):
+        fp8_swiglu_mlp(x, g, 1e-6, wgu[0], wd[0], sd[0], col_bias=jnp.zeros(f))
 
 
 def test_quantize_weight_pads_with_zeros():

@@ -1,0 +1,122 @@
+"""The fp8 MLP's SwiGLU + per-row quantization: XLA's fusions against the one-pass Pallas Triton kernel
+(`pallas_kernels.swiglu_quantize`), at the 7B decoder's and its vision tower's MLP shapes.
+
+For y ``[M, 2F]`` (the unscaled bf16 result of the fused gate / up fp8 GEMM) it times:
+
+* ``xla_colscale``: what `models.fp8_linear` ran before the kernel: gate and up scaled per row and per column as
+  separate bf16 parts, ``silu(g) * u`` in bf16, then the row maximum and the float8 conversion;
+* ``xla``: the same with per-row scales only (what the kernel computes), as XLA fuses it;
+* ``floor``: ``(y[:, :F] * y[:, F:])`` converted to float8: reads y once and writes ``[M, F]`` float8, the traffic
+  the fused operation cannot go below;
+* ``triton rows=R warps=W [exact]``: the kernel with each tiling (``exact``: the sigmoid as an exponential and a
+  division instead of ``tanh.approx``);
+* ``triton default cols``: with a per-column scale and bias (bfloat16), as the vision tower's MLP runs it.
+
+(Earlier rows labelled ``... cols`` in bench/results/swiglu-quantize_NVIDIA-H200_2026-11-26.jsonl measured the
+column vectors in float32.)
+
+Each timed sample queues ``--calls`` calls before waiting for the last (JAX dispatches asynchronously), so the
+launch and synchronisation cost is spread over them; the time per call is the median sample over ``--calls``. Each row records
+it, the GB/s of the ideal traffic (y read once, q and scales written once) and the largest difference of the
+dequantized result from the float32 reference relative to the row maximum. One JSON line per (shape, form).
+
+  PYTHONPATH=.:tools python3 tools/swiglu_quantize_bench.py --out bench/results/swiglu-quantize_DEVICE_DATE.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+from gpu_timing import median_ms
+from jsonl_log import append_jsonl
+
+from pallas_kernels.swiglu_quantize import swiglu_quantize, swiglu_quantize_reference
+
+FP8 = jnp.float8_e4m3fn
+SHAPES = {"decoder": (16384, 18944), "tower": (16384, 3424)}
+TILINGS = {"decoder": ((1, 8), (1, 16), (2, 16), (2, 32)),
+           "tower": ((1, 4), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8))}
+
+
+def xla_colscale(y, gs, us, cs):
+    """The pre-kernel form (models.fp8_linear._scaled with splits, then quantize_rows)."""
+    f = y.shape[1] // 2
+    g = (y[:, :f].astype(jnp.float32) * gs * cs[None, :f]).astype(y.dtype)
+    u = (y[:, f:].astype(jnp.float32) * us * cs[None, f:]).astype(y.dtype)
+    return _quantize(jax.nn.silu(g) * u)
+
+
+def xla_rowscale(y, gs, us, cs):
+    f = y.shape[1] // 2
+    g = (y[:, :f].astype(jnp.float32) * gs).astype(y.dtype)
+    u = (y[:, f:].astype(jnp.float32) * us).astype(y.dtype)
+    return _quantize(jax.nn.silu(g) * u)
+
+
+def _quantize(h):
+    amax = jnp.max(jnp.abs(h), axis=-1, keepdims=True).astype(jnp.float32)
+    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+    return (h.astype(jnp.float32) / scale).astype(FP8), scale
+
+
+def floor_form(y, gs, us, cs):
+    f = y.shape[1] // 2
+    return (y[:, :f] * y[:, f:]).astype(FP8), gs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON-lines file to append to")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--calls", type=int, default=20, help="calls queued per timed sample")
+    p.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES))
+    args = p.parse_args(argv)
+    dev = jax.devices()[0].device_kind
+    for name in args.shapes:
+        m, f = SHAPES[name]
+        k = jax.random.split(jax.random.key(0), 4)
+        y = (jax.random.normal(k[0], (m, 2 * f), jnp.float32) * 40).astype(jnp.bfloat16)
+        gs = jax.random.uniform(k[1], (m, 1), jnp.float32, 0.01, 0.05)
+        us = jax.random.uniform(k[2], (m, 1), jnp.float32, 0.01, 0.05)
+        cs = jax.random.uniform(k[3], (2 * f,), jnp.float32, 0.5, 1.5)
+        ideal_bytes = m * 2 * f * 2 + m * f + m * 4
+        refs = {}
+        for cols in (False, True):
+            ref_q, ref_s = jax.jit(swiglu_quantize_reference)(y, gs, us, *((cs, cs) if cols else ()))
+            ref = ref_q.astype(jnp.float32) * ref_s
+            refs[cols] = ref, jnp.max(jnp.abs(ref), axis=1, keepdims=True)
+        forms = {"xla_colscale": xla_colscale, "xla": xla_rowscale, "floor": floor_form}
+        for rows, warps in TILINGS[name]:
+            for approx in (True, False):
+                forms[f"triton rows={rows} warps={warps}{'' if approx else ' exact'}"] = (
+                    lambda y, g, u, c, rows=rows, warps=warps, approx=approx: swiglu_quantize(
+                        y, g, u, rows=rows, num_warps=warps, approx=approx))
+        forms["triton default"] = lambda y, g, u, c: swiglu_quantize(y, g, u)
+        forms["triton default cols"] = lambda y, g, u, c: swiglu_quantize(y, g, u, c, c)
+        for form, fn in forms.items():
+            try:
+                one = jax.jit(fn)
+
+                def queued(one=one):
+                    for _ in range(args.calls):
+                        out = one(y, gs, us, cs)
+                    return out
+                ms = median_ms(queued, reps=args.reps) / args.calls
+                q, s = one(y, gs, us, cs)
+                ref, denom = refs[form.endswith(" cols")]
+                err = None if form.startswith(("floor", "xla")) else float(
+                    jnp.max(jnp.abs(q.astype(jnp.float32) * s - ref) / denom))
+                row = {"device": dev, "shape": name, "m": m, "f": f, "form": form, "ms": round(ms, 4),
+                       "gb_per_s": round(ideal_bytes / ms / 1e6, 1), "max_rel_err": err}
+            except Exception as e:  # a tiling that does not compile is a result too
+                row = {"device": dev, "shape": name, "m": m, "f": f, "form": form, "error": repr(e)[:300]}
+            print(row, file=sys.stderr, flush=True)
+            append_jsonl(args.out, row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
