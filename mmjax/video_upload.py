@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from mmjax.parallel import vision as parallel_vision
 from models.qwen2_5_vl import model as qwen_vl
+from models.qwen2_5_vl import vision as qwen_vision
 
 PIECES = 8  # default upper bound on the pieces of one video
 
@@ -45,8 +46,9 @@ def piece_count(t: int, devices: int, frame_chunk: int | None, pieces: int = PIE
 
 
 def default_frame_chunk(model: qwen_vl.Qwen2_5_VL, grid, frames_per_chunk: int | None) -> int:
-    """Temporal patches the tower encodes together for ``grid`` (`encode_grid`'s default: ~16k patches)."""
-    return frames_per_chunk or max(1, 16384 // (int(grid[1]) * int(grid[2])))
+    """Temporal patches the tower encodes together for ``grid`` (`encode_grid`'s default: about
+    `models.qwen2_5_vl.vision.PATCHES_PER_CHUNK` patches)."""
+    return frames_per_chunk or max(1, qwen_vision.PATCHES_PER_CHUNK // (int(grid[1]) * int(grid[2])))
 
 
 @jax.jit

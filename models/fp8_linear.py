@@ -12,13 +12,15 @@ layout that GEMM takes without a transpose. The scales multiply the bf16 result 
 attention projections fused into one ``[(N + 2K) D, H]`` matrix, gate and up into one ``[2F, H]``), so the
 decoder keeps its bf16 weights for decode steps, which read weights rather than compute, and for the MoE experts.
 
-The decoder's MLP (`fp8_swiglu_mlp`) hands the gate / up GEMM's result to one kernel that forms ``silu(g) * u`` and
-quantizes it per row for the down GEMM (`pallas_kernels.swiglu_quantize`: y read once; XLA's two fusions read it
-and the bf16 product, 1.41 ms against 0.48 ms per 16,384 tokens of the 7B model on an H200). That kernel takes
-per-row scales only, so the gate weight is quantized with one scale per layer (per tensor, as common fp8 W8A8
-schemes do) and the up weight's per-channel scales are folded into the down weight: ``u_j = s_x c_j y_j`` makes
-``sum_j silu(g_j) u_j W_down[j] = sum_j silu(g_j) (s_x y_j) (c_j W_down[j])``, so ``c_j W_down[j]`` is what gets
-quantized (per output column, as every other weight).
+Both MLPs (`fp8_swiglu_mlp`: the decoder's and the vision tower's) hand the gate / up GEMM's result to one kernel
+that forms ``silu(g) * u`` and quantizes it per row for the down GEMM (`pallas_kernels.swiglu_quantize`: y read
+once; XLA's two fusions read it and the bf16 product, 1.41 ms against 0.48 ms per 16,384 tokens of the 7B decoder
+on an H200). That kernel takes per-row scales only, so gate weights are quantized with one scale per layer (per
+tensor, as common fp8 W8A8 schemes do). The decoder folds the up weight's per-channel scales into the down weight:
+``u_j = s_x c_j y_j`` makes ``sum_j silu(g_j) u_j W_down[j] = sum_j silu(g_j) (s_x y_j) (c_j W_down[j])``, so
+``c_j W_down[j]`` is what gets quantized (per output column, as every other weight). The tower's MLP has biases,
+which that fold would divide by ``c_j`` (a near-zero up column would blow its bias up and crush the row's other
+values in the row-wise quantization), so the tower quantizes up per tensor too.
 """
 
 from __future__ import annotations
@@ -141,27 +143,26 @@ def quantize_normed_rows(x: jax.Array, norm_weight: jax.Array, eps: float) -> tu
 
 
 def fp8_swiglu_mlp(x: jax.Array, norm_weight: jax.Array, eps: float, w_gate_up: jax.Array, w_down: jax.Array,
-                   w_down_scale: jax.Array, *, gate_scale: jax.Array | None = None, col_scale: jax.Array | None = None,
-                   col_bias: jax.Array | None = None) -> jax.Array:
+                   w_down_scale: jax.Array, gate_scale: jax.Array, up_scale: jax.Array | None = None,
+                   bias: jax.Array | None = None) -> jax.Array:
     """``down(silu(gate(h)) * up(h))`` with ``h = rms_norm(x) * norm_weight``, all in fp8 GEMMs: x [..., H] (not
-    normed), w_gate_up float8 [2F, H] (gate rows then up rows), w_down float8 [H, F] with scales [H] -> [..., H]
-    in x's dtype (without the down projection's bias). The gate / up scales are either ``gate_scale`` [1] (the
-    gate quantized per tensor, the up rows' per-channel scales folded into w_down: the decoder) or ``col_scale``
-    [2F] per channel, with ``col_bias`` [2F] added after scaling (the vision tower). The SwiGLU and its
-    quantization are one pass (`pallas_kernels.swiglu_quantize`; its pure-JAX form off a GPU, or when F is not a
-    multiple of 16)."""
+    normed), w_gate_up float8 [2F, H] (gate rows then up rows, each part quantized per tensor with scale
+    ``gate_scale`` / ``up_scale`` [1]; ``up_scale`` None: the up rows' per-channel scales are folded into w_down),
+    ``bias`` [2F] or None (gate then up biases, added after scaling), w_down float8 [H, F] with scales [H] ->
+    [..., H] in x's dtype (without the down projection's bias). The SwiGLU and its quantization are one pass
+    (`pallas_kernels.swiglu_quantize`; its pure-JAX form off a GPU, or when F is not a multiple of 16)."""
     lead, k = x.shape[:-1], x.shape[-1]
     two_f = w_gate_up.shape[0]
     if (w_gate_up.ndim != 2 or w_gate_up.shape[1] != k or two_f % 2 or w_down.shape != (k, two_f // 2)
-            or w_down_scale.shape != (k,) or (gate_scale is not None and gate_scale.shape != (1,))
-            or any(c is not None and c.shape != (two_f,) for c in (col_scale, col_bias))):
-        raise ValueError(f"w_gate_up / w_down / w_down_scale / gate_scale / col_scale / col_bias: expected [2F, {k}], "
-                         f"[{k}, F], [{k}], [1], [2F], [2F] for x [..., {k}]; got {w_gate_up.shape} / {w_down.shape} / "
-                         f"{w_down_scale.shape} / {getattr(gate_scale, 'shape', None)} / "
-                         f"{getattr(col_scale, 'shape', None)} / {getattr(col_bias, 'shape', None)}")
+            or w_down_scale.shape != (k,) or gate_scale.shape != (1,) or getattr(up_scale, "shape", (1,)) != (1,)
+            or getattr(bias, "shape", (two_f,)) != (two_f,)):
+        raise ValueError(f"w_gate_up / w_down / w_down_scale / gate_scale / up_scale / bias: expected [2F, {k}], "
+                         f"[{k}, F], [{k}], [1], [1], [2F] for x [..., {k}]; got {w_gate_up.shape} / {w_down.shape} / "
+                         f"{w_down_scale.shape} / {gate_scale.shape} / {getattr(up_scale, 'shape', None)} / "
+                         f"{getattr(bias, 'shape', None)}")
     xq, rs = quantize_normed_rows(x.reshape(-1, k), norm_weight, eps)
     y = fp8_gemm(xq, w_gate_up)
-    hq, hs = swiglu_quantize(y, rs if gate_scale is None else rs * gate_scale, rs, col_scale, col_bias,
+    hq, hs = swiglu_quantize(y, rs * gate_scale, rs if up_scale is None else rs * up_scale, bias,
                              implementation=None if two_f % 32 == 0 else "reference")
     return _scaled(fp8_gemm(hq, w_down), hs, w_down_scale, x.dtype, lead, ())
 
@@ -208,13 +209,17 @@ def quantize_decoder(decoder, min_rows: int = FP8_MIN_ROWS):
 def quantize_tower(tower):
     """A copy of a Qwen2.5-VL `models.qwen2_5_vl.vision.VisionTower` (bf16 arrays shared) holding fp8 copies of its
     blocks' qkv, output, gate / up and down weights (`VISION_FP8_WEIGHTS`; the MLP width padded to a multiple of 16
-    with zero rows and columns), which `models.qwen2_5_vl.vision.encode_grid` uses for every patch."""
+    with zero rows and columns), which `models.qwen2_5_vl.vision.encode_grid` uses for every patch. Gate and up are
+    quantized per tensor (``fp8_w_gate_up_scale`` [L, 2]: gate, up), so `fp8_swiglu_mlp` needs no per-channel
+    scale besides the MLP's biases."""
     f = tower.config.intermediate_size
     fp = padded(f) - f
+    gate, gate_scale = quantize_weight(tower.w_gate[...], 1, pad_out=fp, per_tensor=True)
+    up, up_scale = quantize_weight(tower.w_up[...], 1, pad_out=fp, per_tensor=True)
     return _with_fp8_copies(tower, {
         "fp8_wqkv": [quantize_weight(tower.wqkv[...], 1)], "fp8_wproj": [quantize_weight(tower.wproj[...], 2)],
-        "fp8_w_gate_up": [quantize_weight(tower.w_gate[...], 1, pad_out=fp),
-                          quantize_weight(tower.w_up[...], 1, pad_out=fp)],
+        "fp8_w_gate_up": [(jnp.concatenate([gate, up], axis=1),
+                           jnp.concatenate([gate_scale[:, :1], up_scale[:, :1]], axis=1))],
         "fp8_w_down": [quantize_weight(tower.w_down[...], 1, pad_in=fp)]})
 
 

@@ -219,7 +219,7 @@ def _fp8_mlp(c: TextConfig, p, x):
     """The dense MLP with fp8 GEMMs (`models.fp8_linear.fp8_swiglu_mlp`), the post-attention norm folded into the
     first one: x [B, C, H] (not normed) -> [B, C, H]."""
     return fp8_swiglu_mlp(x, p["post_norm"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_down"], p["fp8_w_down_scale"],
-                          gate_scale=p["fp8_w_gate_up_scale"])
+                          p["fp8_w_gate_up_scale"])
 
 
 def _mlp(c: TextConfig, p, h):

@@ -10,10 +10,10 @@ For y ``[M, 2F]`` (the unscaled bf16 result of the fused gate / up fp8 GEMM) it 
   the fused operation cannot go below;
 * ``triton rows=R warps=W [exact]``: the kernel with each tiling (``exact``: the sigmoid as an exponential and a
   division instead of ``tanh.approx``);
-* ``triton default cols``: with a per-column scale and bias (bfloat16), as the vision tower's MLP runs it.
+* ``triton default bias``: with a per-column bias (bfloat16), as the vision tower's MLP runs it.
 
-(Earlier rows labelled ``... cols`` in bench/results/swiglu-quantize_NVIDIA-H200_2026-11-26.jsonl measured the
-column vectors in float32.)
+(Rows labelled ``... cols`` in bench/results/swiglu-quantize_NVIDIA-H200_2026-11-26.jsonl measured a kernel variant,
+since removed, that also took a per-column scale: float32 in the earlier rows, bfloat16 in the last one.)
 
 Each timed sample queues ``--calls`` calls before waiting for the last (JAX dispatches asynchronously), so the
 launch and synchronisation cost is spread over them; the time per call is the median sample over ``--calls``. Each row records
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         ideal_bytes = m * 2 * f * 2 + m * f + m * 4
         refs = {}
         for cols in (False, True):
-            ref_q, ref_s = jax.jit(swiglu_quantize_reference)(y, gs, us, *((cs, cs) if cols else ()))
+            ref_q, ref_s = jax.jit(swiglu_quantize_reference)(y, gs, us, *((cs,) if cols else ()))
             ref = ref_q.astype(jnp.float32) * ref_s
             refs[cols] = ref, jnp.max(jnp.abs(ref), axis=1, keepdims=True)
         forms = {"xla_colscale": xla_colscale, "xla": xla_rowscale, "floor": floor_form}
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                     lambda y, g, u, c, rows=rows, warps=warps, approx=approx: swiglu_quantize(
                         y, g, u, rows=rows, num_warps=warps, approx=approx))
         forms["triton default"] = lambda y, g, u, c: swiglu_quantize(y, g, u)
-        forms["triton default cols"] = lambda y, g, u, c: swiglu_quantize(y, g, u, c, c)
+        forms["triton default bias"] = lambda y, g, u, c: swiglu_quantize(y, g, u, c)
         for form, fn in forms.items():
             try:
                 one = jax.jit(fn)
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                     return out
                 ms = median_ms(queued, reps=args.reps) / args.calls
                 q, s = one(y, gs, us, cs)
-                ref, denom = refs[form.endswith(" cols")]
+                ref, denom = refs[form.endswith(" bias")]
                 err = None if form.startswith(("floor", "xla")) else float(
                     jnp.max(jnp.abs(q.astype(jnp.float32) * s - ref) / denom))
                 row = {"device": dev, "shape": name, "m": m, "f": f, "form": form, "ms": round(ms, 4),

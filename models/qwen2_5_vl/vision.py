@@ -167,8 +167,9 @@ def _block(c: VisionConfig, p, x, cos, sin, is_full, windows, attention):
     if fp8:  # the MLP width padded to fp (zero weights and biases: those channels stay 0)
         pad = (0, p["fp8_w_down"].shape[1] - c.intermediate_size)
         bias = jnp.concatenate([jnp.pad(p["b_gate"], pad), jnp.pad(p["b_up"], pad)])
+        s = p["fp8_w_gate_up_scale"]  # [2]: the gate's and the up weight's per-tensor scales
         return x + fp8_swiglu_mlp(x, p["norm2"], c.rms_norm_eps, p["fp8_w_gate_up"], p["fp8_w_down"],
-                                  p["fp8_w_down_scale"], col_scale=p["fp8_w_gate_up_scale"], col_bias=bias) + p["b_down"]
+                                  p["fp8_w_down_scale"], s[:1], s[1:], bias) + p["b_down"]
     h = rms_norm(x, p["norm2"], c.rms_norm_eps)
     g = jnp.einsum("npc,ci->npi", h, p["w_gate"]) + p["b_gate"]
     u = jnp.einsum("npc,ci->npi", h, p["w_up"]) + p["b_up"]
@@ -193,6 +194,12 @@ def _order_of(gather: np.ndarray, valid: np.ndarray, merge_unit: int) -> np.ndar
     return order
 
 
+# Patches a vision-tower chunk encodes together by default: the 7B tower at 262k video tokens (1M patches) on an
+# H200 took 2.23 s with 32k, 2.29 s with 16k (bench/results/fpc32_*, base_* of 2026-11-26); a chunk's temporaries
+# stay below 1 GB
+PATCHES_PER_CHUNK = 32768
+
+
 def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, frames_per_chunk: int | None = None,
                 return_pre_merge: bool = False, attention: str = "auto", windows: str = "auto") -> jax.Array:
     """Encode one image or video.
@@ -200,7 +207,8 @@ def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, f
     pixels: [t * h * w, patch_dim] flattened patches in the processor's order; grid: static (t, h, w)
     in patches. Returns merged features [t * h * w / m**2, out_hidden_size] (or, with
     ``return_pre_merge``, the last block's output [t * h * w, hidden_size]), in the processor's order.
-    ``frames_per_chunk`` temporal patches are encoded together (default: about 16k patches a chunk).
+    ``frames_per_chunk`` temporal patches are encoded together (default: about `PATCHES_PER_CHUNK` patches a
+    chunk).
     ``attention``: "auto" | "xla" | "cudnn"; ``windows``: "auto" (window order once when every window is
     full) | "gather" (per-block gathers); see the module docstring. Both change speed, not the result.
     """
@@ -227,7 +235,7 @@ def encode_grid(model: VisionTower, pixels: jax.Array, grid: Sequence[int], *, f
     blocks = {name: getattr(model, name)[...] for name in BLOCK_PARAMS}
     if getattr(model, "fp8_wqkv", None) is not None:
         blocks.update({n: getattr(model, n)[...] for base in VISION_FP8_WEIGHTS for n in (base, base + "_scale")})
-    f = frames_per_chunk or max(1, 16384 // n)
+    f = frames_per_chunk or max(1, PATCHES_PER_CHUNK // n)
     f = min(f, t)
     chunks = -(-t // f)
     x = pixels.astype(dtype).reshape(t, n, c.patch_dim)

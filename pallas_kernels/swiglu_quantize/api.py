@@ -14,35 +14,31 @@ IMPLEMENTATIONS = ("reference", "triton")
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def default_tiling(m: int, f: int, columns: bool = False) -> tuple[int, int]:
+def default_tiling(m: int, f: int) -> tuple[int, int]:
     """(rows, num_warps) of one program: one row, about one warp per 1,024 columns (a power of two, 4 to 16). On an
     H200 (`tools/swiglu_quantize_bench.py`, 2026-11-26) that was the fastest tiling at both of the 7B model's
     widths: F = 18,944 with 16 warps 0.48 ms per 16,384 rows (3.2 TB/s), F = 3,424 with 4 warps 0.093 ms (3.0 TB/s);
-    two or more rows per program were 0-20% slower. With column vectors (``columns``) four rows (or the largest
-    power of two dividing M below that) share one read of them, 4 warps (F = 3,424: 0.13 ms, one row 0.14 ms)."""
-    if columns:
-        rows = 4
-        while m % rows:
-            rows //= 2
-        return rows, 4
+    two or more rows per program were 0-20% slower, with a column bias too (F = 3,424, bf16 bias: one row 0.115 ms,
+    two 0.149, four 0.170)."""
+    del m
     return 1, max(4, min(16, 1 << max(0, (f // 1024).bit_length() - 1)))
 
 
-def swiglu_quantize(y: jax.Array, gate_scale: jax.Array, up_scale: jax.Array, col_scale: jax.Array | None = None,
-                    col_bias: jax.Array | None = None, *, implementation: str | None = None,
+def swiglu_quantize(y: jax.Array, gate_scale: jax.Array, up_scale: jax.Array, col_bias: jax.Array | None = None, *,
+                    implementation: str | None = None,
                     interpret: bool = False, rows: int | None = None, num_warps: int | None = None,
                     approx: bool = True) -> tuple[jax.Array, jax.Array]:
     """``silu(g) * u`` of a gate | up product, quantized per row to float8_e4m3fn for the next fp8 GEMM.
 
-    Per-column vectors cost time (`pallas_kernels.swiglu_quantize.triton`), so the 7B decoder passes none
-    (`models.fp8_linear` quantizes its gate weight with one scale per tensor and folds the up weight's per-channel
-    scales into the down weight); the vision tower, whose MLP has biases, passes its per-channel scales and biases.
+    The scales are per row: per-column vectors cost time (`pallas_kernels.swiglu_quantize.triton`), so
+    `models.fp8_linear` quantizes gate weights with one scale per tensor; the decoder folds the up weight's
+    per-channel scales into the down weight, the vision tower (whose MLP has biases) quantizes up per tensor too
+    and passes its biases as ``col_bias``.
 
     Args:
       y: ``[M, 2F]`` bf16 / fp16 / fp32, the gate columns then the up columns (an fp8 GEMM's unscaled result).
       gate_scale, up_scale: ``[M, 1]`` float32, the scale of each row of the gate and of the up half.
-      col_scale, col_bias: ``[2F]`` float or None, rounded to y's dtype: ``z = y * row scale * col_scale +
-        col_bias`` (float32).
+      col_bias: ``[2F]`` float or None, rounded to y's dtype: ``z = y * row scale + col_bias`` (float32).
       implementation: "reference" | "triton" | None (Triton on a GPU or when ``interpret``).
       rows, num_warps: the Triton tiling (rows of y per program, a power of two dividing M); default
         `default_tiling`. approx: the kernel's sigmoid through the GPU's ``tanh.approx`` (relative error about
@@ -61,21 +57,20 @@ def swiglu_quantize(y: jax.Array, gate_scale: jax.Array, up_scale: jax.Array, co
         if getattr(scale, "shape", None) != (m, 1) or not jnp.issubdtype(getattr(scale, "dtype", None), jnp.floating):
             raise ValueError(f"{name}: expected float [{m}, 1] (M from y [M, 2F]); received "
                              f"{fmt_shape(getattr(scale, 'shape', ()))} {getattr(scale, 'dtype', None)}")
-    for name, col in (("col_scale", col_scale), ("col_bias", col_bias)):
-        if col is not None and (getattr(col, "shape", None) != (2 * f,)
-                                or not jnp.issubdtype(getattr(col, "dtype", None), jnp.floating)):
-            raise ValueError(f"{name}: expected None or float [{2 * f}] (2F from y [M, 2F]); received "
-                             f"{fmt_shape(getattr(col, 'shape', ()))} {getattr(col, 'dtype', None)}")
+    if col_bias is not None and (getattr(col_bias, "shape", None) != (2 * f,)
+                                 or not jnp.issubdtype(getattr(col_bias, "dtype", None), jnp.floating)):
+        raise ValueError(f"col_bias: expected None or float [{2 * f}] (2F from y [M, 2F]); received "
+                         f"{fmt_shape(getattr(col_bias, 'shape', ()))} {getattr(col_bias, 'dtype', None)}")
     if implementation is None:
         implementation = default_implementation(bool(interpret))
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
     if implementation == "reference":
-        return swiglu_quantize_reference(y, gate_scale, up_scale, col_scale, col_bias)
+        return swiglu_quantize_reference(y, gate_scale, up_scale, col_bias)
     if f % 16:
         raise ValueError(f"y: implementation='triton' takes F (half of y's {2 * f} columns) a multiple of 16; "
                          f"received F={f}")
-    default_rows, default_warps = default_tiling(m, f, col_scale is not None or col_bias is not None)
+    default_rows, default_warps = default_tiling(m, f)
     rows = default_rows if rows is None else rows
     num_warps = default_warps if num_warps is None else num_warps
     check_int("rows", rows, 1)
@@ -83,5 +78,5 @@ def swiglu_quantize(y: jax.Array, gate_scale: jax.Array, up_scale: jax.Array, co
         raise ValueError(f"rows: expected a power of two dividing M={m}; received {rows}")
     if num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps: expected a power of two in [1, 32]; received {num_warps!r}")
-    return swiglu_quantize_triton(y, gate_scale, up_scale, col_scale, col_bias, rows=rows, num_warps=num_warps,
+    return swiglu_quantize_triton(y, gate_scale, up_scale, col_bias, rows=rows, num_warps=num_warps,
                                   approx=bool(approx), interpret=interpret)

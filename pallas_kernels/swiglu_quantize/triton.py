@@ -11,10 +11,10 @@ powers of two of F's binary form (18,944 = 16,384 + 2,048 + 512), each loaded un
 combined before any piece is scaled. F must be a multiple of 16 (the fp8 GEMM's sizes are too), so every piece
 is at least 16 wide and loads stay vectorized.
 
-Per-column vectors (a weight's per-channel scale, a bias; the vision tower's MLP has both) are optional: they are
-read once per program and broadcast over its rows, stored in y's dtype. In float32 they made the kernel no faster than
-XLA at the tower's shape (0.17-0.27 ms at one to sixteen rows per program); in bfloat16, four rows per program,
-0.13 ms against XLA's 0.23 ms and 0.10 ms without them (H200, `tools/swiglu_quantize_bench.py`).
+A per-column bias (the vision tower's MLP has one) is optional: read once per program in y's dtype and broadcast
+over its rows. Per-column vectors cost time (H200, the tower's shape, `tools/swiglu_quantize_bench.py`): 0.09 ms
+without, 0.12 ms with a bfloat16 bias, 0.13-0.18 ms with a per-channel scale as well (XLA: 0.22 ms), 0.17-0.27 ms
+with float32 vectors; so the scales are per row only and the weights are quantized to suit (`models.fp8_linear`).
 """
 
 from __future__ import annotations
@@ -47,18 +47,15 @@ def _sigmoid(g: jax.Array, approx: bool) -> jax.Array:
     return 0.5 + 0.5 * t
 
 
-def _kernel(y_ref, gs_ref, us_ref, *refs, f: int, rows: int, approx: bool, col_scale: bool, col_bias: bool):
-    cs_ref = refs[0] if col_scale else None
-    cb_ref = refs[int(col_scale)] if col_bias else None
+def _kernel(y_ref, gs_ref, us_ref, *refs, f: int, rows: int, approx: bool, col_bias: bool):
+    cb_ref = refs[0] if col_bias else None
     q_ref, s_ref = refs[-2:]
     r = pl.ds(pl.program_id(0) * rows, rows)
     gs, us = gs_ref[r, :], us_ref[r, :]  # [rows, 1]
 
     def half(start: int, width: int, row_scale):
         z = y_ref[r, pl.ds(start, width)].astype(jnp.float32) * row_scale
-        if cs_ref is not None:  # [1, width] stored in y's dtype, shared by the program's rows
-            z = z * cs_ref[:, pl.ds(start, width)].astype(jnp.float32)
-        if cb_ref is not None:
+        if cb_ref is not None:  # [1, width] stored in y's dtype, shared by the program's rows
             z = z + cb_ref[:, pl.ds(start, width)].astype(jnp.float32)
         return z
 
@@ -77,17 +74,16 @@ def _kernel(y_ref, gs_ref, us_ref, *refs, f: int, rows: int, approx: bool, col_s
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "num_warps", "approx", "interpret"))
-def swiglu_quantize_triton(y: jax.Array, gate_scale: jax.Array, up_scale: jax.Array, col_scale: jax.Array | None,
-                           col_bias: jax.Array | None, *, rows: int, num_warps: int, approx: bool = True,
+def swiglu_quantize_triton(y: jax.Array, gate_scale: jax.Array, up_scale: jax.Array, col_bias: jax.Array | None, *,
+                           rows: int, num_warps: int, approx: bool = True,
                            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Shapes and meaning as in `pallas_kernels.swiglu_quantize.api.swiglu_quantize`; inputs assumed validated
     (M a multiple of ``rows``, F a multiple of 16). ``approx``: the sigmoid through ``tanh.approx`` (`_sigmoid`;
     the interpreter has no inline PTX, so ``interpret`` uses the exact tanh)."""
     m, f = y.shape[0], y.shape[1] // 2
-    cols = [c.astype(y.dtype).reshape(1, 2 * f) for c in (col_scale, col_bias) if c is not None]
+    cols = [] if col_bias is None else [col_bias.astype(y.dtype).reshape(1, 2 * f)]
     return pl.pallas_call(
-        functools.partial(_kernel, f=f, rows=rows, approx=approx and not interpret, col_scale=col_scale is not None,
-                          col_bias=col_bias is not None),
+        functools.partial(_kernel, f=f, rows=rows, approx=approx and not interpret, col_bias=col_bias is not None),
         grid=(m // rows,),
         in_specs=[pl.no_block_spec] * (3 + len(cols)),
         out_specs=[pl.no_block_spec] * 2,

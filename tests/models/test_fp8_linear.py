@@ -112,17 +112,17 @@ def test_fp8_swiglu_mlp_matches_the_mlp():
     x = _rand(13, (2, 9, h)) * 3
     g = jax.random.uniform(jax.random.key(14), (h,), minval=0.5, maxval=1.5)
     for layer in range(n_layers):
-        got = np.asarray(fp8_swiglu_mlp(x, g, 1e-6, wgu[layer], wd[layer], sd[layer], gate_scale=sg[layer]), np.float32)
+        got = np.asarray(fp8_swiglu_mlp(x, g, 1e-6, wgu[layer], wd[layer], sd[layer], sg[layer]), np.float32)
         hn = rms_norm(x.astype(jnp.float32), g, 1e-6)
         w = {k: v[layer].astype(jnp.float32) for k, v in p.items()}
         want = np.asarray((jax.nn.silu(hn @ w["w_gate"]) * (hn @ w["w_up"])) @ w["w_down"])
         assert got.shape == want.shape and 0.005 < _rel(want, got) < 0.08
-    with pytest.raises(ValueError, match="w_gate_up / w_down / w_down_scale / gate_scale / col_scale / col_bias"):
-        fp8_swiglu_mlp(x, g, 1e-6, wgu[0], wd[0][:, :40], sd[0], gate_scale=sg[0])
+    with pytest.raises(ValueError, match="w_gate_up / w_down / w_down_scale / gate_scale / up_scale / bias: expected"):
+        fp8_swiglu_mlp(x, g, 1e-6, wgu[0], wd[0][:, :40], sd[0], sg[0])
     with pytest.raises(ValueError, match="w_gate_up / w_down"):
-        fp8_swiglu_mlp(x, g, 1e-6, wgu[0], wd[0], sd[0], gate_scale=sg)
+        fp8_swiglu_mlp(x, g, 1e-6, wgu[0], wd[0], sd[0], sg)
     with pytest.raises(ValueError, match="w_gate_up / w_down"):
-        fp8_swiglu_mlp(x, g, 1e-6, wgu[0], wd[0], sd[0], col_bias=jnp.zeros(f))
+        fp8_swiglu_mlp(x, g, 1e-6, wgu[0], wd[0], sd[0], sg[0], bias=jnp.zeros(f))
 
 
 def test_quantize_weight_pads_with_zeros():
@@ -175,6 +175,7 @@ def test_vision_tower_fp8_with_padded_mlp(vlm):
     fp8 = mmjax.quantize_fp8(model)
     assert fp8.visual.fp8_w_gate_up[...].shape == (cfg.vision.depth, 2 * 48, cfg.vision.hidden_size)  # 40 -> 48
     assert fp8.visual.fp8_w_down[...].shape == (cfg.vision.depth, cfg.vision.hidden_size, 48)
+    assert fp8.visual.fp8_w_gate_up_scale[...].shape == (cfg.vision.depth, 2)  # gate and up: one scale each
     p = qwen_vl.prepare_inputs(cfg, **inputs)
     _, a = qwen_vl.visual_inputs(model, p, None)
     _, b = qwen_vl.visual_inputs(fp8, p, None)

@@ -23,9 +23,10 @@ share (warm - both). Rows are written to the JSON (``--name``, by default ``pref
 ``prefill-<preset or checkpoint directory>`` otherwise) as they finish; ``--plot`` draws TTFT and memory against tokens.
 
 Attention names: ``cudnn`` (dense cuDNN flash attention), ``dense`` (exact XLA attention, slow),
-``grid`` (``Grid(local=1024)`` on every head), ``ashape`` (``AShape(sink=1024, local=4096)``, the
-MMInference budget), ``vs`` (``VerticalSlash(1000, 4096)``), ``momo`` (``Momo()``, its default budget), or
-the path of a SparseConfig JSON.
+``grid`` (``Grid(local=1024)`` on every head), ``ashape`` (``AShape(sink=1024, local=4096, block_k=128)``,
+the MMInference budget in 128-key blocks, the Mosaic GPU kernel's faster tile: 1.06 s of attention at 262k on an
+H200 against 1.18 s with 64-key blocks, which keep up to 64 fewer keys per row), ``vs``
+(``VerticalSlash(1000, 4096)``), ``momo`` (``Momo()``, its default budget), or the path of a SparseConfig JSON.
 On a CPU the same table runs on a tiny model (timings only show that everything runs).
 """
 
@@ -66,7 +67,7 @@ from models.text_decoder import TextConfig
 FRAME_PX = 448  # video frames of 448 x 448 pixels: 32 x 32 patches, 256 tokens per temporal patch
 PATTERNS = {
     "grid": Grid(local=1024),
-    "ashape": AShape(sink=1024, local=4096),
+    "ashape": AShape(sink=1024, local=4096, block_k=128),
     "vs": VerticalSlash(vertical_size=1000, slash_size=4096),
     "momo": Momo(),
 }

@@ -52,6 +52,18 @@ def test_interpret_equals_reference(m, f, rows, warps):
     np.testing.assert_allclose(np.asarray(s), np.asarray(sr), rtol=1e-6)
 
 
+@pytest.mark.parametrize("m,f,rows", [(6, 48, 1), (8, 80, 4)])
+def test_interpret_with_bias_equals_reference(m, f, rows):
+    y, gs, us = _inputs(m, f, seed=3)
+    bias = jax.random.normal(jax.random.key(4), (2 * f,), jnp.float32) * 2  # rounded to y's dtype by both
+    q, s = swiglu_quantize(y, gs, us, bias, interpret=True, rows=rows, num_warps=4)
+    qr, sr = swiglu_quantize_reference(y, gs, us, bias)
+    np.testing.assert_array_equal(_f32(q), _f32(qr))
+    np.testing.assert_allclose(np.asarray(s), np.asarray(sr), rtol=1e-6)
+    q0, _ = swiglu_quantize_reference(y, gs, us)
+    assert (_f32(q0) != _f32(qr)).mean() > 0.5  # the bias is applied
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
 def test_interpret_other_dtypes(dtype):
     y, gs, us = _inputs(4, 32, dtype)
@@ -87,6 +99,8 @@ def test_errors_name_the_argument():
         swiglu_quantize(y, gs[:, 0], us)
     with pytest.raises(ValueError, match=r"up_scale: expected float \[4, 1\]"):
         swiglu_quantize(y, gs, us.astype(jnp.int32))
+    with pytest.raises(ValueError, match=r"col_bias: expected None or float \[64\]"):
+        swiglu_quantize(y, gs, us, jnp.zeros(32))
     with pytest.raises(ValueError, match="implementation: expected one of"):
         swiglu_quantize(y, gs, us, implementation="cuda")
     with pytest.raises(ValueError, match="multiple of 16"):
