@@ -48,12 +48,14 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., K] -> (float8_e4m3fn [..., K], float32 scale [..., 1]) with ``x ~ q * scale`` (scale 1 for an all-zero
     row). A NaN in a row stays NaN in q and an inf makes the scale inf, so the row's products are NaN, never silently
     finite."""
+    if getattr(x, "ndim", 0) < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x: expected a float array [..., K]; received {type(x).__name__} "
+                         f"{getattr(x, 'shape', '')} {getattr(x, 'dtype', '')}")
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32)
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
     return (x.astype(jnp.float32) / scale).astype(FP8), scale
 
 
-@functools.partial(jax.jit, static_argnames=("in_dims", "pad_out", "pad_in", "per_tensor"))
 def quantize_weight(w: jax.Array, in_dims: int, *, pad_out: int = 0, pad_in: int = 0, per_tensor: bool = False,
                     in_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """w [L, *in, *out] (the first ``in_dims`` axes after L contracted) -> (float8 [L, prod(out) + pad_out,
@@ -61,6 +63,26 @@ def quantize_weight(w: jax.Array, in_dims: int, *, pad_out: int = 0, pad_in: int
     per layer, repeated over the columns); the padding is zero (cuBLASLt's fp8 GEMM takes sizes that are multiples
     of 16). ``in_scale`` [L, prod(in)]: each input row of w multiplied by it first (float32). Layers are quantized
     one at a time (`jax.lax.map`), so the float32 temporaries are one layer's, not the stack's."""
+    shape = getattr(w, "shape", None)
+    if shape is None or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"w: expected a float array [L, *in, *out]; received {type(w).__name__} "
+                         f"{getattr(w, 'dtype', '')}")
+    if not isinstance(in_dims, int) or isinstance(in_dims, bool) or not 1 <= in_dims <= len(shape) - 2:
+        raise ValueError(f"in_dims: expected an int in [1, {len(shape) - 2}] for w of shape {tuple(shape)} (L, then "
+                         f"at least one input and one output axis); received {in_dims!r}")
+    for name, pad in (("pad_out", pad_out), ("pad_in", pad_in)):
+        if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+            raise ValueError(f"{name}: expected an int >= 0; received {pad!r}")
+    want = (shape[0], math.prod(shape[1:1 + in_dims]))
+    if in_scale is not None and getattr(in_scale, "shape", None) != want:
+        raise ValueError(f"in_scale: expected [{want[0]}, {want[1]}] (L and the input size of w {tuple(shape)}); "
+                         f"received {getattr(in_scale, 'shape', None)}")
+    return _quantize_weight(w, in_dims, pad_out=pad_out, pad_in=pad_in, per_tensor=bool(per_tensor),
+                            in_scale=in_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("in_dims", "pad_out", "pad_in", "per_tensor"))
+def _quantize_weight(w, in_dims, *, pad_out, pad_in, per_tensor, in_scale):
     n_layers = w.shape[0]
     k = math.prod(w.shape[1:1 + in_dims])
     w = w.reshape(n_layers, k, -1)

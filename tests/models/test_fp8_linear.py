@@ -125,6 +125,20 @@ def test_fp8_swiglu_mlp_matches_the_mlp():
         fp8_swiglu_mlp(x, g, 1e-6, wgu[0], wd[0], sd[0], sg[0], bias=jnp.zeros(f))
 
 
+def test_quantize_weight_and_rows_errors():
+    w = _rand(15, (2, 8, 16))
+    with pytest.raises(ValueError, match="w: expected a float array"):
+        quantize_weight(w.astype(jnp.int32), 1)
+    with pytest.raises(ValueError, match=r"in_dims: expected an int in \[1, 1\]"):
+        quantize_weight(w, 2)
+    with pytest.raises(ValueError, match="pad_in: expected an int >= 0"):
+        quantize_weight(w, 1, pad_in=-16)
+    with pytest.raises(ValueError, match=r"in_scale: expected \[2, 8\]"):
+        quantize_weight(w, 1, in_scale=jnp.ones((2, 16)))
+    with pytest.raises(ValueError, match="x: expected a float array"):
+        quantize_rows(jnp.arange(8))
+
+
 def test_quantize_weight_pads_with_zeros():
     wq, ws = quantize_weight(_rand(5, (2, 20, 12)), 1, pad_out=4, pad_in=12)
     assert wq.shape == (2, 16, 32) and ws.shape == (2, 16) and padded(20) == 32 and padded(32) == 32
