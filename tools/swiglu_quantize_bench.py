@@ -21,12 +21,18 @@ it, the GB/s of the ideal traffic (y read once, q and scales written once) and t
 dequantized result from the float32 reference relative to the row maximum. One JSON line per (shape, form).
 
   PYTHONPATH=.:tools python3 tools/swiglu_quantize_bench.py --out bench/results/swiglu-quantize_DEVICE_DATE.jsonl
+
+``--plot`` draws the file's rows (the latest per device, shape and form) as bars of ms per form, one panel per
+shape, into a PNG beside it; ``--plot-only`` draws without measuring (no GPU needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -67,13 +73,56 @@ def floor_form(y, gs, us, cs):
     return (y[:, :f] * y[:, f:]).astype(FP8), gs
 
 
+def plot(jsonl: str) -> str:
+    """Bars of ms per form, one panel per shape, from the JSON-lines file ``jsonl`` (the latest row per device,
+    shape and form; rows with an error are left out), written atomically beside it as a PNG; returns its path."""
+    import matplotlib  # here, not at the top: the GPU image that runs the measurement has no matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    latest = {}
+    with open(jsonl) as f:
+        for line in f:
+            row = json.loads(line)
+            if "ms" in row:
+                latest[(row["device"], row["shape"], row["form"])] = row
+    shapes = sorted({(d, s) for d, s, _ in latest})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes), 0.28 * len(latest) / max(1, len(shapes)) + 2),
+                             squeeze=False)
+    for ax, (device, shape) in zip(axes[0], shapes):
+        rows = [r for (d, s, _), r in latest.items() if (d, s) == (device, shape)]
+        rows.sort(key=lambda r: r["ms"])
+        colors = ["tab:gray" if r["form"].startswith(("xla", "floor")) else "tab:blue" for r in rows]
+        ax.barh([r["form"] for r in rows], [r["ms"] for r in rows], color=colors)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per call")
+        ax.set_title(f"{shape}: M={rows[0]['m']}, F={rows[0]['f']} ({device})", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    png = os.path.splitext(jsonl)[0] + ".png"
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(png)), prefix=".tmp-", suffix=".png")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=110)
+        os.replace(tmp, png)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    plt.close(fig)
+    return png
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON-lines file to append to")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--calls", type=int, default=20, help="calls queued per timed sample")
     p.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES))
+    p.add_argument("--plot", action="store_true", help="draw the --out file's rows into a PNG beside it")
+    p.add_argument("--plot-only", action="store_true", help="only draw (no measurement)")
     args = p.parse_args(argv)
+    if args.plot_only:
+        print(plot(args.out), file=sys.stderr)
+        return 0
     dev = jax.devices()[0].device_kind
     for name in args.shapes:
         m, f = SHAPES[name]
@@ -115,6 +164,8 @@ def main(argv=None) -> int:
                 row = {"device": dev, "shape": name, "m": m, "f": f, "form": form, "error": repr(e)[:300]}
             print(row, file=sys.stderr, flush=True)
             append_jsonl(args.out, row)
+    if args.plot:
+        print(plot(args.out), file=sys.stderr)
     return 0
 
 
