@@ -22,8 +22,8 @@ dequantized result from the float32 reference relative to the row maximum. One J
 
   PYTHONPATH=.:tools python3 tools/swiglu_quantize_bench.py --out bench/results/swiglu-quantize_DEVICE_DATE.jsonl
 
-``--plot`` draws the file's rows (the latest per device, shape and form) as bars of ms per form, one panel per
-shape, into a PNG beside it; ``--plot-only`` draws without measuring (no GPU needed).
+``--plot`` draws the file's rows (the latest per device, shape and form) as bars of ms per form (log scale; XLA
+forms grey), one panel per shape, into a PNG beside it; ``--plot-only`` draws without measuring (no GPU needed).
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def plot(jsonl: str) -> str:
         colors = ["tab:gray" if r["form"].startswith(("xla", "floor")) else "tab:blue" for r in rows]
         ax.barh([r["form"] for r in rows], [r["ms"] for r in rows], color=colors)
         ax.invert_yaxis()
-        ax.set_xlabel("ms per call")
+        ax.set_xscale("log")  # some variants are 10x slower than the rest
+        ax.set_xlabel("ms per call (log scale)")
         ax.set_title(f"{shape}: M={rows[0]['m']}, F={rows[0]['f']} ({device})", fontsize=9)
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
