@@ -1,4 +1,4 @@
-"""FP8 (e4m3) matmuls for the decoder's prefill: weights quantized once per output channel, activations per row.
+"""FP8 (e4m3) matmuls for prefill: weights quantized once (per output channel, MLP gates per tensor), tokens per row.
 
 A product ``x [M, K] @ W [K, N]`` runs as ``(q(x) @ q(W)) * s_x[:, None] * s_w[None, :]`` where ``q(x) = x / s_x``
 rounded to float8_e4m3fn with ``s_x = max|x_row| / 448`` (one scale per token) and ``q(W)`` likewise per output
@@ -86,17 +86,18 @@ def _quantize_weight(w, in_dims, *, pad_out, pad_in, per_tensor, in_scale):
     n_layers = w.shape[0]
     k = math.prod(w.shape[1:1 + in_dims])
     w = w.reshape(n_layers, k, -1)
-    mul = jnp.ones((n_layers, k), jnp.float32) if in_scale is None else in_scale.astype(jnp.float32)
 
     def one(args):
-        wl, ml = args
-        w2 = jnp.pad((wl.astype(jnp.float32) * ml[:, None]).T, ((0, pad_out), (0, pad_in)))  # [N, K]
+        wl = args[0].astype(jnp.float32)
+        if in_scale is not None:
+            wl = wl * args[1][:, None]
+        w2 = jnp.pad(wl.T, ((0, pad_out), (0, pad_in)))  # [N, K]
         if per_tensor:
             q, scale = quantize_rows(w2.reshape(1, -1))
             return q.reshape(w2.shape), jnp.broadcast_to(scale[:, 0], w2.shape[:1])
         q, scale = quantize_rows(w2)
         return q, scale[:, 0]
-    return jax.lax.map(one, (w, mul))
+    return jax.lax.map(one, (w,) if in_scale is None else (w, in_scale.astype(jnp.float32)))
 
 
 def padded(n: int, multiple: int = 16) -> int:
@@ -212,15 +213,15 @@ def _quantize_swiglu_mlp(p: dict[str, jax.Array]) -> dict[str, list[tuple[jax.Ar
 def quantize_decoder(decoder, min_rows: int = FP8_MIN_ROWS):
     """A copy of ``decoder`` (a `models.text_decoder.TextDecoder`; the bf16 arrays are shared, not copied) holding fp8
     copies of its projection and dense-MLP weights (`FP8_WEIGHTS`, each with a ``_scale``; the MLP's as
-    `fp8_swiglu_mlp` takes them), which its calls with at least ``min_rows`` tokens (B x T) use. A MoE decoder's experts stay in the model's dtype. For the 7B decoder the
-    copies take 6.5 GB."""
+    `fp8_swiglu_mlp` takes them), which its calls with at least ``min_rows`` tokens (B x T) use. A MoE decoder's
+    experts stay in the model's dtype. For the 7B decoder the copies take 6.5 GB."""
     if not callable(getattr(decoder, "stacked", None)):  # models.text_decoder imports this module: no isinstance
         raise ValueError(f"decoder: expected a models.text_decoder.TextDecoder, got {type(decoder).__name__}")
     if not isinstance(min_rows, int) or isinstance(min_rows, bool) or min_rows < 1:
         raise ValueError(f"min_rows: expected an int >= 1; received {min_rows!r}")
     p = decoder.stacked()
-    copies = {name: [quantize_weight(p[part], 2 if parts == ("wo",) else 1) for part in parts]
-              for name, parts in FP8_WEIGHTS.items() if name in ("fp8_wqkv", "fp8_wo")}
+    copies = {name: [quantize_weight(p[part], 2 if part == "wo" else 1) for part in FP8_WEIGHTS[name]]
+              for name in ("fp8_wqkv", "fp8_wo")}
     if "w_gate" in p:  # MoE: no dense MLP
         copies.update(_quantize_swiglu_mlp(p))
     new = _with_fp8_copies(decoder, copies)
@@ -240,8 +241,7 @@ def quantize_tower(tower):
     up, up_scale = quantize_weight(tower.w_up[...], 1, pad_out=fp, per_tensor=True)
     return _with_fp8_copies(tower, {
         "fp8_wqkv": [quantize_weight(tower.wqkv[...], 1)], "fp8_wproj": [quantize_weight(tower.wproj[...], 2)],
-        "fp8_w_gate_up": [(jnp.concatenate([gate, up], axis=1),
-                           jnp.concatenate([gate_scale[:, :1], up_scale[:, :1]], axis=1))],
+        "fp8_w_gate_up": [(gate, gate_scale[:, :1]), (up, up_scale[:, :1])],
         "fp8_w_down": [quantize_weight(tower.w_down[...], 1, pad_in=fp)]})
 
 

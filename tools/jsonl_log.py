@@ -9,17 +9,23 @@ import os
 import tempfile
 
 
+def write_atomic(path: str, write, binary: bool = False) -> None:
+    """``write(file)`` into a temporary file beside ``path``, then rename it onto ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-",
+                               suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def append_jsonl(path: str, row: dict) -> None:
     """Append ``row`` as one JSON line to ``path`` (created if missing), atomically."""
     old = ""
     if os.path.exists(path):
         with open(path) as f:
             old = f.read()
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".jsonl")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(old + json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(path, lambda f: f.write(old + json.dumps(row) + "\n"))

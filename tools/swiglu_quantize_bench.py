@@ -32,12 +32,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 from gpu_timing import median_ms
-from jsonl_log import append_jsonl
+from jsonl_log import append_jsonl, write_atomic
 
 from pallas_kernels.swiglu_quantize import swiglu_quantize, swiglu_quantize_reference
 
@@ -100,14 +99,7 @@ def plot(jsonl: str) -> str:
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     png = os.path.splitext(jsonl)[0] + ".png"
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(png)), prefix=".tmp-", suffix=".png")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=110)
-        os.replace(tmp, png)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(png, lambda fh: fig.savefig(fh, format="png", dpi=110), binary=True)
     plt.close(fig)
     return png
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.checks import check_int, fmt_shape
+from pallas_kernels.checks import check_int, check_pow2, fmt_shape
 from pallas_kernels.platform import default_implementation
 from pallas_kernels.swiglu_quantize.reference import swiglu_quantize_reference
 from pallas_kernels.swiglu_quantize.triton import swiglu_quantize_triton
@@ -76,7 +76,6 @@ def swiglu_quantize(y: jax.Array, gate_scale: jax.Array, up_scale: jax.Array, co
     check_int("rows", rows, 1)
     if rows & (rows - 1) or m % rows:
         raise ValueError(f"rows: expected a power of two dividing M={m}; received {rows}")
-    if num_warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"num_warps: expected a power of two in [1, 32]; received {num_warps!r}")
+    check_pow2("num_warps", num_warps, 1, 32)
     return swiglu_quantize_triton(y, gate_scale, up_scale, col_bias, rows=rows, num_warps=num_warps,
                                   approx=bool(approx), interpret=interpret)

@@ -59,8 +59,9 @@ def _kernel(y_ref, gs_ref, us_ref, *refs, f: int, rows: int, approx: bool, col_b
             z = z + cb_ref[:, pl.ds(start, width)].astype(jnp.float32)
         return z
 
+    parts = pieces(f)
     hs, amax = [], None
-    for off, width in pieces(f):
+    for off, width in parts:
         g, u = half(off, width, gs), half(f + off, width, us)
         h = g * _sigmoid(g, approx) * u
         hs.append(h)
@@ -68,7 +69,7 @@ def _kernel(y_ref, gs_ref, us_ref, *refs, f: int, rows: int, approx: bool, col_b
         amax = m if amax is None else jnp.maximum(amax, m)
     ok = amax > 0
     inv = jnp.where(ok, FP8_MAX / amax, 1.0)
-    for (off, width), h in zip(pieces(f), hs):
+    for (off, width), h in zip(parts, hs):
         q_ref[r, pl.ds(off, width)] = (h * inv).astype(q_ref.dtype)
     s_ref[r, :] = jnp.where(ok, amax / FP8_MAX, 1.0) + amax * 0.0  # amax * 0 is NaN for an inf or NaN amax, else 0
 
