@@ -156,6 +156,12 @@ def normed_fp8_matmul(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.A
 def quantize_normed_rows(x: jax.Array, norm_weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """x [M, K] (not normed), norm_weight [K] -> (float8_e4m3fn [M, K], float32 [M, 1]) with ``q * scale`` the
     quantized ``rms_norm(x) * norm_weight`` (`normed_fp8_matmul` says how the norm is folded in)."""
+    if getattr(x, "ndim", None) != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x: expected a float array [M, K]; received {getattr(x, 'shape', type(x).__name__)} "
+                         f"{getattr(x, 'dtype', '')}")
+    if getattr(norm_weight, "shape", None) != x.shape[1:]:
+        raise ValueError(f"norm_weight: expected [{x.shape[1]}] (K of x [M, K]); received "
+                         f"{getattr(norm_weight, 'shape', None)}")
     xf = x.astype(jnp.float32)
     xg = xf * norm_weight.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
@@ -201,9 +207,14 @@ def _with_fp8_copies(module, copies: dict[str, list[tuple[jax.Array, jax.Array]]
     return new
 
 
-def _quantize_swiglu_mlp(p: dict[str, jax.Array]) -> dict[str, list[tuple[jax.Array, jax.Array]]]:
+def quantize_swiglu_mlp(p: dict[str, jax.Array]) -> dict[str, list[tuple[jax.Array, jax.Array]]]:
     """The fp8 copies `fp8_swiglu_mlp` takes from stacked ``w_gate`` / ``w_up`` [L, H, F] and ``w_down`` [L, F, H]:
-    gate per tensor (its scale [L, 1]), up per channel with those scales folded into the down weight's rows."""
+    ``{"fp8_w_gate_up": [(float8 [L, 2F, H], gate scale [L, 1])], "fp8_w_down": [(float8 [L, H, F], [L, H])]}``,
+    gate per tensor, up per channel with those scales folded into the down weight's rows."""
+    shapes = {name: getattr(p.get(name), "shape", None) for name in ("w_gate", "w_up", "w_down")}
+    lhf = shapes["w_gate"]
+    if lhf is None or len(lhf) != 3 or shapes["w_up"] != lhf or shapes["w_down"] != (lhf[0], lhf[2], lhf[1]):
+        raise ValueError(f"p: expected w_gate / w_up [L, H, F] and w_down [L, F, H]; received {shapes}")
     gate, gate_scale = quantize_weight(p["w_gate"], 1, per_tensor=True)
     up, up_scale = quantize_weight(p["w_up"], 1)
     return {"fp8_w_gate_up": [(jnp.concatenate([gate, up], axis=1), gate_scale[:, :1])],
@@ -223,7 +234,7 @@ def quantize_decoder(decoder, min_rows: int = FP8_MIN_ROWS):
     copies = {name: [quantize_weight(p[part], 2 if part == "wo" else 1) for part in FP8_WEIGHTS[name]]
               for name in ("fp8_wqkv", "fp8_wo")}
     if "w_gate" in p:  # MoE: no dense MLP
-        copies.update(_quantize_swiglu_mlp(p))
+        copies.update(quantize_swiglu_mlp(p))
     new = _with_fp8_copies(decoder, copies)
     new.fp8_min_rows = min_rows
     return new

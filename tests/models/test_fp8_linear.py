@@ -17,13 +17,14 @@ from models.causal_lm import CausalLM
 from models.common import rms_norm
 from models.fp8_linear import (
     FP8,
-    _quantize_swiglu_mlp,
     fp8_matmul,
     fp8_swiglu_mlp,
     is_quantized,
     normed_fp8_matmul,
     padded,
+    quantize_normed_rows,
     quantize_rows,
+    quantize_swiglu_mlp,
     quantize_weight,
 )
 from models.qwen2_5_vl import Qwen2_5_VL
@@ -106,7 +107,7 @@ def test_fp8_swiglu_mlp_matches_the_mlp():
     p = {"w_gate": _rand(10, (n_layers, h, f)) * h ** -0.5,
          "w_up": _rand(11, (n_layers, h, f)) * h ** -0.5 * jnp.linspace(0.2, 3.0, f),
          "w_down": _rand(12, (n_layers, f, h)) * f ** -0.5}
-    copies = _quantize_swiglu_mlp(p)
+    copies = quantize_swiglu_mlp(p)
     [(wgu, sg)], [(wd, sd)] = copies["fp8_w_gate_up"], copies["fp8_w_down"]
     assert wgu.shape == (n_layers, 2 * f, h) and sg.shape == (n_layers, 1) and wd.shape == (n_layers, h, f)
     x = _rand(13, (2, 9, h)) * 3
@@ -137,6 +138,12 @@ def test_quantize_weight_and_rows_errors():
         quantize_weight(w, 1, in_scale=jnp.ones((2, 16)))
     with pytest.raises(ValueError, match="x: expected a float array"):
         quantize_rows(jnp.arange(8))
+    with pytest.raises(ValueError, match=r"norm_weight: expected \[8\]"):
+        quantize_normed_rows(_rand(16, (3, 8)), jnp.ones(4), 1e-6)
+    with pytest.raises(ValueError, match=r"x: expected a float array \[M, K\]"):
+        quantize_normed_rows(_rand(16, (2, 3, 8)), jnp.ones(8), 1e-6)
+    with pytest.raises(ValueError, match=r"p: expected w_gate / w_up \[L, H, F\]"):
+        quantize_swiglu_mlp({"w_gate": w, "w_up": w, "w_down": w})
 
 
 def test_quantize_weight_pads_with_zeros():
