@@ -15,7 +15,7 @@ D=128, bf16, causal, as in the issue. Two indexes per length:
 * **vertical-slash**: 1000 verticals / 6096 slashes per head estimated from the last 64 queries
   (`VerticalSlash.estimate`). MInference computes 64-key windows along the slashes plus gathered
   columns; ours computes `VerticalSlash.layout_from_index` with no block cap (aligned 64-key blocks per
-  128-row query block, or key windows with ``windows=True``), on Triton and Mosaic GPU.
+  128- or 64-row query block, or key windows with ``windows=True``), on Triton and Mosaic GPU.
 
 Columns: ms (median of ``--reps`` samples, each ``--calls`` queued calls: CUDA events for torch, one
 ``block_until_ready`` for JAX), computed pairs / named pairs (named: the pairs the index names: causal
@@ -153,7 +153,7 @@ def run(args, torch, mi_block, mi_vs) -> list[dict]:
         ids128, count128 = merge_row_pairs(idx, count)
         lay128 = BlockLayout(kv_blocks=ids128, kv_block_count=count128, block_q=128, block_k=BLOCK, q_len=s,
                              kv_len=s)
-        for impl, lay, what in (("triton", lay64, "same 64x64 mask"),
+        for impl, lay, what in (("triton", lay64, "same 64x64 mask"), ("mosaic_gpu", lay64, "same 64x64 mask"),
                                 ("mosaic_gpu", lay128, "128-row union of the 64-row lists")):
             row["ours"].append(time_ours(q, k, v, lay, impl, what, named, mi, timing, flops))
         if i == 0:
@@ -177,12 +177,13 @@ def run(args, torch, mi_block, mi_vs) -> list[dict]:
                "minference_ms": mi, "minference_pairs_ratio": mi_pairs / named,
                "minference_tflops": flops(mi_pairs, mi), "ours": []}
         nk = -(-s // BLOCK)
-        for windows, impls in ((False, ("triton", "mosaic_gpu")), (True, ("triton",))):
+        for bq, windows, impls in ((128, False, ("triton", "mosaic_gpu")), (128, True, ("triton",)),
+                                   (64, False, ("triton", "mosaic_gpu")), (64, True, ("triton",))):
             pattern = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64,
-                                    max_blocks=2 * nk + 2, windows=windows)
+                                    max_blocks=2 * nk + args.slash, windows=windows, block_q=bq, block_k=BLOCK)
             lay = jax.jit(lambda c, o, sc, p=pattern: p.layout_from_index(c, o, sc, s, s))(cols, offs, score)
             for impl in impls:
-                what = "key windows" if windows else "aligned 64-key blocks, no cap"
+                what = f"{bq} rows, " + ("key windows" if windows else "aligned 64-key blocks")
                 row["ours"].append(time_ours(q, k, v, lay, impl, what, named, mi, timing, flops))
         rows.append(report(row))
     return rows

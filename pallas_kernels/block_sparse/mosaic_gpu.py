@@ -1,6 +1,6 @@
 """Block-sparse flash attention forward for Hopper (sm90) in Pallas Mosaic GPU.
 
-One CTA per (query block of 128 rows, query head, batch), three warpgroups:
+One CTA per (128 query rows, query head, batch), three warpgroups:
 
 * a producer warpgroup walks the layout's key-block list and brings each listed K and V
   tile into a ring of shared-memory stages with TMA, waiting for a stage to be released
@@ -12,6 +12,13 @@ One CTA per (query block of 128 rows, query head, batch), three warpgroups:
   consumers alternate (one runs its softmax while the other's matrix products run), as
   in FlashAttention-3.
 
+Two query-block sizes. With ``block_q == 128`` both consumers work on one query block and share its
+list: every K/V tile is loaded once for 128 rows. With ``block_q == 64`` (the granularity of
+MInference's kernels: a diagonal band or a query block's own list costs half the pairs) each consumer
+owns one 64-row query block with its own list, and the producer fills one ring of stages per consumer;
+the consumer with the shorter list runs the schedule handshakes of the remaining steps without work,
+so the pair stays in step.
+
 Causality is decided on original positions. Without permutations a row's position is
 ``row + q_offset`` and a key's its index, and the mask is only computed for blocks whose
 last key can be past a row of the warpgroup (or that hold padding / an id out of range).
@@ -20,7 +27,7 @@ reads the original positions from int32 vectors and masks every block. Single ke
 run as a second pass of the same kernel over key tiles gathered per query block, merged
 with `merge_attention`.
 
-Limits: bf16 / fp16 only; ``block_q == 128``; ``block_k`` 64 or 128; head dims are
+Limits: bf16 / fp16 only; ``block_q`` 64 or 128; ``block_k`` 64 or 128; head dims are
 zero-padded to a multiple of 64, at most 128. Out: ``[B, T, N, D]`` in q's dtype, lse
 ``[B, N, T]`` float32 (natural log); empty rows give 0 / -inf; non-finite inputs follow
 `pallas_kernels.nonfinite` (a visible NaN / inf key or value makes the row NaN).
@@ -50,6 +57,7 @@ from pallas_kernels.tiling import pad_to as _pad_to
 
 BLOCK_Q = 128  # two consumer warpgroups of 64 rows
 WG_ROWS = 64
+BLOCK_QS = (WG_ROWS, BLOCK_Q)
 BLOCK_KS = (64, 128)
 MAX_HEAD_DIM = 128  # larger D (acc registers, fewer stages) is not measured on a GPU yet
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -74,6 +82,9 @@ class MosaicConfig:
       sm_scale: softmax scale.
       leads: which of (batch, head, query block) dims each layout operand has (size > 1).
       has_pos: the kernel reads original positions from ``q_pos`` / ``k_pos`` operands.
+      block_q: 128 (both consumers share one query block and its list) or 64 (each consumer has its own
+        query block and list, and its own ring of K/V stages).
+      num_q_blocks: query blocks of the layout.
     """
 
     block_k: int
@@ -89,16 +100,19 @@ class MosaicConfig:
     sm_scale: float
     leads: tuple[tuple[str, tuple[bool, bool, bool]], ...]
     has_pos: bool
+    block_q: int = BLOCK_Q
+    num_q_blocks: int = 1
 
 
-def _smem_bytes(block_k: int, head_dim: int, stages: int) -> int:
-    """Shared memory of the two Q/O tiles and ``stages`` K/V stages (2-byte elements)."""
-    return 2 * WG_ROWS * head_dim * 2 + stages * 2 * block_k * head_dim * 2
+def _smem_bytes(block_k: int, head_dim: int, stages: int, rings: int = 1) -> int:
+    """Shared memory of the two Q/O tiles and ``stages`` K/V stages per ring (2-byte elements)."""
+    return 2 * WG_ROWS * head_dim * 2 + rings * stages * 2 * block_k * head_dim * 2
 
 
-def default_stages(block_k: int, head_dim: int) -> int:
-    """K/V stages that fit next to the two Q/O tiles, in [2, 4]."""
-    stage_bytes = 2 * block_k * head_dim * 2
+def default_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q) -> int:
+    """K/V stages that fit next to the two Q/O tiles, in [2, 4] (per consumer ring with ``block_q`` 64)."""
+    rings = 2 if block_q == WG_ROWS else 1
+    stage_bytes = rings * 2 * block_k * head_dim * 2
     return max(2, min(_MAX_STAGES, (_SMEM_BUDGET - _smem_bytes(block_k, head_dim, 0)) // stage_bytes))
 
 
@@ -107,9 +121,10 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> No
     if jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES):
         raise ValueError(f"q: expected dtype bfloat16 or float16 for implementation='mosaic_gpu'; "
                          f"received {q.dtype}")
-    if layout.block_q != BLOCK_Q:
-        raise ValueError(f"layout.block_q: expected {BLOCK_Q} for implementation='mosaic_gpu' "
-                         f"(two warpgroups of {WG_ROWS} rows); received {layout.block_q}")
+    if layout.block_q not in BLOCK_QS:
+        raise ValueError(f"layout.block_q: expected one of {BLOCK_QS} for implementation='mosaic_gpu' "
+                         f"(two warpgroups of {WG_ROWS} rows on one query block or on one each); "
+                         f"received {layout.block_q}")
     if layout.block_k not in BLOCK_KS:
         raise ValueError(f"layout.block_k: expected one of {BLOCK_KS} for implementation='mosaic_gpu'; "
                          f"received {layout.block_k}")
@@ -121,18 +136,26 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> No
         raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; "
                          f"received shape {tuple(q.shape)}")
     d_pad = _round_up(max(d, 64), 64)
+    rings = 2 if layout.block_q == WG_ROWS else 1
+    if _smem_bytes(layout.block_k, d_pad, 2, rings) > _SMEM_BUDGET:
+        raise ValueError(f"layout.block_k: block_q={layout.block_q} with block_k={layout.block_k} and D={d_pad} needs "
+                         f"{_smem_bytes(layout.block_k, d_pad, 2, rings)} bytes of shared memory for two K/V stages "
+                         f"per consumer (at most {_SMEM_BUDGET}); use block_k=64 or block_q=128")
     if stages is not None:
-        fit = default_stages(layout.block_k, d_pad)
+        fit = default_stages(layout.block_k, d_pad, layout.block_q)
         if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= max(2, fit):
             raise ValueError(f"num_stages: expected an int in [2, {max(2, fit)}] (K/V stages in shared "
-                             f"memory for block_k={layout.block_k}, D={d_pad}); received {stages!r}")
+                             f"memory for block_q={layout.block_q}, block_k={layout.block_k}, D={d_pad}); "
+                             f"received {stages!r}")
 
 
 def preferred(q: jax.Array, layout: BlockLayout) -> bool:
     """The kernel supports these inputs and is the faster choice on an sm90 GPU: measured on
     an H200 (2026-11-23, tools/bench_mosaic_gpu.py) at 1.0-1.1x cuDNN on dense causal layouts
-    and about 2x Triton on random 10% layouts. Layouts with single key columns stay on
-    Triton (the column pass here materialises ``nq * max_cols`` gathered keys per head)."""
+    and about 2x Triton on random 10% layouts; with 64-row query blocks on MInference's pooled top-100 block
+    mask 1.07-1.16x Triton's speed (H200, 2026-11-26, tools/minference_side_by_side.py). Layouts with single
+    key columns stay on Triton (the column pass here materialises ``nq * max_cols`` gathered keys per head;
+    on Vertical-Slash layouts at 64 rows it was 0.92-0.99x Triton)."""
     try:
         check_supported(q, layout, None)
     except ValueError:
@@ -150,24 +173,32 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     out_ref, lse_ref = refs
     leads = dict(cfg.leads)
     bk, dp, stages = cfg.block_k, cfg.head_dim, cfg.stages
+    split = cfg.block_q == WG_ROWS  # one query block (and key list) per consumer warpgroup
+    rings = 2 if split else 1
     dtype = q_ref.dtype
-    nq = q_ref.shape[1] // BLOCK_Q
+    ctas = q_ref.shape[1] // BLOCK_Q
 
-    qi = nq - 1 - lax.axis_index("q")  # longest causal rows start first
+    cta = ctas - 1 - lax.axis_index("q")  # longest causal rows start first
     head = lax.axis_index("heads")
     batch = lax.axis_index("batch")
 
-    def lead(name):
+    def lead(name, qb):
         has_b, has_n, has_q = leads[name]
-        return (batch if has_b else 0, head if has_n else 0, qi if has_q else 0)
+        return (batch if has_b else 0, head if has_n else 0, qb if has_q else 0)
 
-    count = count_ref[lead("kv_block_count")]
+    def query_block(w):
+        """Query block of consumer w, clamped into the layout (split: block 2 * cta + w)."""
+        return jnp.minimum(cta * 2 + w, cfg.num_q_blocks - 1) if split else cta
 
-    def block_id(j):
-        """(clamped id to load, id in range) of list entry j."""
-        blk = blocks_ref[*lead("kv_blocks"), j]
-        ok = (blk >= 0) & (blk < cfg.num_kv_blocks)
-        return jnp.where(ok, blk, 0), ok
+    def count_of(w):
+        c = count_ref[lead("kv_block_count", query_block(w))]
+        return jnp.where(cta * 2 + w < cfg.num_q_blocks, c, 0) if split else c
+
+    def tile(j, w):
+        """(first key row, entry in range) of entry j of consumer w's list."""
+        raw = blocks_ref[*lead("kv_blocks", query_block(w)), j]
+        ok = (raw >= 0) & (raw < cfg.num_kv_blocks)
+        return jnp.where(ok, raw, 0) * bk, ok
 
     def body(scoped):
         (qo_smem, k_smem, v_smem, lse_smem, qp_smem, kp_smem), (k_bar, v_bar, q_bar, p_bar), \
@@ -182,10 +213,13 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
             q_smem, l_smem = qo_smem.at[wg], lse_smem.at[wg]
-            row0 = qi * BLOCK_Q + wg * WG_ROWS
+            ring = wg * stages if split else 0
+            row0 = cta * BLOCK_Q + wg * WG_ROWS
+            count = count_of(wg)
+            steps = jnp.maximum(count_of(0), count_of(1)) if split else count
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, WG_ROWS), head], q_smem, q_bar.at[wg])
             if cfg.has_pos:  # the rows' original positions, through shared memory
-                plgpu.copy_gmem_to_smem(qpos_ref.at[*lead("q_pos")[:2], pl.ds(row0, WG_ROWS)],
+                plgpu.copy_gmem_to_smem(qpos_ref.at[*lead("q_pos", 0)[:2], pl.ds(row0, WG_ROWS)],
                                         qp_smem.at[wg], q_bar.at[wg + 2])
                 plgpu.barrier_wait(q_bar.at[wg + 2])
                 q_vec = plgpu.load(qp_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
@@ -219,10 +253,9 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
             def step(j, carry):
                 acc, m, l = carry
-                slot = lax.rem(j, stages)
-                blk, in_range = block_id(j)
-                start = blk * bk
-                limit = jnp.where(in_range, cfg.kv_len, 0)  # an id out of range shows nothing
+                slot = ring + lax.rem(j, stages)
+                start, in_range = tile(j, wg)
+                limit = jnp.where(in_range, cfg.kv_len, 0)  # an entry out of range shows nothing
 
                 def qk_scope(s_ref):
                     plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -257,11 +290,18 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
                     @pl.when(j + 1 < count)
                     def _():
-                        plgpu.barrier_wait(k_bar.at[lax.rem(j + 1, stages)])
+                        plgpu.barrier_wait(k_bar.at[ring + lax.rem(j + 1, stages)])
 
                 acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
+
+            def idle(j, carry):
+                """A step past this consumer's list while the other one still computes (split): the two
+                schedule handshakes of a step, so the consumers stay paired."""
+                schedule()
+                schedule()
+                return carry
 
             row = plgpu.Layout.WGMMA.reduce(1)
             m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), row)
@@ -270,10 +310,12 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
             @pl.when(count > 0)
             def _():
-                plgpu.barrier_wait(k_bar.at[0])
+                plgpu.barrier_wait(k_bar.at[ring])
 
             pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
             acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+            if split:
+                lax.fori_loop(count, steps, idle, jnp.int32(0))
             pl.when(wg == 0)(schedule)
 
             inv = jnp.where(l == 0.0, 0.0, 1.0 / l)  # empty rows: out 0 (a NaN l stays NaN)
@@ -288,52 +330,59 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
             kv_head = lax.div(head, jnp.array(cfg.groups, head.dtype))
+            counts = [count_of(w) for w in range(rings)]
 
-            def fetch_v(blk, slot):
+            def fetch_k(start, slot):
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(start, bk), kv_head], k_smem.at[slot], k_bar.at[slot])
+
+            def fetch_v(start, slot):
                 """V tile (and, with positions, the keys' positions: both freed after P V)."""
-                plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(blk * bk, bk), kv_head], v_smem.at[slot],
-                                        v_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(start, bk), kv_head], v_smem.at[slot], v_bar.at[slot])
                 if cfg.has_pos:
-                    plgpu.copy_gmem_to_smem(kpos_ref.at[*lead("k_pos")[:2], pl.ds(blk * bk, bk)],
+                    plgpu.copy_gmem_to_smem(kpos_ref.at[*lead("k_pos", 0)[:2], pl.ds(start, bk)],
                                             kp_smem.at[slot], p_bar.at[slot])
 
-            def fetch(j, slot):
-                blk, _ = block_id(j)
-                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(blk * bk, bk), kv_head], k_smem.at[slot],
-                                        k_bar.at[slot])
-                fetch_v(blk, slot)
+            def fetch(w, j):
+                start = tile(j, w)[0]
+                fetch_k(start, w * stages + j)
+                fetch_v(start, w * stages + j)
 
             for i in range(stages):
-                pl.when(i < count)(functools.partial(fetch, i, i))
+                for w in range(rings):
+                    pl.when(i < counts[w])(functools.partial(fetch, w, i))
 
-            @pl.loop(stages, jnp.maximum(count, stages))
+            @pl.loop(stages, jnp.maximum(functools.reduce(jnp.maximum, counts), stages))
             def _(j):
-                slot = lax.rem(j, stages)
-                blk, _ = block_id(j)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(blk * bk, bk), kv_head], k_smem.at[slot],
-                                        k_bar.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                fetch_v(blk, slot)
+                for w in range(rings):
+                    @pl.when(j < counts[w])
+                    def _():
+                        slot = w * stages + lax.rem(j, stages)
+                        start = tile(j, w)[0]
+                        plgpu.barrier_wait(k_free.at[slot])
+                        fetch_k(start, slot)
+                        plgpu.barrier_wait(v_free.at[slot])
+                        fetch_v(start, slot)
 
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    n_slots = rings * stages
     pl.run_scoped(
         lambda *scoped: body(scoped),
         (
             plgpu.SMEM((2, WG_ROWS, dp), dtype, transforms=transforms),
-            plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
-            plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
+            plgpu.SMEM((n_slots, bk, dp), dtype, transforms=transforms),
+            plgpu.SMEM((n_slots, bk, dp), dtype, transforms=transforms),
             plgpu.SMEM((2, WG_ROWS), jnp.float32),
             plgpu.SMEM((2, WG_ROWS), jnp.int32) if cfg.has_pos else None,
-            plgpu.SMEM((stages, bk), jnp.int32) if cfg.has_pos else None,
+            plgpu.SMEM((n_slots, bk), jnp.int32) if cfg.has_pos else None,
         ),
         (
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=n_slots),
+            plgpu.Barrier(num_barriers=n_slots),
             plgpu.Barrier(num_barriers=4),  # q tiles, q positions
-            plgpu.Barrier(num_barriers=stages) if cfg.has_pos else None,
+            plgpu.Barrier(num_barriers=n_slots) if cfg.has_pos else None,
         ),
-        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        # a slot is freed by the consumers that read it: both (one shared list) or its own (split)
+        (plgpu.Barrier(num_arrivals=1 if split else 2, num_barriers=n_slots),) * 2,
         plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )
@@ -345,14 +394,13 @@ def _lead_flags(x: jax.Array) -> tuple[bool, bool, bool]:
 
 def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv_blocks: int,
            kv_len: int, q_offset: int, block_k: int, causal: bool, gap: int, window: int,
-           sm_scale: float, stages: int) -> tuple[jax.Array, jax.Array]:
+           sm_scale: float, stages: int, block_q: int = BLOCK_Q) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands.
 
     Args:
       q_in: ``[B, Tp, N, Dp]`` (Tp a multiple of 128, Dp of 64), rows in the layout's order.
       k_in, v_in: ``[B, Sp, H, Dp]`` with N == H * groups, Sp >= num_kv_blocks * block_k.
-      blocks: int32 ``[B|1, N|1, nq|1, max_blocks]``; count: int32 ``[B|1, N|1, nq]`` in
-        ``[0, max_blocks]``.
+      blocks: int32 ``[B|1, N|1, nq|1, max_blocks]`` block ids; count: int32 ``[B|1, N|1, nq]`` in ``[0, max_blocks]``; ``nq = ceil(rows / block_q)``.
       q_pos, k_pos: None, or int32 ``[B|1, N|1, Tp]`` / ``[B|1, N|1, Sp]`` original positions
         (keys at positions >= kv_len are never visible).
 
@@ -370,6 +418,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         block_k=block_k, head_dim=dp, stages=stages, groups=groups, num_kv_blocks=num_kv_blocks,
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
+        block_q=block_q, num_q_blocks=count.shape[2],
     )
     kernel = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
@@ -431,7 +480,8 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
     count = jnp.clip(layout.kv_block_count, 0, layout.max_blocks)
     return launch(q_in, k_in, v_in, layout.kv_blocks, count, q_pos, k_pos, groups=groups,
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
-                  causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages)
+                  causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
+                  block_q=layout.block_q)
 
 
 def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad):
@@ -463,7 +513,7 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
     q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
     return launch(q_in, k_c, v_c, blocks, count, q_pos, k_pos, groups=1, num_kv_blocks=nq * tiles,
                   kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
-                  gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages)
+                  gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages"))
@@ -486,8 +536,8 @@ def block_sparse_attention_mosaic_gpu(
     """
     t, d = q.shape[1], q.shape[3]
     d_pad = _round_up(max(d, 64), 64)
-    stages = num_stages or default_stages(layout.block_k, d_pad)
-    t_pad = layout.num_q_blocks * BLOCK_Q
+    stages = num_stages or default_stages(layout.block_k, d_pad, layout.block_q)
+    t_pad = _round_up(layout.num_q_blocks * layout.block_q, BLOCK_Q)
     k, v = poison_keys(k, v)  # a non-finite value row becomes a NaN key
     if layout.q_perm is not None:
         q_perm = jnp.clip(layout.q_perm, 0, t - 1)

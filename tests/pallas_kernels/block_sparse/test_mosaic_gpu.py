@@ -31,9 +31,10 @@ def _zeros_layout(b, t, s, n, bk, **kw):
                        q_len=t, kv_len=s, **kw)
 
 
-@pytest.mark.parametrize("dtype,d,bk,causal", [(jnp.bfloat16, 128, 64, True), (jnp.float16, 80, 128, False)])
-def test_block_layout_lowers_for_cuda(dtype, d, bk, causal):
-    layout = BlockLayout.dense_causal(1000, 1500, block_q=128, block_k=bk)
+@pytest.mark.parametrize("dtype,d,bq,bk,causal", [(jnp.bfloat16, 128, 128, 64, True), (jnp.float16, 80, 128, 128, False),
+                                                  (jnp.bfloat16, 128, 64, 64, True)])
+def test_block_layout_lowers_for_cuda(dtype, d, bq, bk, causal):
+    layout = BlockLayout.dense_causal(1000, 1500, block_q=bq, block_k=bk)
     _lower((1, 1000, 28, d), (1, 1500, 4, d), dtype, layout, causal=causal)
 
 
@@ -48,27 +49,31 @@ def test_permuted_layout_with_columns_and_window_lowers_for_cuda():
 
 @pytest.mark.parametrize("change,kw,match", [
     ("f32", {}, r"q: expected dtype bfloat16 or float16"),
-    ("bq64", {}, r"layout.block_q: expected 128"),
+    ("bq32", {}, r"layout.block_q: expected one of \(64, 128\)"),
     ("bk32", {}, r"layout.block_k: expected one of \(64, 128\)"),
     ("d192", {}, r"head dim D <= 128"),
+    ("bq64bk128", {}, r"block_q=64 with block_k=128 and D=128 needs"),
     (None, {"num_warps": 4}, r"num_warps: expected None"),
     (None, {"interpret": True}, r"interpret: expected False"),
     (None, {"num_stages": 1}, r"num_stages: expected an int in \[2, "),
     (None, {"num_stages": 9}, r"num_stages: expected an int in \[2, "),
 ])
 def test_mosaic_rejects_unsupported_input_before_launch(change, kw, match):
-    d = 192 if change == "d192" else 64
+    d = {"d192": 192, "bq64bk128": 128}.get(change, 64)
     dtype = jnp.float32 if change == "f32" else jnp.bfloat16
     q, k, v = random_qkv(0, 1, 200, 200, 2, 1, d, dtype)
-    bq = 64 if change == "bq64" else 128
-    bk = 32 if change == "bk32" else 64
+    bq = {"bq32": 32, "bq64bk128": 64}.get(change, 128)
+    bk = {"bk32": 32, "bq64bk128": 128}.get(change, 64)
     layout = BlockLayout.dense_causal(200, 200, block_q=bq, block_k=bk)
     with pytest.raises(ValueError, match=match):
         block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu", **kw)
 
 
 def test_default_stages_fit_shared_memory():
-    assert default_stages(64, 128) == 4 and default_stages(128, 128) == 2
-    for bk, d in ((64, 64), (64, 128), (128, 64), (128, 128)):
-        st = default_stages(bk, d)
-        assert 2 <= st <= 4 and 2 * 64 * d * 2 + st * 2 * bk * d * 2 <= 227 * 1024
+    assert default_stages(64, 128) == 4 and default_stages(128, 128) == 2 and default_stages(64, 128, 64) == 2
+    for bq, rings in ((128, 1), (64, 2)):  # 64-row query blocks: one ring of stages per consumer
+        for bk, d in ((64, 64), (64, 128), (128, 64), (128, 128)):
+            if (bq, bk, d) == (64, 128, 128):  # does not fit: rejected (test above)
+                continue
+            st = default_stages(bk, d, bq)
+            assert 2 <= st <= 4 and 2 * 64 * d * 2 + rings * st * 2 * bk * d * 2 <= 227 * 1024, (bq, bk, d)

@@ -56,6 +56,22 @@ def test_mosaic_matches_dense(dtype, b, t, s, n, kh, d, bk, perm, columns):
 
 
 @needs_hopper
+@pytest.mark.parametrize("b,t,s,n,kh,d,bk,density", [
+    (1, 1000, 1000, 28, 4, 128, 64, 0.3),  # ragged, odd number of 64-row query blocks (16)
+    (2, 300, 777, 8, 2, 64, 128, 0.5),     # suffix queries; 5 query blocks: the last CTA has one
+    (1, 700, 700, 4, 4, 128, 64, 0.05),    # lists of very different lengths (idle steps), empty rows
+])
+@pytest.mark.parametrize("perm,columns", [(False, 0), (True, 24)])
+def test_mosaic_64_row_query_blocks_match_dense(b, t, s, n, kh, d, bk, density, perm, columns):
+    """block_q 64: each consumer warpgroup has its own query block, list and ring of stages."""
+    rng = np.random.default_rng(t + s + d + 7 * columns + perm + 64)
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)
+    layout = random_layout(rng, b, n, t, s, 64, bk, density=density, perm=perm, columns=columns)
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)
+
+
+@needs_hopper
 @pytest.mark.parametrize("gap,window,perm", [(192, 0, False), (0, 192, False), (0, 100, True), (64, 0, True)])
 def test_mosaic_causal_gap_and_window(gap, window, perm):
     b, t, s, n, kh, d = 1, 700, 900, 4, 2, 64
