@@ -45,8 +45,8 @@ def block_sparse_attention(
       causal: mask keys after the query's original position (and, per ``layout.gap`` /
         ``layout.window``, keys too near / too far; those need ``causal=True``).
       implementation: ``"reference"`` (pure JAX), ``"triton"`` (Pallas Triton) or
-        ``"mosaic_gpu"`` (Pallas Mosaic GPU, Hopper only: bf16 / fp16, ``block_q == 128``,
-        ``block_k`` 64 or 128, D <= 128); None picks mosaic_gpu on an sm90 GPU where it
+        ``"mosaic_gpu"`` (Pallas Mosaic GPU, Hopper only: bf16 / fp16, ``block_q`` 64 or 128,
+        ``block_k`` 64 or 128 (64 with ``block_q`` 64 and D > 64), D <= 128, no key windows); None picks mosaic_gpu on an sm90 GPU where it
         supports the inputs and the layout has no single key columns (and no Triton launch
         parameter is given), triton on other GPUs, reference on CPU unless ``interpret``.
       interpret: run the Pallas Triton kernel in interpret mode (CPU); not for mosaic_gpu.
