@@ -36,6 +36,8 @@ import types
 
 import jax
 import jax.numpy as jnp
+import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,6 +60,7 @@ from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
 from pallas_kernels.block_sparse.layout import causal_pairs  # noqa: E402
 
 HEADS, D, BLOCK = 8, 128, 64
+matplotlib.use("Agg")
 
 
 def load_minference(root: str):
@@ -213,21 +216,17 @@ def report(row: dict) -> dict:
 
 
 def figure(rows: list[dict], title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     kinds = sorted({r["index"] for r in rows})
     fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         sel = [r for r in rows if r["index"] == kind]
-        names = sorted({(o["impl"], o["layout"]) for r in sel for o in r["ours"] if "ms" in o})
-        for impl, layout in names:
-            xs = [r["tokens"] for r in sel for o in r["ours"] if (o["impl"], o["layout"]) == (impl, layout) and "ms" in o]
-            ys = [o["speedup_vs_minference"] for r in sel for o in r["ours"]
-                  if (o["impl"], o["layout"]) == (impl, layout) and "ms" in o]
-            ax.plot(xs, ys, marker="o", label=f"{impl}: {layout}")
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for r in sel:
+            for o in r["ours"]:
+                if "ms" in o:
+                    series.setdefault((o["impl"], o["layout"]), []).append((r["tokens"], o["speedup_vs_minference"]))
+        for (impl, layout), points in sorted(series.items()):
+            ax.plot(*zip(*points), marker="o", label=f"{impl}: {layout}")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.axhline(1.2, color="gray", lw=0.8, ls="--", label="target 1.2x")
         ax.set_xscale("log", base=2)

@@ -153,9 +153,10 @@ def preferred(q: jax.Array, layout: BlockLayout) -> bool:
     """The kernel supports these inputs and is the faster choice on an sm90 GPU: measured on
     an H200 (2026-11-23, tools/bench_mosaic_gpu.py) at 1.0-1.1x cuDNN on dense causal layouts
     and about 2x Triton on random 10% layouts; with 64-row query blocks on MInference's pooled top-100 block
-    mask 1.07-1.16x Triton's speed (H200, 2026-11-26, tools/minference_side_by_side.py). Layouts with single
-    key columns stay on Triton (the column pass here materialises ``nq * max_cols`` gathered keys per head;
-    on Vertical-Slash layouts at 64 rows it was 0.92-0.99x Triton)."""
+    mask 0.99-1.23x Triton's speed at 32k-512k (H200 and H100, 2026-11-26, tools/minference_side_by_side.py).
+    Layouts with single key columns stay on Triton (the column pass here materialises ``nq * max_cols``
+    gathered keys per head; on Vertical-Slash layouts at 64 rows it ran 0.77-0.99x Triton, and out of memory
+    at 512k on an H100)."""
     try:
         check_supported(q, layout, None)
     except ValueError:
@@ -400,7 +401,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
     Args:
       q_in: ``[B, Tp, N, Dp]`` (Tp a multiple of 128, Dp of 64), rows in the layout's order.
       k_in, v_in: ``[B, Sp, H, Dp]`` with N == H * groups, Sp >= num_kv_blocks * block_k.
-      blocks: int32 ``[B|1, N|1, nq|1, max_blocks]`` block ids; count: int32 ``[B|1, N|1, nq]`` in ``[0, max_blocks]``; ``nq = ceil(rows / block_q)``.
+      blocks: int32 ``[B|1, N|1, nq|1, max_blocks]`` block ids; count: int32 ``[B|1, N|1, nq]`` in
+        ``[0, max_blocks]``; ``nq`` query blocks of ``block_q`` rows.
       q_pos, k_pos: None, or int32 ``[B|1, N|1, Tp]`` / ``[B|1, N|1, Sp]`` original positions
         (keys at positions >= kv_len are never visible).
 
