@@ -169,6 +169,18 @@ def test_end_to_end_equals_masked_dense_plus_correction(case, options):
     assert float(np.asarray(plan.layout.density()).max()) < 0.9
 
 
+def test_plan_with_the_mosaic_block_sparse_kernel_measures_with_the_default_kernels():
+    """KernelOptions(implementation="mosaic_gpu") names the block-sparse kernel; QSA + top-k and the re-rank have no
+    Mosaic GPU version and run their default (here on a CPU, the reference): the same plan as with no option."""
+    q, k, v = random_qkv(5, 1, 256, 256, 2, 1, 32, jnp.float32)
+    pattern = Momo(gamma=4, block=16, k=4, k_exact=1, k_trim=3, query_block=32, topk="exact", sink=16, local=16,
+                   rerank=2, rerank_stride=2)
+    got = pattern.plan(q, k, v, options=KernelOptions(implementation="mosaic_gpu"))
+    want = pattern.plan(q, k, v, options=KernelOptions())
+    np.testing.assert_array_equal(np.asarray(got.layout.kv_blocks), np.asarray(want.layout.kv_blocks))
+    np.testing.assert_array_equal(np.asarray(got.qsa.block_idx), np.asarray(want.qsa.block_idx))
+
+
 @pytest.mark.parametrize("kw,name", [
     (dict(gamma=0), "gamma"), (dict(gamma=3), "gamma"), (dict(block=48), "block"),
     (dict(query_block=100), "query_block"), (dict(k=0), "k"), (dict(k_exact=200), "k_exact"), (dict(k_exact=-1, topk="exact"), "k_exact"),

@@ -228,6 +228,13 @@ def delta_correct(out_star: jax.Array, lse_star: jax.Array, out_gamma: jax.Array
 
 
 # ------------------------------------------------------------------- pattern
+def _measure_implementation(options: KernelOptions) -> str | None:
+    """The implementation of the measuring kernels (QSA + top-k, candidate mass) for ``options``, which name the
+    block-sparse kernel's: they have no Mosaic GPU version, so "mosaic_gpu" runs them with their default (Triton
+    on a GPU)."""
+    return None if options.implementation == "mosaic_gpu" else options.implementation
+
+
 class MomoPlan(NamedTuple):
     """What MOMO measures once: the QSA result and the layout built from it."""
 
@@ -352,7 +359,7 @@ class Momo(Pattern):
         res = qsa_topk(q, k, v, gamma=self.gamma, block_kv=self.block, top_k=self.k,
                        k_exact=self.k_exact, topk=self.topk, sink_blocks=self.sink_blocks,
                        local=self.local, scan=self.scan, quantile=self.quantile, sm_scale=options.sm_scale,
-                       implementation=options.implementation, interpret=options.interpret,
+                       implementation=_measure_implementation(options), interpret=options.interpret,
                        check_finite=options.check_finite)
         geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,
                    sink_blocks=self.sink_blocks, local=self.local)
@@ -365,10 +372,9 @@ class Momo(Pattern):
     def _rerank(self, q, k, candidates, lse_gamma, options: KernelOptions) -> jax.Array:
         """The ``k_trim`` candidates (ids ``[B, N, nq, rerank * k_trim]``, -1 empty) with the most mass over the
         query block's rows (every ``rerank_stride``-th), as ``[B, N, nq, k_trim]`` ids (-1 empty)."""
-        impl = None if options.implementation == "mosaic_gpu" else options.implementation
         mass = candidate_mass(q, k, candidates, lse_gamma, query_block=self.query_block, block=self.block,
                               gamma=self.gamma, stride=self.rerank_stride, sm_scale=options.sm_scale,
-                              implementation=impl, interpret=options.interpret)
+                              implementation=_measure_implementation(options), interpret=options.interpret)
         top, pick = lax.top_k(jnp.where(candidates >= 0, mass, -jnp.inf), self.trim)
         return jnp.where(top > -jnp.inf, jnp.take_along_axis(candidates, pick, -1), -1).astype(jnp.int32)
 
