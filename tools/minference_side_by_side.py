@@ -10,8 +10,8 @@ Inputs: a video-like input (`mmjax.sparse.synthetic.video_qkv`), B=1, 8 query an
 D=128, bf16, causal, as in the issue. Two indexes per length:
 
 * **block**: MInference's pooled top-100 key blocks per 64-row query block. Ours runs the identical
-  64 x 64 mask (Triton) and, for the Mosaic GPU kernel (128-row query blocks), the union of each pair of
-  64-row lists (more pairs; the column says how many).
+  64 x 64 mask (Triton, and the Mosaic GPU kernel's 64-row mode) and, in the Mosaic GPU kernel's 128-row
+  mode, the union of each pair of 64-row lists (more pairs; the column says how many).
 * **vertical-slash**: 1000 verticals / 6096 slashes per head estimated from the last 64 queries
   (`VerticalSlash.estimate`). MInference computes 64-key windows along the slashes plus gathered
   columns; ours computes `VerticalSlash.layout_from_index` with no block cap (aligned 64-key blocks per
