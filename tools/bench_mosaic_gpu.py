@@ -20,18 +20,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from compare import rel_err
 from pallas_kernels import BlockLayout, block_sparse_attention
 
 N, K, D = 28, 4, 128
-
-
-def rel_err(a, b) -> float:
-    a = np.asarray(a, np.float32).astype(np.float64)
-    b = np.asarray(b, np.float32).astype(np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def inputs(s: int, seed: int):

@@ -18,3 +18,15 @@ def median_ms(fn, reps: int = 5, warmup: int = 2) -> float:
         jax.block_until_ready(fn())
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def queued_median_ms(fn, *, calls: int, reps: int = 5, warmup: int = 2) -> float:
+    """Median ms per call of ``fn()`` when ``calls`` calls are queued before one wait (JAX dispatches
+    asynchronously, so launch and synchronisation are spread over them): `median_ms` of the queue, over ``calls``."""
+    def queued():
+        out = None
+        for _ in range(calls):
+            out = fn()
+        return out
+
+    return median_ms(queued, reps=reps, warmup=warmup) / calls

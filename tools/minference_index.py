@@ -96,7 +96,7 @@ def vertical_slash_index(vertical: jax.Array, slash: jax.Array, seq_len: int, bl
     flat = b * n * rows
 
     def step(carry, o):  # o: [B, N] one slash per head
-        start, stop, count, offsets = carry  # [flat] range start / end (stop = -1: none yet), tiles so far
+        stop, count, offsets = carry  # [flat] end of the current range (-1: none yet), tiles so far
         o = jnp.broadcast_to(o[..., None], (b, n, rows)).reshape(flat)
         e = jnp.broadcast_to(end, (b, n, rows)).reshape(flat)
         active = o < e
@@ -107,13 +107,11 @@ def vertical_slash_index(vertical: jax.Array, slash: jax.Array, seq_len: int, bl
         emit = new | grow
         slot = jnp.where(emit, count, nl)  # out of range: dropped
         offsets = offsets.at[jnp.arange(flat), slot].set(tile, mode="drop")
-        start = jnp.where(new, x - block, start)
         stop = jnp.where(new, x, jnp.where(grow, stop + block, stop))
-        return (start, stop, count + emit.astype(jnp.int32), offsets), None
+        return (stop, count + emit.astype(jnp.int32), offsets), None
 
-    init = (jnp.zeros(flat, jnp.int32), jnp.full(flat, -1, jnp.int32), jnp.zeros(flat, jnp.int32),
-            jnp.zeros((flat, nl), jnp.int32))
-    (_, stop, count, offsets), _ = lax.scan(step, init, jnp.moveaxis(slash, -1, 0))
+    init = (jnp.full(flat, -1, jnp.int32), jnp.zeros(flat, jnp.int32), jnp.zeros((flat, nl), jnp.int32))
+    (stop, count, offsets), _ = lax.scan(step, init, jnp.moveaxis(slash, -1, 0))
     offsets = offsets.reshape(b, n, rows, nl)
     count = count.reshape(b, n, rows)
     stop = stop.reshape(b, n, rows)

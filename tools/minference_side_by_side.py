@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 import matplotlib.pyplot as plt
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import median_ms  # noqa: E402
+from compare import rel_err  # noqa: E402
+from gpu_timing import queued_median_ms  # noqa: E402
 from jsonl_log import write_atomic  # noqa: E402
 from minference_index import (  # noqa: E402
     block_index_counts,
@@ -103,21 +103,6 @@ def torch_ms(torch, fn, *, calls: int, reps: int) -> float:
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(stop) / calls)
     return sorted(samples)[len(samples) // 2]
-
-
-def jax_ms(fn, *, calls: int, reps: int) -> float:
-    def queued():
-        out = None
-        for _ in range(calls):
-            out = fn()
-        return out
-
-    return median_ms(queued, reps=reps) / calls
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def block_named_pairs(idx: jax.Array, count: jax.Array) -> float:
@@ -195,7 +180,7 @@ def run(args, torch, mi_block, mi_vs) -> list[dict]:
 def time_ours(q, k, v, lay, impl, what, named, mi_ms, timing, flops) -> dict:
     fn = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation=impl)[0])
     try:
-        ms = jax_ms(lambda: fn(q, k, v, lay), **timing)
+        ms = queued_median_ms(lambda: fn(q, k, v, lay), **timing)
     except Exception as e:  # noqa: BLE001 -- one failing variant must not hide the others
         return {"impl": impl, "layout": what, "error": f"{type(e).__name__}: {str(e)[:500]}"}
     pairs = float(jnp.sum(lay.density())) * causal_pairs(q.shape[1], k.shape[1])

@@ -16,11 +16,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import median_ms  # noqa: E402
+from compare import rel_err  # noqa: E402
+from gpu_timing import queued_median_ms  # noqa: E402
 from jsonl_log import append_jsonl  # noqa: E402
 from minference_index import block_index_counts, pooled_block_index  # noqa: E402
 
@@ -50,19 +50,11 @@ def main(argv=None) -> int:
             row = {"device": device, "tokens": s, "stages": st, "layout": "pooled top-100, 64x64"}
             try:
                 out = f(q, k, v, lay)
-
-                def queued(f=f):
-                    r = None
-                    for _ in range(args.calls):
-                        r = f(q, k, v, lay)
-                    return r
-
-                row["ms"] = median_ms(queued, reps=5) / args.calls
+                row["ms"] = queued_median_ms(lambda f=f: f(q, k, v, lay), calls=args.calls)
                 if base is None:
                     base = out
                 else:
-                    a, b = np.asarray(out, np.float32), np.asarray(base, np.float32)
-                    row["rel_err_vs_first"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+                    row["rel_err_vs_first"] = rel_err(out, base)
             except Exception as e:  # noqa: BLE001 -- a count that does not fit is a result too
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             print(row, flush=True)

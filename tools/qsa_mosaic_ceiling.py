@@ -21,7 +21,8 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gpu_timing import median_ms
+from compare import rel_err
+from gpu_timing import queued_median_ms
 from jsonl_log import append_jsonl
 
 from pallas_kernels.block_sparse.mosaic_gpu import default_stages, launch
@@ -54,11 +55,6 @@ def qsa_mosaic(q, k, v, *, block_k: int):
     return out[:, :tg], lse[:, :, :tg]
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -82,16 +78,9 @@ def main() -> None:
             try:
                 res = fn(q, k, v)
                 if name.startswith("mosaic"):
-                    row["rel_err_out"] = rel_err(np.asarray(res[0], np.float32), np.asarray(ref.out_gamma, np.float32))
+                    row["rel_err_out"] = rel_err(res[0], ref.out_gamma)
                     row["max_abs_err_lse"] = float(jnp.max(jnp.abs(res[1] - ref.lse_gamma)))
-
-                def queued(fn=fn):
-                    r = None
-                    for _ in range(args.calls):
-                        r = fn(q, k, v)
-                    return r
-
-                row["ms"] = median_ms(queued, reps=3, warmup=1) / args.calls
+                row["ms"] = queued_median_ms(lambda fn=fn: fn(q, k, v), calls=args.calls, reps=3, warmup=1)
                 flops = 4.0 * N * D * sum(min(g * GAMMA + 1, s) for g in range(0, cdiv(s, GAMMA)))
                 row["tflops_sampled_rows"] = flops / (row["ms"] / 1e3) / 1e12
             except Exception as e:  # noqa: BLE001 -- report and go on

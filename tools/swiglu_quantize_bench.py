@@ -35,7 +35,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from gpu_timing import median_ms
+from gpu_timing import queued_median_ms
 from jsonl_log import append_jsonl, write_atomic
 
 from pallas_kernels.swiglu_quantize import swiglu_quantize, swiglu_quantize_reference
@@ -141,12 +141,7 @@ def main(argv=None) -> int:
         for form, fn in forms.items():
             try:
                 one = jax.jit(fn)
-
-                def queued(one=one):
-                    for _ in range(args.calls):
-                        out = one(y, gs, us, cs)
-                    return out
-                ms = median_ms(queued, reps=args.reps) / args.calls
+                ms = queued_median_ms(lambda one=one: one(y, gs, us, cs), calls=args.calls, reps=args.reps)
                 q, s = one(y, gs, us, cs)
                 ref, denom = refs[form.endswith(" bias")]
                 err = None if form.startswith(("floor", "xla")) else float(

@@ -104,15 +104,19 @@ class MosaicConfig:
     num_q_blocks: int = 1
 
 
-def _smem_bytes(block_k: int, head_dim: int, stages: int, rings: int = 1) -> int:
+def _rings(block_q: int) -> int:
+    """K/V rings of stages: one shared by both consumers (``block_q`` 128), one per consumer (64)."""
+    return 2 if block_q == WG_ROWS else 1
+
+
+def _smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q) -> int:
     """Shared memory of the two Q/O tiles and ``stages`` K/V stages per ring (2-byte elements)."""
-    return 2 * WG_ROWS * head_dim * 2 + rings * stages * 2 * block_k * head_dim * 2
+    return 2 * WG_ROWS * head_dim * 2 + _rings(block_q) * stages * 2 * block_k * head_dim * 2
 
 
 def default_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q) -> int:
     """K/V stages that fit next to the two Q/O tiles, in [2, 4] (per consumer ring with ``block_q`` 64)."""
-    rings = 2 if block_q == WG_ROWS else 1
-    stage_bytes = rings * 2 * block_k * head_dim * 2
+    stage_bytes = _smem_bytes(block_k, head_dim, 1, block_q) - _smem_bytes(block_k, head_dim, 0)
     return max(2, min(_MAX_STAGES, (_SMEM_BUDGET - _smem_bytes(block_k, head_dim, 0)) // stage_bytes))
 
 
@@ -136,10 +140,10 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> No
         raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; "
                          f"received shape {tuple(q.shape)}")
     d_pad = _round_up(max(d, 64), 64)
-    rings = 2 if layout.block_q == WG_ROWS else 1
-    if _smem_bytes(layout.block_k, d_pad, 2, rings) > _SMEM_BUDGET:
+    need = _smem_bytes(layout.block_k, d_pad, 2, layout.block_q)
+    if need > _SMEM_BUDGET:
         raise ValueError(f"layout.block_k: block_q={layout.block_q} with block_k={layout.block_k} and D={d_pad} needs "
-                         f"{_smem_bytes(layout.block_k, d_pad, 2, rings)} bytes of shared memory for two K/V stages "
+                         f"{need} bytes of shared memory for two K/V stages "
                          f"per consumer (at most {_SMEM_BUDGET}); use block_k=64 or block_q=128")
     if stages is not None:
         fit = default_stages(layout.block_k, d_pad, layout.block_q)
@@ -175,7 +179,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     leads = dict(cfg.leads)
     bk, dp, stages = cfg.block_k, cfg.head_dim, cfg.stages
     split = cfg.block_q == WG_ROWS  # one query block (and key list) per consumer warpgroup
-    rings = 2 if split else 1
+    rings = _rings(cfg.block_q)
     dtype = q_ref.dtype
     ctas = q_ref.shape[1] // BLOCK_Q
 
