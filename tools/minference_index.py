@@ -33,6 +33,9 @@ def pooled_block_index(q: jax.Array, k: jax.Array, top_k: int, block: int = BLOC
     """q ``[B, S, N, D]``, k ``[B, S, N, D]`` (S a multiple of ``block``) -> int32 ``[B, N, S / block, top_k]``:
     per query block the ``top_k`` causal key blocks by pooled score, ascending (entries past a row's
     ``m + 1`` causal blocks are the non-causal leftovers of the top-k, which the kernel never reads)."""
+    if getattr(q, "ndim", None) != 4 or getattr(k, "shape", None) != q.shape:
+        raise ValueError(f"q, k: expected two arrays [B, S, N, D] of one shape; received {getattr(q, 'shape', None)} "
+                         f"and {getattr(k, 'shape', None)}")
     b, s, n, d = q.shape
     if s % block:
         raise ValueError(f"q: expected a length that is a multiple of {block}; received shape {tuple(q.shape)}")
@@ -57,6 +60,9 @@ def merge_row_pairs(idx: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Ar
     """The lists of query blocks ``2i`` and ``2i + 1`` merged (for a kernel with 128-row query blocks):
     ``idx [B, N, nq, K]`` with ``count [B, N, nq]`` -> (ids int32 ``[B, N, ceil(nq / 2), 2K]`` distinct and
     ascending, then padding; counts int32 ``[B, N, ceil(nq / 2)]``)."""
+    if getattr(idx, "ndim", None) != 4 or getattr(count, "shape", None) != idx.shape[:3]:
+        raise ValueError(f"idx, count: expected [B, N, nq, K] and [B, N, nq]; received {getattr(idx, 'shape', None)} "
+                         f"and {getattr(count, 'shape', None)}")
     b, n, nq, kk = idx.shape
     big = jnp.iinfo(jnp.int32).max
     valid = jnp.arange(kk) < count[..., None]
@@ -85,6 +91,9 @@ def vertical_slash_index(vertical: jax.Array, slash: jax.Array, seq_len: int, bl
       ascending; entries past the count are 0), column_count int32 ``[B, N, R]``, column_index int32
       ``[B, N, R, V]`` (ascending; entries past the count are 0).
     """
+    shapes = getattr(vertical, "shape", None), getattr(slash, "shape", None)
+    if None in shapes or len(shapes[0]) != 3 or len(shapes[1]) != 3 or shapes[0][:2] != shapes[1][:2]:
+        raise ValueError(f"vertical, slash: expected [B, N, V] and [B, N, L]; received {shapes[0]} and {shapes[1]}")
     b, n, nv = vertical.shape
     nl = slash.shape[-1]
     if seq_len % block:

@@ -8,7 +8,8 @@ over a dense key list cut at each 128-row tile's last causal key. Its output is 
 kernel's ``out_gamma`` / ``lse_gamma``. This bounds from below what a Mosaic QSA + top-k kernel (issue 16) can
 gain: MOMO spends most of its time in QSA + top-k at 1M tokens.
 
-Usage: python3 tools/qsa_mosaic_ceiling.py --out $OUT/qsa-mosaic-ceiling.jsonl [--lens 131072 1048576]
+Usage: python3 tools/qsa_mosaic_ceiling.py --out $OUT/qsa-mosaic-ceiling.jsonl [--lens 131072 1048576] [--plot]
+       python3 tools/qsa_mosaic_ceiling.py --out FILE.jsonl --plot-only   (bars of ms per case, a PNG beside FILE)
 Shapes: B=1, N=28, K=4, D=128, bf16, gamma 16, random normal inputs; top-k as in `Momo()` (block 64, one sink block,
 local 128, k 128, estimated, golden scan).
 """
@@ -17,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from compare import rel_err
 from gpu_timing import queued_median_ms
-from jsonl_log import append_jsonl
+from jsonl_log import append_jsonl, write_atomic
 
 from pallas_kernels.block_sparse.mosaic_gpu import default_stages, launch
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
@@ -55,12 +58,45 @@ def qsa_mosaic(q, k, v, *, block_k: int):
     return out[:, :tg], lse[:, :, :tg]
 
 
+def plot(jsonl: str) -> str:
+    """Bars of ms per case, one panel per length, from the JSON-lines file ``jsonl`` (the latest row per device,
+    length and case; rows with an error left out), written atomically beside it as a PNG; returns its path."""
+    import matplotlib  # here, not at the top, as in swiglu_quantize_bench.py
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    latest = {}
+    with open(jsonl) as f:
+        for line in f:
+            row = json.loads(line)
+            if "ms" in row:
+                latest[(row["device"], row["S"], row["case"])] = row
+    panels = sorted({(d, s) for d, s, _ in latest}, key=lambda x: (x[0], x[1]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3), squeeze=False)
+    for ax, (device, s) in zip(axes[0], panels):
+        rows = sorted((r for (d, n, _), r in latest.items() if (d, n) == (device, s)), key=lambda r: r["ms"])
+        colors = ["tab:orange" if r["case"].startswith("triton") else "tab:blue" for r in rows]
+        ax.barh([r["case"] for r in rows], [r["ms"] for r in rows], color=colors)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per call")
+        ax.set_title(f"QSA of every {GAMMA}th query, {s} tokens ({device})", fontsize=9)
+    fig.tight_layout()
+    png = os.path.splitext(jsonl)[0] + ".png"
+    write_atomic(png, lambda fh: fig.savefig(fh, format="png", dpi=110), binary=True)
+    plt.close(fig)
+    return png
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--lens", type=int, nargs="+", default=[131072, 1048576])
     p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--plot", action="store_true", help="draw the --out file's rows into a PNG beside it")
+    p.add_argument("--plot-only", action="store_true", help="only draw (no measurement)")
     args = p.parse_args()
+    if args.plot_only:
+        print(plot(args.out), file=sys.stderr)
+        return
     device = jax.devices()[0].device_kind
     for s in args.lens:
         kq, kk, kv = jax.random.split(jax.random.key(0), 3)
@@ -87,6 +123,9 @@ def main() -> None:
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             print(json.dumps(row), flush=True)
             append_jsonl(args.out, row)
+
+    if args.plot:
+        print(plot(args.out), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,17 @@ def test_merge_row_pairs_is_the_distinct_union():
     assert merged.tolist() == [[[4, 1]]]
     assert ids[0, 0, 0, :4].tolist() == [0, 1, 5, 7]
     assert ids[0, 0, 1, :1].tolist() == [2]
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: pooled_block_index(jnp.zeros((1, 64, 2, 8)), jnp.zeros((1, 128, 2, 8)), 2, B), r"^q, k: expected"),
+    (lambda: pooled_block_index(jnp.zeros((1, 40, 2, 8)), jnp.zeros((1, 40, 2, 8)), 2, B), r"^q: expected a length"),
+    (lambda: merge_row_pairs(jnp.zeros((1, 2, 3, 4), jnp.int32), jnp.zeros((1, 2, 4), jnp.int32)), r"^idx, count:"),
+    (lambda: vertical_slash_index(jnp.zeros((1, 2, 5), jnp.int32), jnp.zeros((1, 3, 5), jnp.int32), 64, B),
+     r"^vertical, slash: expected"),
+    (lambda: vertical_slash_index(jnp.zeros((1, 2, 5), jnp.int32), jnp.zeros((1, 2, 5), jnp.int32), 70, B),
+     r"^seq_len: expected a multiple"),
+])
+def test_bad_input_raises_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
