@@ -29,3 +29,15 @@ def append_jsonl(path: str, row: dict) -> None:
         with open(path) as f:
             old = f.read()
     write_atomic(path, lambda f: f.write(old + json.dumps(row) + "\n"))
+
+
+def latest_timed_rows(path: str, key: tuple[str, ...]) -> dict[tuple, dict]:
+    """The rows of the JSON-lines file ``path`` that hold a time (``"ms"``), the last one per value of the ``key``
+    fields (later runs appended to the same file replace earlier ones): {key values: row}."""
+    latest = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if "ms" in row:
+                latest[tuple(row[k] for k in key)] = row
+    return latest

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from compare import rel_err
 from gpu_timing import queued_median_ms
-from jsonl_log import append_jsonl, write_atomic
+from jsonl_log import append_jsonl, latest_timed_rows, write_atomic
 
 from pallas_kernels.block_sparse.mosaic_gpu import default_stages, launch
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
@@ -64,12 +64,7 @@ def plot(jsonl: str) -> str:
     import matplotlib  # here, not at the top, as in swiglu_quantize_bench.py
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    latest = {}
-    with open(jsonl) as f:
-        for line in f:
-            row = json.loads(line)
-            if "ms" in row:
-                latest[(row["device"], row["S"], row["case"])] = row
+    latest = latest_timed_rows(jsonl, ("device", "S", "case"))
     panels = sorted({(d, s) for d, s, _ in latest}, key=lambda x: (x[0], x[1]))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3), squeeze=False)
     for ax, (device, s) in zip(axes[0], panels):

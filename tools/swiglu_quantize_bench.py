@@ -29,14 +29,13 @@ forms grey), one panel per shape, into a PNG beside it; ``--plot-only`` draws wi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
 from gpu_timing import queued_median_ms
-from jsonl_log import append_jsonl, write_atomic
+from jsonl_log import append_jsonl, latest_timed_rows, write_atomic
 
 from pallas_kernels.swiglu_quantize import swiglu_quantize, swiglu_quantize_reference
 
@@ -78,12 +77,7 @@ def plot(jsonl: str) -> str:
     import matplotlib  # here, not at the top: the GPU image that runs the measurement has no matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    latest = {}
-    with open(jsonl) as f:
-        for line in f:
-            row = json.loads(line)
-            if "ms" in row:
-                latest[(row["device"], row["shape"], row["form"])] = row
+    latest = latest_timed_rows(jsonl, ("device", "shape", "form"))
     shapes = sorted({(d, s) for d, s, _ in latest})
     fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes), 0.28 * len(latest) / max(1, len(shapes)) + 2),
                              squeeze=False)
