@@ -28,6 +28,7 @@ from compare import rel_err
 from gpu_timing import queued_median_ms
 from jsonl_log import append_jsonl, latest_timed_rows, write_atomic
 
+from pallas_kernels import qsa_topk
 from pallas_kernels.block_sparse.mosaic_gpu import default_stages, launch
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 from pallas_kernels.tiling import cdiv, pad_to
@@ -102,13 +103,22 @@ def main() -> None:
             q, k, v, gamma=GAMMA, block_kv=64, top_k=128 if topk != "none" else 1, k_exact=8, topk=topk,
             sink_blocks=1, local=128, sm_scale=D ** -0.5, scan="golden")) for topk in ("none", "estimated")}
         mosaic = {bk: jax.jit(lambda q, k, v, bk=bk: qsa_mosaic(q, k, v, block_k=bk)) for bk in (64, 128)}
+        fused = jax.jit(lambda q, k, v: qsa_topk(  # the fused Mosaic GPU QSA + top-k kernel (branch wip/qsa-mosaic)
+            q, k, v, gamma=GAMMA, block_kv=64, top_k=128, k_exact=8, topk="estimated", sink_blocks=1, local=128,
+            scan="golden", rows=128, implementation="mosaic_gpu"))
         ref = triton["none"](q, k, v)
-        cases = [(f"triton topk={t}", f) for t, f in triton.items()] + [(f"mosaic bk{b}", f) for b, f in mosaic.items()]
+        cases = [(f"triton topk={t}", f) for t, f in triton.items()]
+        cases += [(f"mosaic bk{b}", f) for b, f in mosaic.items()] + [("mosaic fused topk=estimated", fused)]
         for name, fn in cases:
             row = {"S": s, "case": name, "device": device}
             try:
                 res = fn(q, k, v)
-                if name.startswith("mosaic"):
+                if name.startswith("mosaic fused"):
+                    row["rel_err_out"] = rel_err(res.out_gamma, ref.out_gamma)
+                    tri = triton["estimated"](q, k, v)
+                    row["same_ids_as_triton_64row_tiles"] = float(
+                        (np.sort(np.asarray(res.block_idx), -1) == np.sort(np.asarray(tri.block_idx), -1)).mean())
+                elif name.startswith("mosaic"):
                     row["rel_err_out"] = rel_err(res[0], ref.out_gamma)
                     row["max_abs_err_lse"] = float(jnp.max(jnp.abs(res[1] - ref.lse_gamma)))
                 row["ms"] = queued_median_ms(lambda fn=fn: fn(q, k, v), calls=args.calls, reps=3, warmup=1)

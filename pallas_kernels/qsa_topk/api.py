@@ -8,12 +8,14 @@ from pallas_kernels import nonfinite
 from pallas_kernels.checks import check_int, check_pow2, check_qkv, check_sm_scale
 from pallas_kernels.platform import default_implementation
 from pallas_kernels.qsa_topk.common import SCAN_ORDERS, QSATopKResult
+from pallas_kernels.qsa_topk.mosaic_gpu import check_supported as check_mosaic
+from pallas_kernels.qsa_topk.mosaic_gpu import qsa_topk_mosaic_gpu
 from pallas_kernels.qsa_topk.reference import qsa_topk_reference
 from pallas_kernels.qsa_topk.topk import ALGORITHMS, check_quantile
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 from pallas_kernels.tiling import cdiv
 
-IMPLEMENTATIONS = ("reference", "triton")
+IMPLEMENTATIONS = ("reference", "triton", "mosaic_gpu")
 
 
 def qsa_topk(
@@ -63,7 +65,10 @@ def qsa_topk(
         frozen edges; default) or "gaussian" (a normal quantile of the running mean and
         deviation); see `topk.py`. Ignored by "exact" and "tournament".
       sm_scale: a finite float > 0; default ``D ** -0.5``.
-      implementation: "reference" | "triton" | None (triton on a GPU or when ``interpret``).
+      implementation: "reference" | "triton" | "mosaic_gpu" | None (triton on a GPU or when ``interpret``).
+        "mosaic_gpu" (Hopper; work in progress, not yet checked on a GPU): ``topk="estimated"``, bf16 / fp16,
+        D <= 128, ``block_kv`` 64 or 128, ``k_exact`` a multiple of 8, ``rows=128`` (its tile of sampled
+        rows); inputs holding a NaN / inf run the Triton kernel instead (same results, same ``rows``).
       rows, num_warps, num_stages: Triton tile (sampled rows per program; also the tile of
         the "golden" scan order in both implementations) and launch.
       check_finite: raise `NonFiniteError` (under ``jax.jit`` a ``checkify`` error) when q, k
@@ -106,6 +111,20 @@ def qsa_topk(
     kw = dict(gamma=gamma, block_kv=block_kv, top_k=top_k, k_exact=k_exact, topk=topk,
               sink_blocks=sink_blocks, local=local, sm_scale=sm_scale, scan=scan, rows=rows,
               quantile=quantile)
+    if implementation == "mosaic_gpu":
+        if interpret:
+            raise ValueError("interpret: expected False for implementation='mosaic_gpu' (Mosaic GPU's interpreter "
+                             "cannot run the kernel; use implementation='triton' with interpret=True)")
+        check_mosaic(q, topk=topk, block_kv=block_kv, k_exact=k_exact, rows=rows)
+        kw.pop("topk")
+        kw.pop("rows")
+
+        def run(poison):
+            if poison:
+                return qsa_topk_triton(q, k, v, topk="estimated", rows=rows, poison=True, **kw)
+            return qsa_topk_mosaic_gpu(q, k, v, **kw)
+
+        return nonfinite.checked_if_nonfinite(run, q[:, ::gamma], k, v)
     if implementation == "reference":
         return qsa_topk_reference(q, k, v, **kw)
     return qsa_topk_triton(q, k, v, interpret=interpret, num_warps=num_warps,

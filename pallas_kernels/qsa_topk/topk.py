@@ -89,6 +89,7 @@ running statistics. `finalize` turns them back into NaN.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -120,8 +121,30 @@ def unrank_value(x: jax.Array) -> jax.Array:
     return jnp.where(x == RANK_NAN, jnp.nan, x)
 
 
-def _iota(rows: int, size: int) -> jax.Array:
-    return lax.broadcasted_iota(jnp.int32, (rows, size), 1)
+_IOTA = [None]  # set while a Mosaic GPU kernel traces the structures (`mosaic_tracing`)
+
+
+@contextlib.contextmanager
+def mosaic_tracing(iota):
+    """Trace the structures for a Mosaic GPU kernel: ``iota(dtype, shape, dimension)`` makes their 2-D iotas
+    (Mosaic GPU needs the layout), and the histogram counts every step without a branch on a reduction over
+    the rows (which Mosaic GPU does not lower). The results are the same."""
+    _IOTA[0] = iota
+    try:
+        yield
+    finally:
+        _IOTA[0] = None
+
+
+def _iota(rows: int, size: int, dtype=jnp.int32) -> jax.Array:
+    if _IOTA[0] is not None:
+        return _IOTA[0](dtype, (rows, size), 1)
+    return lax.broadcasted_iota(jnp.int32, (rows, size), 1).astype(dtype)
+
+
+def _ones_where(mask: jax.Array) -> jax.Array:
+    """f32 1 where ``mask`` else 0 (a select: Mosaic GPU converts no 2-D bool arrays)."""
+    return jnp.where(mask, 1.0, 0.0).astype(jnp.float32)
 
 
 def _empty_slots(rows: int, k: int) -> tuple[jax.Array, jax.Array]:
@@ -301,10 +324,10 @@ def _histogram_threshold(state: EstimatedState, slots_left: jax.Array, remaining
     ``slots_left`` items (see the module docstring); -inf before `HIST_MIN_COUNT` scores were counted."""
     counted = state.hist_counted
     too_many = state.hist * remaining[:, None] > (slots_left * counted)[:, None]  # decreasing in b
-    b = jnp.sum(too_many.astype(jnp.float32), axis=1)
+    b = jnp.sum(_ones_where(too_many), axis=1)
     # Between the last edge with too many (b - 1) and the first that fits (b): log-linear in the count.
-    bins = _iota(*state.hist.shape).astype(jnp.float32)
-    c_lo = jnp.sum(jnp.where(bins == b[:, None] - 1.0, state.hist, 0.0), axis=1)  # too many
+    bins = _iota(*state.hist.shape, dtype=jnp.float32)
+    c_lo = jnp.sum(jnp.where(bins == (b - 1.0)[:, None], state.hist, 0.0), axis=1)  # too many
     c_hi = jnp.sum(jnp.where(bins == b[:, None], state.hist, 0.0), axis=1)  # fits
     target = slots_left * counted / jnp.maximum(remaining, 1.0)
     lo, hi = jnp.maximum(c_lo, 0.5), jnp.maximum(c_hi, 0.5)
@@ -320,9 +343,9 @@ def _histogram_count(state: EstimatedState, x: jax.Array, stat: jax.Array, n, me
     arithmetic, are what the kernel's top-k structures cost."""
     frozen = state.hist_counted >= 0.0
     take = stat & frozen
-    edges = state.hist_base[:, None] + state.hist_width[:, None] * _iota(x.shape[0], HIST_BINS).astype(jnp.float32)
-    hist = state.hist + (take[:, None] & (x[:, None] >= edges)).astype(jnp.float32)
-    freeze = stat & ~frozen & (n >= HIST_WARMUP)
+    edges = state.hist_base[:, None] + state.hist_width[:, None] * _iota(x.shape[0], HIST_BINS, dtype=jnp.float32)
+    hist = state.hist + _ones_where(take[:, None] & (x[:, None] >= edges))
+    freeze = stat & (state.hist_counted < 0.0) & (n >= HIST_WARMUP)  # not frozen (no bool negation: Mosaic GPU)
     return (hist, jnp.where(freeze, mean, state.hist_base), jnp.where(freeze, sigma * HIST_WIDTH, state.hist_width),
             jnp.where(freeze, 0.0, state.hist_counted + take.astype(jnp.float32)))
 
@@ -338,7 +361,7 @@ def _every(period: int, step, run, keep):
 
 def _where_rows(on: jax.Array, new, old):
     """Per row (``on [R]``), the leaves of ``new`` or of ``old``."""
-    return jax.tree.map(lambda a, b: jnp.where(on.reshape(on.shape + (1,) * (a.ndim - 1)), a, b), new, old)
+    return jax.tree.map(lambda a, b: jnp.where(on[(...,) + (None,) * (a.ndim - 1)], a, b), new, old)
 
 
 def _hash(j):
@@ -389,8 +412,12 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
         # Every score until HIST_MIN_COUNT are counted, then about one block in HIST_COUNT_EVERY.
         on = ((_hash(j) & (HIST_COUNT_EVERY - 1)) == 0) | (state.hist_counted < HIST_MIN_COUNT)
         keep = (state.hist, state.hist_base, state.hist_width, state.hist_counted)
-        counts = lax.cond(jnp.max(on.astype(jnp.int32)) > 0,  # (jnp.any: no Triton lowering of reduce_or)
-                          lambda: _where_rows(on, _histogram_count(state, x, stat, n, mean, sigma), keep), lambda: keep)
+        if _IOTA[0] is not None:  # Mosaic GPU (`mosaic_tracing`)
+            counts = _where_rows(on, _histogram_count(state, x, stat, n, mean, sigma), keep)
+        else:
+            counts = lax.cond(jnp.max(on.astype(jnp.int32)) > 0,  # (jnp.any: no Triton lowering of reduce_or)
+                              lambda: _where_rows(on, _histogram_count(state, x, stat, n, mean, sigma), keep),
+                              lambda: keep)
         hist = (*counts, thr_h)
     accept = ok & (slots_left > 0) & ((p <= 0.0) | (sv == RANK_NAN) | ((n >= 2.0) & (sv >= thr)))
     est_vals, est_ids = state.est_vals, state.est_ids

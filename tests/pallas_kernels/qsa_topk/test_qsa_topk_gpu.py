@@ -33,3 +33,26 @@ def test_triton_matches_reference_on_gpu(topk, scan, b, t, s, n, kh, d, top_k, r
     np.testing.assert_allclose(np.asarray(ker.block_score)[ids >= 0], got[ids >= 0], atol=2e-2)
     same = (np.sort(ids, -1) == np.sort(np.asarray(ref.block_idx), -1)).mean()
     assert same > 0.97, same
+
+
+@needs_gpu
+@pytest.mark.parametrize("quantile,scan", [("histogram", "golden"), ("gaussian", "natural")])
+@pytest.mark.parametrize("b,t,s,n,kh,d,top_k,block_kv", [(1, 8192, 8192, 28, 4, 128, 64, 64),
+                                                          (2, 3000, 5000, 8, 2, 80, 16, 128)])
+def test_mosaic_matches_reference_on_gpu(quantile, scan, b, t, s, n, kh, d, top_k, block_kv):
+    """The Mosaic GPU kernel (Hopper) against the reference with the same 128-row scan tiles."""
+    if jax.devices()[0].device_kind.find("H100") < 0 and jax.devices()[0].device_kind.find("H200") < 0:
+        pytest.skip("needs an sm90 (Hopper) GPU")
+    q, k, v = random_qkv(t + s + 1, b, t, s, n, kh, d, jnp.bfloat16)
+    kw = dict(gamma=16, block_kv=block_kv, top_k=top_k, k_exact=8, topk="estimated", sink_blocks=1, local=128,
+              scan=scan, quantile=quantile, rows=128)
+    ker = qsa_topk(q, k, v, implementation="mosaic_gpu", **kw)
+    ref = qsa_topk(q, k, v, implementation="reference", **kw)
+    assert rel_err(ker.out_gamma, ref.out_gamma) < 2e-2
+    np.testing.assert_allclose(np.asarray(ker.lse_gamma), np.asarray(ref.lse_gamma), atol=2e-2)
+    _, _, scores = sampled_block_scores(q, k, None, gamma=16, block_kv=block_kv, sm_scale=d ** -0.5)
+    ids = np.asarray(ker.block_idx)
+    got = np.take_along_axis(np.asarray(scores), np.maximum(ids, 0), -1)
+    np.testing.assert_allclose(np.asarray(ker.block_score)[ids >= 0], got[ids >= 0], atol=2e-2)
+    same = (np.sort(ids, -1) == np.sort(np.asarray(ref.block_idx), -1)).mean()
+    assert same > 0.97, same

@@ -1,0 +1,318 @@
+"""Fused query-sparse attention + online block top-k for Hopper (sm90) in Pallas Mosaic GPU.
+
+WORK IN PROGRESS (branch wip/qsa-mosaic): lowers for CUDA on a CPU; never run on a GPU yet.
+
+One CTA per (128 sampled rows, query head, batch), three warpgroups as in the block-sparse Mosaic kernel
+(`pallas_kernels.block_sparse.mosaic_gpu`): a producer warpgroup brings every key block the CTA's last row
+may see into a ring of K/V stages with TMA, in the scan order (``scan="golden"``: the golden-ratio
+permutation of `common.scan_table` with ``rows=128``, shared by the two consumers so each tile is loaded
+once); two consumer warpgroups own 64 sampled rows each. Per block a consumer computes ``S = Q K^T`` with
+wgmma, masks it on positions where needed (row r of the CTA sits at ``(cta * 128 + r) * gamma + S - T``),
+updates the online softmax, issues ``O += P V``, and offers the block score ``S(j) = logsumexp`` of the
+block's scaled logits (from the same ``P``: ``m + log2(sum P)``) to the row's "estimated" top-k
+(`topk.estimated_step`, state in registers). Accepted items are stored straight to the output by a
+per-row scattered store (`scatter_rows`, Mosaic GPU's ``inline_mgpu``), as the Triton kernel does.
+
+Semantics: those of `qsa_topk_reference(..., topk="estimated", rows=128)` on finite inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, scf, vector
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.block_sparse.mosaic_gpu import default_stages
+from pallas_kernels.qsa_topk import topk as topk_lib
+from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table
+from pallas_kernels.tiling import LN2, LOG2E, cdiv
+from pallas_kernels.tiling import pad_to as _pad_to
+
+TILE = 128  # sampled rows per CTA
+WG_ROWS = 64
+ROW = plgpu.Layout.WGMMA.reduce(1)
+
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+BLOCK_KVS = (64, 128)
+
+
+def check_supported(q: jax.Array, *, topk: str, block_kv: int, k_exact: int, rows: int) -> None:
+    """The Mosaic GPU kernel's own limits, as ValueErrors naming the argument (before anything is traced)."""
+    if topk != "estimated":
+        raise ValueError(f"topk: expected 'estimated' for implementation='mosaic_gpu'; received {topk!r}")
+    if jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES):
+        raise ValueError(f"q: expected dtype bfloat16 or float16 for implementation='mosaic_gpu'; received {q.dtype}")
+    if q.shape[-1] > 128:
+        raise ValueError(f"q: expected head dim D <= 128 for implementation='mosaic_gpu'; received shape "
+                         f"{tuple(q.shape)}")
+    if block_kv not in BLOCK_KVS:
+        raise ValueError(f"block_kv: expected one of {BLOCK_KVS} for implementation='mosaic_gpu'; received {block_kv}")
+    if k_exact < 8 or k_exact % 8:
+        raise ValueError(f"k_exact: expected a positive multiple of 8 for implementation='mosaic_gpu' (its exact slots "
+                         f"are a [64, k_exact] wgmma-layout array); received {k_exact}")
+    if rows != TILE:
+        raise ValueError(f"rows: expected {TILE} for implementation='mosaic_gpu' (its tile of sampled rows, which the "
+                         f"golden scan order depends on); received {rows}")
+
+
+def _first(reg):
+    """Element 0 of a register (Mosaic GPU keeps row-vector registers as ``vector<1x...>``)."""
+    if isinstance(reg.type, ir.VectorType):
+        return vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+    return reg
+
+
+def scatter_rows(ref, values, slots, accept):
+    """``ref[r, slots[r]] = values[r]`` where ``accept[r]``, for row vectors (layout ``ROW``) of one
+    warpgroup's 64 rows; ``ref`` a ``[64, width]`` view (GMEM). Rows held by several threads are stored
+    by each of them (the same value)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), ROW, ROW, ROW))
+    def store(ctx, out, v, s, a):
+        del ctx
+        index = ir.IndexType.get()
+        for (row,), rv, rs, ra in zip(v.layout.thread_idxs(v.shape), v.registers.flat, s.registers.flat,
+                                      a.registers.flat, strict=True):
+            rv, rs, ra = _first(rv), _first(rs), _first(ra)
+            cond = arith.cmpi(arith.CmpIPredicate.ne, ra, arith.constant(ra.type, 0))
+            branch = scf.IfOp(cond)
+            with ir.InsertionPoint(branch.then_block):
+                memref.store(rv, out, [row, arith.index_cast(index, rs)])
+                scf.yield_([])
+
+    store(ref, values, slots, accept.astype(jnp.int32))
+
+
+def store_tile(ref, values):
+    """``ref[...] = values`` for a ``[64, w]`` wgmma-layout array (each thread stores the elements it holds)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))
+    def store(ctx, out, v):
+        del ctx
+        v.foreach(lambda val, idx: memref.store(val, out, list(idx)))
+
+    store(ref, values)
+
+
+def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_ref, si_ref, cnt_ref, *,
+            gamma, block_kv, stages, groups, kv_len, q_offset, tg, top_k, k_exact, sink_blocks, local,
+            sm_scale, golden, quantile):
+    bk = block_kv
+    dp = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    ctas = q_ref.shape[1] // TILE
+    nk = k_ref.shape[1] // bk
+    cta = ctas - 1 - lax.axis_index("q")  # longest causal rows start first
+    head = lax.axis_index("heads")
+    batch = lax.axis_index("batch")
+    last_row = jnp.minimum((cta + 1) * TILE, tg) - 1
+    n_blocks = jnp.minimum(nk, (last_row * gamma + q_offset) // bk + 1)
+    if golden:
+        span, mult = scan_ref[cta, 0], scan_ref[cta, 1]
+
+    def block_at(i):
+        """Key block scanned at step i (golden: a permutation of the first candidates, `common.py`)."""
+        if not golden:
+            return i
+        permuted = (i >= sink_blocks) & (i < sink_blocks + span)
+        r = lax.rem((i - sink_blocks) * mult, jnp.maximum(span, 1))
+        return jnp.where(permuted, sink_blocks + r, i)
+
+    def body(scoped):
+        (qo_smem, k_smem, v_smem, lse_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+        wg = lax.axis_index("wg")
+
+        def schedule():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, l_smem = qo_smem.at[wg], lse_smem.at[wg]
+            row0 = cta * TILE + wg * WG_ROWS
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, WG_ROWS), head], q_smem, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            scale = sm_scale * LOG2E
+            first_pos = row0 * gamma + q_offset
+            rows_v = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0, layout=ROW)
+            pos = (row0 + rows_v) * gamma + q_offset  # [64] positions of the rows
+            lo = jnp.maximum(pos - local, 0) // bk  # candidates: sink_blocks <= j < lo (common.py)
+
+            def mask(s, start):
+                rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                k_pos = start + cols
+                ok = (k_pos <= (row0 + rows) * gamma + q_offset) & (k_pos < kv_len)
+                return jnp.where(ok, s, -jnp.inf)
+
+            def step(i, carry):
+                acc, m, l, state = carry
+                slot = lax.rem(i, stages)
+                j = block_at(i)
+                start = j * bk
+
+                def qk_scope(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    schedule()
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                need = (start + bk - 1 > first_pos) | (start + bk > kv_len)
+                s = lax.cond(need, lambda x: mask(x, start), lambda x: x, s)
+                m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                block_sum = p.sum(axis=1)
+                l = l * alpha + block_sum
+                p16 = p.astype(dtype)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(sched)  # softmax done
+                # The block's score (natural log), offered while the tensor cores run the other consumer.
+                empty = block_sum == 0.0
+                score = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(jnp.where(empty, 1.0, block_sum))) * LN2)
+                active = (i >= sink_blocks) & (i < lo)
+                state, (accept, sv, si, cnt) = topk_lib.estimated_step(
+                    state, score, j, active, lo - i, k=top_k, k_exact=k_exact, step=i)
+                scatter_rows(sv_ref.at[batch, head, pl.ds(row0, WG_ROWS)], sv, cnt, accept)
+                scatter_rows(si_ref.at[batch, head, pl.ds(row0, WG_ROWS)], si, cnt, accept)
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)  # the tensor cores are ours
+
+                def pv_scope(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    @pl.when(i + 1 < n_blocks)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, stages)])
+
+                acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l, state
+
+            m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), ROW)
+            l = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), ROW)
+            acc = plgpu.layout_cast(jnp.full((WG_ROWS, dp), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            state = topk_lib.estimated_init(WG_ROWS, top_k, k_exact, buffers=False, quantile=quantile)
+            state = jax.tree.map(lambda x: plgpu.layout_cast(x, ROW if x.ndim == 1 else plgpu.Layout.WGMMA), state)
+
+            @pl.when(n_blocks > 0)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0])
+
+            pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
+            acc, m, l, state = lax.fori_loop(0, n_blocks, step, (acc, m, l, state))
+            pl.when(wg == 0)(schedule)
+
+            inv = jnp.where(l == 0.0, 0.0, 1.0 / l)
+            q_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+            l_smem[...] = (m + jnp.log2(l)) * LN2
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(row0, WG_ROWS), head])
+            plgpu.copy_smem_to_gmem(l_smem, lse_ref.at[batch, head, pl.ds(row0, WG_ROWS)])
+            (ev, ei), _ = topk_lib.estimated_result(state, k_exact)
+            store_tile(ev_ref.at[batch, head, pl.ds(row0, WG_ROWS)], ev)
+            store_tile(ei_ref.at[batch, head, pl.ds(row0, WG_ROWS)], ei)
+            scatter_rows(cnt_ref.at[batch, head, pl.ds(row0, WG_ROWS)], state.count,
+                         jnp.zeros((WG_ROWS,), jnp.int32), rows_v >= 0)
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.array(groups, head.dtype))
+
+            def fetch(i, slot):
+                start = block_at(i) * bk
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(start, bk), kv_head], k_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(start, bk), kv_head], v_smem.at[slot], v_bar.at[slot])
+
+            for i in range(stages):
+                pl.when(i < n_blocks)(functools.partial(fetch, i, i))
+
+            @pl.loop(stages, jnp.maximum(n_blocks, stages))
+            def _(i):
+                slot = lax.rem(i, stages)
+                start = block_at(i) * bk
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(start, bk), kv_head], k_smem.at[slot], k_bar.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(start, bk), kv_head], v_smem.at[slot], v_bar.at[slot])
+
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    def traced(*scoped):
+        with topk_lib.mosaic_tracing(lambda dtype, shape, dim: plgpu.broadcasted_iota(dtype, shape, dim,
+                                                                                      layout=plgpu.Layout.WGMMA)):
+            body(scoped)
+
+    pl.run_scoped(
+        traced,
+        (
+            plgpu.SMEM((2, WG_ROWS, dp), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
+            plgpu.SMEM((2, WG_ROWS), jnp.float32),
+        ),
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("gamma", "block_kv", "top_k", "k_exact", "sink_blocks", "local",
+                                             "sm_scale", "scan", "quantile", "stages"))
+def qsa_topk_mosaic_gpu(q, k, v, *, gamma: int, block_kv: int, top_k: int, k_exact: int, sink_blocks: int,
+                        local: int, sm_scale: float, scan: str = "golden", quantile: str = "histogram",
+                        stages: int | None = None) -> QSATopKResult:
+    """`qsa_topk` with ``topk="estimated"`` on Hopper (see the module docstring); finite bf16 / fp16 inputs,
+    ``D <= 128``, ``k_exact`` a multiple of 8 (its slots are a [64, k_exact] wgmma-layout array)."""
+    b, t, n, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    tg = cdiv(t, gamma)
+    ctas = cdiv(tg, TILE)
+    nk = cdiv(s, block_kv)
+    dp = max(64, -(-d // 64) * 64)
+    qg = _pad_to(_pad_to(q[:, ::gamma], 3, dp), 1, ctas * TILE)
+    k_in = _pad_to(_pad_to(k, 3, dp), 1, nk * block_kv)
+    v_in = _pad_to(_pad_to(v, 3, dp), 1, nk * block_kv)
+    table = jnp.asarray(scan_table(t, s, gamma=gamma, block_kv=block_kv, local=local, sink_blocks=sink_blocks,
+                                   rows=TILE, order=scan))
+    tgp = ctas * TILE
+    stages = stages or default_stages(block_kv, dp)
+    ke = topk_lib.next_pow2(max(k_exact, 1))
+    kest = topk_lib.next_pow2(max(top_k - k_exact, 1))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, gamma=gamma, block_kv=block_kv, stages=stages, groups=n // kh, kv_len=s,
+                          q_offset=s - t, tg=tg, top_k=top_k, k_exact=k_exact, sink_blocks=sink_blocks, local=local,
+                          sm_scale=sm_scale, golden=scan == "golden", quantile=quantile),
+        out_type=(jax.ShapeDtypeStruct(qg.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tgp), jnp.float32),
+                  jax.ShapeDtypeStruct((b, n, tgp, ke), jnp.float32), jax.ShapeDtypeStruct((b, n, tgp, ke), jnp.int32),
+                  jax.ShapeDtypeStruct((b, n, tgp, kest), jnp.float32),
+                  jax.ShapeDtypeStruct((b, n, tgp, kest), jnp.int32),
+                  jax.ShapeDtypeStruct((b, n, tgp, 1), jnp.int32)),
+        grid=(ctas, n, b),
+        grid_names=("q", "heads", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    out, lse, ev, ei, sv, si, cnt = kernel(qg, k_in, v_in, table)
+    slot = jnp.arange(kest, dtype=jnp.int32)
+    filled = slot < cnt
+    sv = jnp.where(filled, sv, jnp.where(slot < top_k - k_exact, -jnp.inf, jnp.inf))
+    si = jnp.where(filled, si, -1 - slot)
+    vals = jnp.concatenate([ev, sv], axis=-1)[:, :, :tg]
+    ids = jnp.concatenate([ei, si], axis=-1)[:, :, :tg]
+    vals, ids = topk_lib.finalize(vals, ids, top_k)
+    return QSATopKResult(out[:, :tg, :, :d], lse[:, :, :tg], ids, vals)
