@@ -168,7 +168,8 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
                 plgpu.barrier_arrive(k_free.at[slot])
                 need = (start + bk - 1 > first_pos) | (start + bk > kv_len)
                 s = lax.cond(need, lambda x: mask(x, start), lambda x: x, s)
-                m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                mb = s.max(axis=1) * scale  # the block's own max (base 2)
+                m_new = jnp.maximum(m, mb)
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 alpha = jnp.exp2(m - m_use)
                 p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
@@ -178,9 +179,11 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
                 p16 = p.astype(dtype)
                 acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 plgpu.barrier_arrive(sched)  # softmax done
-                # The block's score (natural log), offered while the tensor cores run the other consumer.
-                empty = block_sum == 0.0
-                score = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(jnp.where(empty, 1.0, block_sum))) * LN2)
+                # The block's score (natural log), offered while the tensor cores run the other consumer. Its sum
+                # is relative to the running max; a block so far below it that the sum underflows (> ~100 nats:
+                # no mass) scores its own max, a finite lower bound (the running statistics take no -inf).
+                under = block_sum == 0.0
+                score = jnp.where(under, mb, m_use + jnp.log2(jnp.where(under, 1.0, block_sum))) * LN2
                 active = (i >= sink_blocks) & (i < lo)
                 state, (accept, sv, si, cnt) = topk_lib.estimated_step(
                     state, score, j, active, lo - i, k=top_k, k_exact=k_exact, step=i)
