@@ -163,8 +163,8 @@ def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
     kw = dict(gamma=pattern.gamma, block_kv=pattern.block, top_k=pattern.k, k_exact=pattern.k_exact,
               topk=pattern.topk, sink_blocks=pattern.sink_blocks, local=pattern.local,
               scan=pattern.scan, quantile=pattern.quantile, implementation=cfg.implementation,
-              interpret=cfg.interpret, rows=rows,
-              num_warps=warps or None)
+              interpret=cfg.interpret, rows=128 if cfg.implementation == "mosaic_gpu" else rows,
+              num_warps=None if cfg.implementation == "mosaic_gpu" else (warps or None))
 
     def qsa(q, k, v):
         return qsa_topk(q, k, v, **kw)
@@ -490,8 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-config", action="store_true",
                    help="MOMO's default budget (the GPU configuration) even on a CPU; with --mass-only "
                         "--implementation reference it measures captured mass at real lengths on a CPU")
-    p.add_argument("--implementation", choices=("triton", "reference"),
-                   help="kernels of QSA + top-k and key-sparse attention (default triton)")
+    p.add_argument("--implementation", choices=("triton", "reference", "mosaic_gpu"),
+                   help="kernels of QSA + top-k and key-sparse attention (default triton; mosaic_gpu: the fused "
+                        "Mosaic GPU QSA + top-k with 128-row tiles and the Mosaic key-sparse kernel, sm90 only)")
     p.add_argument("--heads", type=positive_int, nargs=2, metavar=("N", "K"), help="query and key heads")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="input dtype")
     p.add_argument("--inputs", nargs="+", choices=("video", "needle", "mixed"), help="mass section inputs")

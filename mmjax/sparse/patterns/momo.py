@@ -92,6 +92,7 @@ from pallas_kernels import BlockLayout, QSATopKResult, block_sparse_attention, q
 from pallas_kernels.candidate_mass import candidate_mass
 from pallas_kernels.checks import check_int, check_pow2
 from pallas_kernels.qsa_topk.common import SCAN_ORDERS
+from pallas_kernels.qsa_topk.mosaic_gpu import check_supported as check_qsa_mosaic
 from pallas_kernels.qsa_topk.topk import check_quantile
 from pallas_kernels.tiling import cdiv
 
@@ -230,8 +231,8 @@ def delta_correct(out_star: jax.Array, lse_star: jax.Array, out_gamma: jax.Array
 # ------------------------------------------------------------------- pattern
 def _measure_implementation(options: KernelOptions) -> str | None:
     """The implementation of the measuring kernels (QSA + top-k, candidate mass) for ``options``, which name the
-    block-sparse kernel's: they have no Mosaic GPU version, so "mosaic_gpu" runs them with their default (Triton
-    on a GPU)."""
+    block-sparse kernel's: "mosaic_gpu" runs them with their default (Triton on a GPU); `Momo.plan` then tries the
+    fused Mosaic GPU QSA + top-k first (branch wip/qsa-mosaic)."""
     return None if options.implementation == "mosaic_gpu" else options.implementation
 
 
@@ -356,10 +357,17 @@ class Momo(Pattern):
         """QSA + top-k, then union/trim and the layout (jit-able)."""
         self.check_lengths(k.shape[1])
         t, s = q.shape[1], k.shape[1]
+        qsa_impl, rows = _measure_implementation(options), 64
+        if options.implementation == "mosaic_gpu":  # the fused Mosaic GPU kernel where it takes this config
+            try:
+                check_qsa_mosaic(q, topk=self.topk, block_kv=self.block, k_exact=self.k_exact, rows=128)
+                qsa_impl, rows = "mosaic_gpu", 128
+            except ValueError:
+                pass
         res = qsa_topk(q, k, v, gamma=self.gamma, block_kv=self.block, top_k=self.k,
                        k_exact=self.k_exact, topk=self.topk, sink_blocks=self.sink_blocks,
                        local=self.local, scan=self.scan, quantile=self.quantile, sm_scale=options.sm_scale,
-                       implementation=_measure_implementation(options), interpret=options.interpret,
+                       implementation=qsa_impl, interpret=options.interpret, rows=rows,
                        check_finite=options.check_finite)
         geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,
                    sink_blocks=self.sink_blocks, local=self.local)
