@@ -39,7 +39,8 @@ def test_triton_matches_reference_on_gpu(topk, scan, b, t, s, n, kh, d, top_k, r
 @needs_gpu
 @pytest.mark.parametrize("quantile,scan", [("histogram", "golden"), ("gaussian", "natural")])
 @pytest.mark.parametrize("b,t,s,n,kh,d,top_k,block_kv", [(1, 8192, 8192, 28, 4, 128, 64, 64),
-                                                          (2, 3000, 5000, 8, 2, 80, 16, 128)])
+                                                          (2, 3000, 5000, 8, 2, 80, 16, 128),
+                                                          (1, 20000, 20000, 4, 4, 64, 128, 64)])
 def test_mosaic_matches_reference_on_gpu(quantile, scan, b, t, s, n, kh, d, top_k, block_kv):
     """The Mosaic GPU kernel (Hopper) against the reference with the same 128-row scan tiles."""
     if not is_sm90():
@@ -57,3 +58,17 @@ def test_mosaic_matches_reference_on_gpu(quantile, scan, b, t, s, n, kh, d, top_
     np.testing.assert_allclose(np.asarray(ker.block_score)[ids >= 0], got[ids >= 0], atol=2e-2)
     same = (np.sort(ids, -1) == np.sort(np.asarray(ref.block_idx), -1)).mean()
     assert same > 0.97, same
+
+
+@needs_gpu
+def test_mosaic_with_a_nan_input_runs_the_triton_kernel_with_its_tiles():
+    """A NaN in k: the Mosaic path hands over to the Triton kernel (same 128-row tiles), which flags it."""
+    if not is_sm90():
+        pytest.skip("needs an sm90 (Hopper) GPU")
+    q, k, v = random_qkv(3, 1, 4096, 4096, 8, 2, 128, jnp.bfloat16)
+    k = k.at[0, 1000, 0, 5].set(jnp.nan)
+    kw = dict(gamma=16, block_kv=64, top_k=32, k_exact=8, topk="estimated", sink_blocks=1, local=128, rows=128)
+    ker = qsa_topk(q, k, v, implementation="mosaic_gpu", **kw)
+    tri = qsa_topk(q, k, v, implementation="triton", **kw)
+    np.testing.assert_array_equal(np.isnan(np.asarray(ker.lse_gamma)), np.isnan(np.asarray(tri.lse_gamma)))
+    np.testing.assert_array_equal(np.asarray(ker.block_idx), np.asarray(tri.block_idx))
