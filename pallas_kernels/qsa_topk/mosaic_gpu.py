@@ -63,8 +63,10 @@ def check_supported(q: jax.Array, *, topk: str, block_kv: int, k_exact: int, row
 
 
 def _first(reg):
-    """Element 0 of a register (Mosaic GPU keeps row-vector registers as ``vector<1x...>``)."""
+    """The element of a one-element register (Mosaic GPU keeps row-vector registers as ``vector<1x...>``)."""
     if isinstance(reg.type, ir.VectorType):
+        if ir.VectorType(reg.type).shape != [1]:
+            raise NotImplementedError(f"scatter_rows: expected one element per register; got {reg.type}")
         return vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
     return reg
 
