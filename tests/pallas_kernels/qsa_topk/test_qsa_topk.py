@@ -78,6 +78,24 @@ def test_estimated_fills_slots_and_keeps_mass(k, k_exact):
         np.testing.assert_array_equal(ids, np.asarray(jax.lax.top_k(scores, k)[1]))
 
 
+@pytest.mark.parametrize("quantile", ["histogram", "gaussian"])
+def test_mosaic_tracing_selects_the_same_blocks(quantile):
+    """Under `topk.mosaic_tracing` (how the Mosaic GPU kernel traces the structures: its own 2-D iota, the histogram
+    counted without a branch on the rows) a scan keeps exactly the blocks of the plain trace."""
+    rng = np.random.default_rng(7)
+    nb = 600  # past the histogram's warm-up and minimum count
+    x = np.concatenate([rng.normal(size=(40, nb)), rng.gumbel(size=(40, nb))])
+    x[:, rng.choice(nb, 40, replace=False)] += 4.0  # a cluster of near-equal high scores (per-frame sinks)
+    scores = jnp.asarray(x, jnp.float32)
+    active = jnp.asarray(rng.random(scores.shape) < 0.95)
+    remaining = jnp.asarray(np.cumsum(np.asarray(active)[:, ::-1], axis=1)[:, ::-1], jnp.int32)
+    plain = topk_lib.run_scan("estimated", scores, active, remaining, k=64, k_exact=8, quantile=quantile)
+    with topk_lib.mosaic_tracing(lambda dtype, shape, dim: jax.lax.broadcasted_iota(dtype, shape, dim)):
+        traced = topk_lib.run_scan("estimated", scores, active, remaining, k=64, k_exact=8, quantile=quantile)
+    np.testing.assert_array_equal(np.asarray(traced[1]), np.asarray(plain[1]))
+    np.testing.assert_array_equal(np.asarray(traced[0]), np.asarray(plain[0]))
+
+
 def test_estimated_keeps_the_exact_top_k_exact_slots():
     scores, active, remaining = _rows(3, 50, 120, ties=False)
     k, k_exact = 12, 4
