@@ -49,14 +49,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_fa3 as fa3
 from pallas_kernels.block_sparse.layout import BlockLayout
 from pallas_kernels.block_sparse.merge import merge_attention
 from pallas_kernels.nonfinite import poison_keys
-from pallas_kernels.tiling import LN2, LOG2E, inverse_permutation
+from pallas_kernels.tiling import LOG2E, inverse_permutation
 from pallas_kernels.tiling import pad_to as _pad_to
 
 BLOCK_Q = 128  # two consumer warpgroups of 64 rows
-WG_ROWS = 64
+WG_ROWS = fa3.WG_ROWS
 BLOCK_QS = (WG_ROWS, BLOCK_Q)
 BLOCK_KS = (64, 128)
 MAX_HEAD_DIM = 128  # larger D (acc registers, fewer stages) is not measured on a GPU yet
@@ -209,10 +210,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
         (qo_smem, k_smem, v_smem, lse_smem, qp_smem, kp_smem), (k_bar, v_bar, q_bar, p_bar), \
             (k_free, v_free), sched = scoped
         wg = lax.axis_index("wg")
-
-        def schedule():
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+        schedule = functools.partial(fa3.schedule, sched)
 
         @pl.when(wg < 2)
         def _consumer():
@@ -262,12 +260,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 start, in_range = tile(j, wg)
                 limit = jnp.where(in_range, cfg.kv_len, 0)  # an entry out of range shows nothing
 
-                def qk_scope(s_ref):
-                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    schedule()
-                    return s_ref[...]
-
-                s = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+                s = fa3.qk(q_smem, k_smem.at[slot], sched, bk)
                 plgpu.barrier_arrive(k_free.at[slot])
                 if cfg.has_pos:
                     s = mask_by_position(s, slot, limit)
@@ -278,28 +271,17 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                         if cfg.window:
                             need = need | (start + cfg.window <= q_first + WG_ROWS - 1)
                     s = lax.cond(need, lambda x: mask_by_index(x, start, limit), lambda x: x, s)
-                m_new = jnp.maximum(m, s.max(axis=1) * scale)
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
                 plgpu.barrier_arrive(sched)  # softmax done
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_wait(sched)  # the tensor cores are ours
 
-                def pv_scope(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                def wait_next_k():
+                    pl.when(j + 1 < count)(lambda: plgpu.barrier_wait(k_bar.at[ring + lax.rem(j + 1, stages)]))
 
-                    @pl.when(j + 1 < count)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[ring + lax.rem(j + 1, stages)])
-
-                acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+                acc = fa3.pv(sm.acc, sm.p, v_smem.at[slot], wait_next_k)
                 plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
+                return acc, sm.m, sm.l
 
             def idle(j, carry):
                 """A step past this consumer's list while the other one still computes (split): the two
@@ -308,10 +290,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 schedule()
                 return carry
 
-            row = plgpu.Layout.WGMMA.reduce(1)
-            m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), row)
-            l = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), row)
-            acc = plgpu.layout_cast(jnp.full((WG_ROWS, dp), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            acc, m, l = fa3.init_rows(dp)
 
             @pl.when(count > 0)
             def _():
@@ -323,12 +302,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 lax.fori_loop(count, steps, idle, jnp.int32(0))
             pl.when(wg == 0)(schedule)
 
-            inv = jnp.where(l == 0.0, 0.0, 1.0 / l)  # empty rows: out 0 (a NaN l stays NaN)
-            q_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-            l_smem[...] = (m + jnp.log2(l)) * LN2  # -inf for empty rows
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(row0, WG_ROWS), head])
-            plgpu.copy_smem_to_gmem(l_smem, lse_ref.at[batch, head, pl.ds(row0, WG_ROWS)])
+            fa3.write_rows(acc, m, l, q_smem, l_smem, out_ref.at[batch, pl.ds(row0, WG_ROWS), head],
+                           lse_ref.at[batch, head, pl.ds(row0, WG_ROWS)], dtype)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -368,7 +343,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                         plgpu.barrier_wait(v_free.at[slot])
                         fetch_v(start, slot)
 
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    transforms = fa3.SMEM_TRANSFORMS
     n_slots = rings * stages
     pl.run_scoped(
         lambda *scoped: body(scoped),

@@ -122,18 +122,27 @@ def unrank_value(x: jax.Array) -> jax.Array:
 
 
 _IOTA = [None]  # set while a Mosaic GPU kernel traces the structures (`mosaic_tracing`)
+_COUNT_ALL_UNTIL = [None]  # the scan step from which the histogram count may skip un-hashed blocks (ditto)
 
 
 @contextlib.contextmanager
-def mosaic_tracing(iota):
+def mosaic_tracing(iota, first_active_step: int | None = None):
     """Trace the structures for a Mosaic GPU kernel: ``iota(dtype, shape, dimension)`` makes their 2-D iotas
-    (Mosaic GPU needs the layout), and the histogram counts every step without a branch on a reduction over
-    the rows (which Mosaic GPU does not lower). The results are the same."""
+    (Mosaic GPU needs the layout), and the histogram count is not branched on a reduction over the rows (which
+    Mosaic GPU does not lower).
+
+    ``first_active_step=None``: the count runs at every step (per row, the same results). With an int the caller
+    promises that each row is offered finite scores at every step from ``first_active_step`` until its last offer
+    (the kernel's rows on finite inputs). A row then has counted `HIST_MIN_COUNT` scores by step
+    ``first_active_step + HIST_WARMUP + HIST_MIN_COUNT``; from that step on the count runs only at steps whose
+    block hashes in, a branch on the scalar block id, with the same results for such rows."""
     _IOTA[0] = iota
+    _COUNT_ALL_UNTIL[0] = None if first_active_step is None else first_active_step + HIST_WARMUP + HIST_MIN_COUNT
     try:
         yield
     finally:
         _IOTA[0] = None
+        _COUNT_ALL_UNTIL[0] = None
 
 
 def _iota(rows: int, size: int, dtype=jnp.int32) -> jax.Array:
@@ -413,7 +422,15 @@ def estimated_step(state: EstimatedState, x: jax.Array, j, active: jax.Array,
         on = ((_hash(j) & (HIST_COUNT_EVERY - 1)) == 0) | (state.hist_counted < HIST_MIN_COUNT)
         keep = (state.hist, state.hist_base, state.hist_width, state.hist_counted)
         if _IOTA[0] is not None:  # Mosaic GPU (`mosaic_tracing`)
-            counts = _where_rows(on, _histogram_count(state, x, stat, n, mean, sigma), keep)
+            def count():
+                return _where_rows(on, _histogram_count(state, x, stat, n, mean, sigma), keep)
+            if _COUNT_ALL_UNTIL[0] is None:
+                counts = count()
+            else:
+                hashed_in = (_hash(j) & (HIST_COUNT_EVERY - 1)) == 0  # the kernel: a scalar (the tile's block)
+                if hashed_in.ndim:  # run_scan: per row
+                    hashed_in = jnp.max(hashed_in.astype(jnp.int32)) > 0
+                counts = lax.cond(hashed_in | (jnp.asarray(step) <= _COUNT_ALL_UNTIL[0]), count, lambda: keep)
         else:
             counts = lax.cond(jnp.max(on.astype(jnp.int32)) > 0,  # (jnp.any: no Triton lowering of reduce_or)
                               lambda: _where_rows(on, _histogram_count(state, x, stat, n, mean, sigma), keep),

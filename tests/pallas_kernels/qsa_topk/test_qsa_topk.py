@@ -82,18 +82,47 @@ def test_estimated_fills_slots_and_keeps_mass(k, k_exact):
 def test_mosaic_tracing_selects_the_same_blocks(quantile):
     """Under `topk.mosaic_tracing` (how the Mosaic GPU kernel traces the structures: its own 2-D iota, the histogram
     counted without a branch on the rows) a scan keeps exactly the blocks of the plain trace."""
-    rng = np.random.default_rng(7)
-    nb = 600  # past the histogram's warm-up and minimum count
-    x = np.concatenate([rng.normal(size=(40, nb)), rng.gumbel(size=(40, nb))])
-    x[:, rng.choice(nb, 40, replace=False)] += 4.0  # a cluster of near-equal high scores (per-frame sinks)
-    scores = jnp.asarray(x, jnp.float32)
-    active = jnp.asarray(rng.random(scores.shape) < 0.95)
-    remaining = jnp.asarray(np.cumsum(np.asarray(active)[:, ::-1], axis=1)[:, ::-1], jnp.int32)
+    scores, active, remaining = _scan_inputs(np.random.default_rng(7), contiguous_from=None)
     plain = topk_lib.run_scan("estimated", scores, active, remaining, k=64, k_exact=8, quantile=quantile)
     with topk_lib.mosaic_tracing(lambda dtype, shape, dim: jax.lax.broadcasted_iota(dtype, shape, dim)):
         traced = topk_lib.run_scan("estimated", scores, active, remaining, k=64, k_exact=8, quantile=quantile)
     np.testing.assert_array_equal(np.asarray(traced[1]), np.asarray(plain[1]))
     np.testing.assert_array_equal(np.asarray(traced[0]), np.asarray(plain[0]))
+
+
+@pytest.mark.parametrize("first", [0, 3])
+def test_mosaic_tracing_with_contiguous_rows_skips_only_no_op_counts(first):
+    """With ``first_active_step`` (rows offered a finite score at every step from it to their last offer, as in the
+    kernel) the histogram count skips un-hashed blocks once every row has its minimum count: the same blocks as
+    the plain trace, and a histogram that did count (a gate one step too early changes the picks: checked by
+    ``too_early``)."""
+    scores, active, remaining = _scan_inputs(np.random.default_rng(11), contiguous_from=first)
+    plain = topk_lib.run_scan("estimated", scores, active, remaining, k=64, k_exact=8)
+    iota = lambda dtype, shape, dim: jax.lax.broadcasted_iota(dtype, shape, dim)  # noqa: E731
+    with topk_lib.mosaic_tracing(iota, first_active_step=first):
+        traced = topk_lib.run_scan("estimated", scores, active, remaining, k=64, k_exact=8)
+    np.testing.assert_array_equal(np.asarray(traced[1]), np.asarray(plain[1]))
+    np.testing.assert_array_equal(np.asarray(traced[0]), np.asarray(plain[0]))
+    with topk_lib.mosaic_tracing(iota, first_active_step=first - 40):  # skips counts that were not no-ops
+        too_early = topk_lib.run_scan("estimated", scores, active, remaining, k=64, k_exact=8)
+    assert not np.array_equal(np.asarray(too_early[1]), np.asarray(plain[1]))
+
+
+def _scan_inputs(rng, *, contiguous_from):
+    """Scores for 80 rows x 600 offers (normal and Gumbel rows, a cluster of near-equal high scores as per-frame
+    sinks), past the histogram's warm-up and minimum count. Activity: random (95%) when ``contiguous_from`` is
+    None, else every step from it to a per-row end (some rows end before the minimum count)."""
+    nb = 600
+    x = np.concatenate([rng.normal(size=(40, nb)), rng.gumbel(size=(40, nb))])
+    x[:, rng.choice(nb, 40, replace=False)] += 4.0
+    if contiguous_from is None:
+        active = rng.random(x.shape) < 0.95
+    else:
+        steps = np.arange(nb)[None]
+        end = rng.integers(contiguous_from + 20, nb + 1, size=(x.shape[0], 1))
+        active = (steps >= contiguous_from) & (steps < end)
+    remaining = np.cumsum(active[:, ::-1], axis=1)[:, ::-1]
+    return jnp.asarray(x, jnp.float32), jnp.asarray(active), jnp.asarray(remaining, jnp.int32)
 
 
 def test_estimated_keeps_the_exact_top_k_exact_slots():

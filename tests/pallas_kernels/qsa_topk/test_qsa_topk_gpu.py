@@ -24,11 +24,18 @@ def test_triton_matches_reference_on_gpu(topk, scan, b, t, s, n, kh, d, top_k, r
     q, k, v = random_qkv(t + s, b, t, s, n, kh, d, jnp.bfloat16)
     kw = dict(gamma=16, block_kv=64, top_k=top_k, k_exact=8, topk=topk, sink_blocks=1, local=128, scan=scan,
               rows=rows)
-    ker = qsa_topk(q, k, v, implementation="triton", **kw)
+    _check_against_reference(q, k, v, "triton", kw)
+
+
+def _check_against_reference(q, k, v, implementation, kw):
+    """Kernel vs reference: outputs and lse close, every selected block's score its true score, and (nearly) the
+    same blocks (ties and bf16 rounding may swap a few)."""
+    ker = qsa_topk(q, k, v, implementation=implementation, **kw)
     ref = qsa_topk(q, k, v, implementation="reference", **kw)
     assert rel_err(ker.out_gamma, ref.out_gamma) < 2e-2
     np.testing.assert_allclose(np.asarray(ker.lse_gamma), np.asarray(ref.lse_gamma), atol=2e-2)
-    _, _, scores = sampled_block_scores(q, k, None, gamma=16, block_kv=64, sm_scale=d ** -0.5)
+    _, _, scores = sampled_block_scores(q, k, None, gamma=kw["gamma"], block_kv=kw["block_kv"],
+                                        sm_scale=q.shape[-1] ** -0.5)
     ids = np.asarray(ker.block_idx)
     got = np.take_along_axis(np.asarray(scores), np.maximum(ids, 0), -1)
     np.testing.assert_allclose(np.asarray(ker.block_score)[ids >= 0], got[ids >= 0], atol=2e-2)
@@ -48,16 +55,7 @@ def test_mosaic_matches_reference_on_gpu(quantile, scan, b, t, s, n, kh, d, top_
     q, k, v = random_qkv(t + s + 1, b, t, s, n, kh, d, jnp.bfloat16)
     kw = dict(gamma=16, block_kv=block_kv, top_k=top_k, k_exact=8, topk="estimated", sink_blocks=1, local=128,
               scan=scan, quantile=quantile, rows=128)
-    ker = qsa_topk(q, k, v, implementation="mosaic_gpu", **kw)
-    ref = qsa_topk(q, k, v, implementation="reference", **kw)
-    assert rel_err(ker.out_gamma, ref.out_gamma) < 2e-2
-    np.testing.assert_allclose(np.asarray(ker.lse_gamma), np.asarray(ref.lse_gamma), atol=2e-2)
-    _, _, scores = sampled_block_scores(q, k, None, gamma=16, block_kv=block_kv, sm_scale=d ** -0.5)
-    ids = np.asarray(ker.block_idx)
-    got = np.take_along_axis(np.asarray(scores), np.maximum(ids, 0), -1)
-    np.testing.assert_allclose(np.asarray(ker.block_score)[ids >= 0], got[ids >= 0], atol=2e-2)
-    same = (np.sort(ids, -1) == np.sort(np.asarray(ref.block_idx), -1)).mean()
-    assert same > 0.97, same
+    _check_against_reference(q, k, v, "mosaic_gpu", kw)
 
 
 @needs_gpu

@@ -1,0 +1,105 @@
+"""The consumer side of a FlashAttention-3 style Hopper kernel in Pallas Mosaic GPU, shared by the block-sparse
+attention (`pallas_kernels.block_sparse.mosaic_gpu`) and the fused query-sparse attention + top-k
+(`pallas_kernels.qsa_topk.mosaic_gpu`).
+
+Two consumer warpgroups own 64 query rows each and alternate on a "schedule" barrier of two arrivals: one runs
+its softmax while the other's matrix products use the tensor cores. Per key tile a consumer calls `qk` (``S = Q
+K^T`` by wgmma, then the handshake that hands the tensor cores over), masks S itself, calls `softmax_step`
+(online softmax in base 2 with float32 statistics in registers), arrives on the schedule barrier, waits for its
+V tile and for the barrier, and calls `pv` (``O += P V`` with P from registers). `write_rows` normalises the rows
+at the end and stores them with TMA. Shapes: S and P ``[64, block_k]``, O ``[64, Dp]`` (WGMMA layout), row
+statistics ``[64]`` (layout `ROW`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.tiling import LN2
+
+WG_ROWS = 64  # query rows per consumer warpgroup
+ROW = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a WGMMA-layout tile
+SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # Q / K / V / O tiles
+
+
+def schedule(sched) -> None:
+    """Arrive on the schedule barrier and wait for the other consumer."""
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+
+def init_rows(head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(O ``[64, head_dim]`` zeros, running max m ``[64]`` -inf, running sum l ``[64]`` zeros), float32."""
+    acc = plgpu.layout_cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), ROW)
+    l = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), ROW)
+    return acc, m, l
+
+
+def qk(q_smem, k_tile, sched, block_k: int) -> jax.Array:
+    """``S = Q K^T`` float32 ``[64, block_k]`` from the consumer's Q tile and a K tile ``[block_k, Dp]`` in shared
+    memory; the schedule handshake runs while the product is in flight."""
+
+    def scope(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_tile.transpose((1, 0)))
+        schedule(sched)
+        return s_ref[...]
+
+    return pl.run_scoped(scope, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
+
+
+class SoftmaxStep(NamedTuple):
+    acc: jax.Array  # O rescaled to the new max
+    m: jax.Array  # running max (base 2, scaled)
+    l: jax.Array  # running sum relative to m_use
+    p: jax.Array  # P = exp2(S * scale - m_use) in the kernel's dtype, for `pv`
+    block_max: jax.Array  # the tile's own row max (base 2, scaled); -inf for a fully masked row
+    block_sum: jax.Array  # the tile's row sum of P (relative to m_use)
+    m_use: jax.Array  # the shift P is relative to (0 where every key so far is masked)
+
+
+def softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array, *, scale: float,
+                 dtype) -> SoftmaxStep:
+    """One tile of the online softmax: ``s`` the masked logits (``-inf`` where masked), ``scale`` = sm_scale *
+    log2(e)."""
+    block_max = s.max(axis=1) * scale
+    m_new = jnp.maximum(m, block_max)
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    block_sum = p.sum(axis=1)
+    l = l * alpha + block_sum
+    p16 = p.astype(dtype)
+    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+    return SoftmaxStep(acc, m_new, l, p16, block_max, block_sum, m_use)
+
+
+def pv(acc: jax.Array, p: jax.Array, v_tile, while_running: Callable[[], None] | None = None) -> jax.Array:
+    """``O += P V`` with P from registers and a V tile ``[block_k, Dp]`` in shared memory; ``while_running()``
+    (e.g. waiting for the next K tile) runs while the product is in flight."""
+
+    def scope(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_tile)
+        if while_running is not None:
+            while_running()
+
+    return pl.run_state(scope)(plgpu.ACC.init(acc))
+
+
+def write_rows(acc: jax.Array, m: jax.Array, l: jax.Array, o_smem, lse_smem, out_view, lse_view, dtype) -> None:
+    """Normalise O by l and store it (``[64, Dp]``, the kernel's dtype) and the rows' lse (``[64]`` float32,
+    natural log; empty rows: O 0, lse -inf; a NaN l stays NaN) through shared memory with TMA. The caller waits
+    (``plgpu.wait_smem_to_gmem``) before the kernel ends."""
+    inv = jnp.where(l == 0.0, 0.0, 1.0 / l)
+    o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+    lse_smem[...] = (m + jnp.log2(l)) * LN2
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_view)
+    plgpu.copy_smem_to_gmem(lse_smem, lse_view)
