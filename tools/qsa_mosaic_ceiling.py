@@ -6,7 +6,10 @@ The Mosaic kernel has no QSA mode; it runs here on the gathered sampled rows wit
 (``launch`` with position vectors: every tile is masked by position, a cost a dedicated kernel would not pay),
 over a dense key list cut at each 128-row tile's last causal key. Its output is checked against the Triton
 kernel's ``out_gamma`` / ``lse_gamma``. This bounds from below what a Mosaic QSA + top-k kernel (issue 16) can
-gain: MOMO spends most of its time in QSA + top-k at 1M tokens.
+gain: MOMO spends most of its time in QSA + top-k at 1M tokens. The fused Mosaic GPU QSA + top-k kernel
+(`pallas_kernels.qsa_topk.mosaic_gpu`, row "mosaic fused") is timed beside it; its picked blocks are compared
+with the Triton kernel's (64-row scan tiles, so a share below 1 is expected: the golden scan order depends on
+the tile).
 
 Usage: python3 tools/qsa_mosaic_ceiling.py --out $OUT/qsa-mosaic-ceiling.jsonl [--lens 131072 1048576] [--plot]
        python3 tools/qsa_mosaic_ceiling.py --out FILE.jsonl --plot-only   (bars of ms per case, a PNG beside FILE)
@@ -103,7 +106,7 @@ def main() -> None:
             q, k, v, gamma=GAMMA, block_kv=64, top_k=128 if topk != "none" else 1, k_exact=8, topk=topk,
             sink_blocks=1, local=128, sm_scale=D ** -0.5, scan="golden")) for topk in ("none", "estimated")}
         mosaic = {bk: jax.jit(lambda q, k, v, bk=bk: qsa_mosaic(q, k, v, block_k=bk)) for bk in (64, 128)}
-        fused = jax.jit(lambda q, k, v: qsa_topk(  # the fused Mosaic GPU QSA + top-k kernel (branch wip/qsa-mosaic)
+        fused = jax.jit(lambda q, k, v: qsa_topk(  # the fused Mosaic GPU QSA + top-k kernel
             q, k, v, gamma=GAMMA, block_kv=64, top_k=128, k_exact=8, topk="estimated", sink_blocks=1, local=128,
             scan="golden", rows=128, implementation="mosaic_gpu"))
         ref = triton["none"](q, k, v)

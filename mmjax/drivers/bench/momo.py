@@ -162,12 +162,15 @@ def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
     rows, warps = tile
     kw = dict(gamma=pattern.gamma, block_kv=pattern.block, top_k=pattern.k, k_exact=pattern.k_exact,
               topk=pattern.topk, sink_blocks=pattern.sink_blocks, local=pattern.local,
-              scan=pattern.scan, quantile=pattern.quantile, implementation=cfg.implementation,
-              interpret=cfg.interpret, rows=128 if cfg.implementation == "mosaic_gpu" else rows,
-              num_warps=None if cfg.implementation == "mosaic_gpu" else (warps or None))
+              scan=pattern.scan, quantile=pattern.quantile, interpret=cfg.interpret)
 
     def qsa(q, k, v):
-        return qsa_topk(q, k, v, **kw)
+        """MOMO's choice of kernel (`Momo.qsa_kernel`: under mosaic_gpu the fused kernel where it takes the
+        config, else Triton with the tile)."""
+        impl, r = pattern.qsa_kernel(q, KernelOptions(implementation=cfg.implementation, interpret=cfg.interpret),
+                                     rows=rows)
+        return qsa_topk(q, k, v, implementation=impl, rows=r,
+                        num_warps=None if impl == "mosaic_gpu" else (warps or None), **kw)
 
     def trim(res, t, s):
         geo = dict(q_len=t, kv_len=s, query_block=pattern.query_block, block=pattern.block,

@@ -231,8 +231,8 @@ def delta_correct(out_star: jax.Array, lse_star: jax.Array, out_gamma: jax.Array
 # ------------------------------------------------------------------- pattern
 def _measure_implementation(options: KernelOptions) -> str | None:
     """The implementation of the measuring kernels (QSA + top-k, candidate mass) for ``options``, which name the
-    block-sparse kernel's: "mosaic_gpu" runs them with their default (Triton on a GPU); `Momo.plan` then tries the
-    fused Mosaic GPU QSA + top-k first (branch wip/qsa-mosaic)."""
+    block-sparse kernel's: "mosaic_gpu" runs them with their default (Triton on a GPU); `Momo.qsa_kernel` then
+    takes the fused Mosaic GPU QSA + top-k where it supports the config."""
     return None if options.implementation == "mosaic_gpu" else options.implementation
 
 
@@ -352,18 +352,25 @@ class Momo(Pattern):
             raise ValueError(f"k: expected k <= number of key blocks ceil(S / block) = {nk} "
                              f"(S={kv_len}, block={self.block}); received {self.k}")
 
+    def qsa_kernel(self, q: jax.Array, options: KernelOptions = KernelOptions(), rows: int = 64
+                   ) -> tuple[str | None, int]:
+        """(implementation, rows) of the QSA + top-k kernel for ``options``: under "mosaic_gpu" the fused Mosaic GPU
+        kernel (128-row tiles) where it supports this config ("estimated" top-k, bf16 / fp16, ``k_exact`` a multiple
+        of 8, ...), else `_measure_implementation` with ``rows`` sampled rows per tile."""
+        if options.implementation == "mosaic_gpu":
+            try:
+                check_qsa_mosaic(q, topk=self.topk, block_kv=self.block, k_exact=self.k_exact, rows=128)
+                return "mosaic_gpu", 128
+            except ValueError:
+                pass
+        return _measure_implementation(options), rows
+
     def plan(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
              options: KernelOptions = KernelOptions()) -> MomoPlan:
         """QSA + top-k, then union/trim and the layout (jit-able)."""
         self.check_lengths(k.shape[1])
         t, s = q.shape[1], k.shape[1]
-        qsa_impl, rows = _measure_implementation(options), 64
-        if options.implementation == "mosaic_gpu":  # the fused Mosaic GPU kernel where it takes this config
-            try:
-                check_qsa_mosaic(q, topk=self.topk, block_kv=self.block, k_exact=self.k_exact, rows=128)
-                qsa_impl, rows = "mosaic_gpu", 128
-            except ValueError:
-                pass
+        qsa_impl, rows = self.qsa_kernel(q, options)
         res = qsa_topk(q, k, v, gamma=self.gamma, block_kv=self.block, top_k=self.k,
                        k_exact=self.k_exact, topk=self.topk, sink_blocks=self.sink_blocks,
                        local=self.local, scan=self.scan, quantile=self.quantile, sm_scale=options.sm_scale,
