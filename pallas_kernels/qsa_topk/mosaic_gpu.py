@@ -83,9 +83,10 @@ def scatter_rows(targets, slots, accept):
     (layout ``ROW``) of one warpgroup's 64 rows; each ``ref`` a ``[64, width]`` view (GMEM). Rows held by several
     threads are stored by each of them (the same value).
 
-    One branch per thread on whether any of its rows accepts guards the per-row stores: the common step, where
-    no row of a warp accepts, costs the warp that one branch (per-row branches alone cost the fused kernel a
-    fifth of its time at 128k tokens, H100, 2026-11-26)."""
+    One branch per thread on whether any of its rows accepts guards the per-row stores, so the common step, where
+    no row of a warp accepts, costs the warp one branch. (Measured on an H100, 2026-11-26: the same time as a
+    branch per row and target, 25-26 ms at 128k tokens. What the top-k costs is its row-vector arithmetic:
+    without the accepted items stored, the threshold work is dead code and the kernel runs in 19.6 ms.)"""
     refs = [r for r, _ in targets]
     n = len(refs)
 
