@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mmjax.sparse.layouts import KernelOptions
+from mmjax.sparse.patterns import momo as momo_module
 from mmjax.sparse.patterns.momo import (
     Momo,
     assemble_layout,
@@ -170,8 +171,9 @@ def test_end_to_end_equals_masked_dense_plus_correction(case, options):
 
 
 def test_plan_with_the_mosaic_block_sparse_kernel_measures_with_the_default_kernels():
-    """KernelOptions(implementation="mosaic_gpu") names the block-sparse kernel; QSA + top-k and the re-rank have no
-    Mosaic GPU version and run their default (here on a CPU, the reference): the same plan as with no option."""
+    """KernelOptions(implementation="mosaic_gpu") names the block-sparse kernel; the exact top-k (which the fused
+    Mosaic GPU QSA does not take) and the re-rank run their default (here on a CPU, the reference): the same plan
+    as with no option."""
     q, k, v = random_qkv(5, 1, 256, 256, 2, 1, 32, jnp.float32)
     pattern = Momo(gamma=4, block=16, k=4, k_exact=1, k_trim=3, query_block=32, topk="exact", sink=16, local=16,
                    rerank=2, rerank_stride=2)
@@ -179,6 +181,23 @@ def test_plan_with_the_mosaic_block_sparse_kernel_measures_with_the_default_kern
     want = pattern.plan(q, k, v, options=KernelOptions())
     np.testing.assert_array_equal(np.asarray(got.layout.kv_blocks), np.asarray(want.layout.kv_blocks))
     np.testing.assert_array_equal(np.asarray(got.qsa.block_idx), np.asarray(want.qsa.block_idx))
+
+
+@pytest.mark.parametrize("options,hopper,want", [
+    (KernelOptions(), True, ("mosaic_gpu", 128)),
+    (KernelOptions(), False, (None, 64)),
+    (KernelOptions(interpret=True), True, (None, 64)),
+    (KernelOptions(implementation="triton"), True, ("triton", 64)),
+    (KernelOptions(implementation="mosaic_gpu"), False, ("mosaic_gpu", 128)),
+])
+def test_qsa_kernel_is_the_fused_mosaic_kernel_by_default_on_hopper(monkeypatch, options, hopper, want):
+    """MOMO's QSA + top-k: the fused Mosaic GPU kernel (128-row tiles) when asked for, or by default on an sm90 GPU,
+    for a config it takes; otherwise the named / default implementation with the Triton tile."""
+    monkeypatch.setattr(momo_module, "is_sm90", lambda: hopper)
+    q = jnp.zeros((1, 4096, 4, 128), jnp.bfloat16)
+    assert Momo(topk="estimated", k_exact=8).qsa_kernel(q, options) == want
+    assert Momo(topk="exact", k_exact=8).qsa_kernel(q, options)[0] != "mosaic_gpu"  # a config it does not take
+    assert Momo(topk="estimated", k_exact=8).qsa_kernel(q.astype(jnp.float32), options)[0] != "mosaic_gpu"
 
 
 @pytest.mark.parametrize("kw,name", [

@@ -1,4 +1,4 @@
-"""MOMO end to end on a GPU (Triton kernels compiled): `pytest -m gpu`."""
+"""MOMO end to end on a GPU (kernels compiled): `pytest -m gpu`."""
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +17,13 @@ needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a C
 
 @needs_gpu
 @pytest.mark.parametrize("topk", ["exact", "estimated"])
-def test_momo_triton_sampled_rows_equal_cudnn_and_match_reference(topk):
+@pytest.mark.parametrize("options", [KernelOptions(implementation="triton"), KernelOptions()],
+                         ids=["triton", "default"])
+def test_momo_sampled_rows_equal_cudnn_and_match_reference(topk, options):
+    """Triton kernels, and the default (on Hopper: the fused Mosaic GPU QSA for the estimated top-k and the Mosaic
+    block-sparse kernel)."""
     q, k, v = random_qkv(7, 1, 8192, 8192, 28, 4, 128, jnp.bfloat16)
     pattern = Momo(k=16, k_trim=16, topk=topk)
-    options = KernelOptions(implementation="triton")
     out, _ = jax.jit(lambda q, k, v: pattern.attend(q, k, v, options=options))(q, k, v)
     dense = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     assert rel_err(out[:, ::16], dense[:, ::16]) < 2e-2
