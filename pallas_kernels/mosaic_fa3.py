@@ -1,8 +1,9 @@
-"""The consumer side of a FlashAttention-3 style Hopper kernel in Pallas Mosaic GPU, shared by the block-sparse
+"""The skeleton of a FlashAttention-3 style Hopper kernel in Pallas Mosaic GPU, shared by the block-sparse
 attention (`pallas_kernels.block_sparse.mosaic_gpu`) and the fused query-sparse attention + top-k
 (`pallas_kernels.qsa_topk.mosaic_gpu`).
 
-Two consumer warpgroups own 64 query rows each and alternate on a "schedule" barrier of two arrivals: one runs
+`warp_specialized` runs the kernel's consumer on warpgroups 0 and 1 and its TMA producer on warpgroup 2. Two
+consumer warpgroups own 64 query rows each and alternate on a "schedule" barrier of two arrivals: one runs
 its softmax while the other's matrix products use the tensor cores. Per key tile a consumer calls `qk` (``S = Q
 K^T`` by wgmma, then the handshake that hands the tensor cores over), masks S itself, calls `softmax_step`
 (online softmax in base 2 with float32 statistics in registers), arrives on the schedule barrier, waits for its
@@ -26,6 +27,26 @@ from pallas_kernels.tiling import LN2
 WG_ROWS = 64  # query rows per consumer warpgroup
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a WGMMA-layout tile
 SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # Q / K / V / O tiles
+
+
+CONSUMER_REGISTERS = 232  # per thread of a consumer warpgroup (O, S / P and the row statistics live in registers)
+PRODUCER_REGISTERS = 40  # per thread of the TMA producer warpgroup
+
+
+def warp_specialized(consumer: Callable[[jax.Array], None], producer: Callable[[], None]) -> None:
+    """Run ``consumer(wg)`` on warpgroups 0 and 1 and ``producer()`` on warpgroup 2 (the kernel's ``thread_name`` is
+    "wg", three threads), moving registers from the producer to the consumers first."""
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < 2)
+    def _():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        consumer(wg)
+
+    @pl.when(wg == 2)
+    def _():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        producer()
 
 
 def schedule(sched) -> None:

@@ -209,12 +209,9 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     def body(scoped):
         (qo_smem, k_smem, v_smem, lse_smem, qp_smem, kp_smem), (k_bar, v_bar, q_bar, p_bar), \
             (k_free, v_free), sched = scoped
-        wg = lax.axis_index("wg")
         schedule = functools.partial(fa3.schedule, sched)
 
-        @pl.when(wg < 2)
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+        def consumer(wg):
             q_smem, l_smem = qo_smem.at[wg], lse_smem.at[wg]
             ring = wg * stages if split else 0
             row0 = cta * BLOCK_Q + wg * WG_ROWS
@@ -306,9 +303,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                            lse_ref.at[batch, head, pl.ds(row0, WG_ROWS)], dtype)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 2)
-        def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+        def producer():
             kv_head = lax.div(head, jnp.array(cfg.groups, head.dtype))
             counts = [count_of(w) for w in range(rings)]
 
@@ -342,6 +337,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                         fetch_k(start, slot)
                         plgpu.barrier_wait(v_free.at[slot])
                         fetch_v(start, slot)
+
+        fa3.warp_specialized(consumer, producer)
 
     transforms = fa3.SMEM_TRANSFORMS
     n_slots = rings * stages

@@ -157,12 +157,9 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
 
     def body(scoped):
         (qo_smem, k_smem, v_smem, lse_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
-        wg = lax.axis_index("wg")
         schedule = functools.partial(fa3.schedule, sched)
 
-        @pl.when(wg < 2)
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+        def consumer(wg):
             q_smem, l_smem = qo_smem.at[wg], lse_smem.at[wg]
             row0 = cta * TILE + wg * WG_ROWS
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, WG_ROWS), head], q_smem, q_bar.at[wg])
@@ -233,9 +230,7 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
                          jnp.zeros((WG_ROWS,), jnp.int32), rows_v >= 0)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 2)
-        def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+        def producer():
             kv_head = lax.div(head, jnp.array(groups, head.dtype))
 
             def fetch(i, slot):
@@ -254,6 +249,8 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
                 plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(start, bk), kv_head], k_smem.at[slot], k_bar.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(start, bk), kv_head], v_smem.at[slot], v_bar.at[slot])
+
+        fa3.warp_specialized(consumer, producer)
 
     transforms = fa3.SMEM_TRANSFORMS
 
