@@ -29,7 +29,8 @@ class KernelOptions:
     """How the block-sparse kernel is run (static). ``check_finite``: raise instead of
     propagating a NaN / inf input (see `pallas_kernels.block_sparse_attention`)."""
 
-    implementation: str | None = None  # None: mosaic_gpu / triton on GPU (see block_sparse_attention), reference on CPU
+    implementation: str | None = None  # None: mosaic_gpu / triton on GPU (see block_sparse_attention; MOMO's QSA
+    # + top-k: the fused Mosaic GPU kernel on Hopper, `Momo.qsa_kernel`), reference on CPU
     interpret: bool = False
     sm_scale: float | None = None
     check_finite: bool = False
