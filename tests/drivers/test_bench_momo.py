@@ -44,3 +44,5 @@ def test_rerank_variant_gets_a_mass_row(tmp_path):
     rows = {r["method"]: r for r in json.loads(path.read_text())["mass"] if "captured" in r}
     rr = rows["exact + re-rank 2x, rows/1"]
     assert 0.0 < rr["captured"] <= rr["oracle"] + 1e-6 and rr["blocks"] == rows["exact (mass trim)"]["blocks"]
+    judged = [t for t in json.loads(path.read_text())["targets"] if "re-rank 2x" in t["target"]]
+    assert len(judged) == 1 and judged[0]["value"] == pytest.approx(rr["gap_block"])

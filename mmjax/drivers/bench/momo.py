@@ -17,6 +17,10 @@ k_trim=128, chi=128, sink 64, local 128):
   best shared list, what a block layout can reach); the target is judged on the latter;
 * latency of the three top-k algorithms as k grows (MOMO Fig. 4) at 128k.
 
+Targets judged at the end: MOMO at 1M >= 10x the anchor (issue 16), each ``--rerank`` variant at 1M >= 6.7x (the
+speed issue 15 keeps), and every trim rule's and re-rank variant's captured mass within 1.5 points of the
+per-query-block oracle (issue 15).
+
 Sections run in that order under a time budget and the JSON is rewritten after each, so a
 run cut short still leaves its results. On a CPU the same at toy sizes in interpret mode
 (XLA dense attention as the anchor): it shows that everything runs, timings mean nothing.
@@ -451,12 +455,17 @@ class Runner:
             log("")
             print_table(fig4, [("S", "S", "d"), ("k", "k", "d"), ("algorithm", "top-k", "s"), ("ms", "ms", ".2f")])
         targets = []
-        for r in timing:
+        for r in timing:  # issue 16: MOMO >= 10x at 1M; issue 15: a re-rank setting keeps today's 6.7x (H200)
             if r["S"] >= 1048576 and "speedup" in r:
-                targets.append({"target": f">= 3x faster than {cfg.anchor} at S={r['S']}",
-                                "value": r["speedup"], "met": r["speedup"] >= 3.0})
+                targets.append({"target": f">= 10x faster than {cfg.anchor} at S={r['S']}",
+                                "value": r["speedup"], "met": r["speedup"] >= 10.0})
+            for c, st in cfg.reranks:
+                key = f"rerank_{c}x_rows{st}_speedup"
+                if r["S"] >= 1048576 and key in r:
+                    targets.append({"target": f"re-rank {c}x, rows/{st}: >= 6.7x faster than {cfg.anchor} at "
+                                              f"S={r['S']}", "value": r[key], "met": r[key] >= 6.7})
         for r in mass:
-            if r["method"].endswith(" trim)"):
+            if r["method"].endswith(" trim)") or " + re-rank " in r["method"]:
                 targets.append({"target": f"captured mass within 0.015 of the per-query-block oracle "
                                           f"({r['input']}, S={r['S']}, {r['method']})",
                                 "value": r["gap_block"], "met": r["gap_block"] <= 0.015})
