@@ -77,7 +77,7 @@ def plot(jsonl: str) -> str:
         ax.barh([r["case"] for r in rows], [r["ms"] for r in rows], color=colors)
         ax.invert_yaxis()
         ax.set_xlabel("ms per call")
-        ax.set_title(f"QSA of every {GAMMA}th query, {s} tokens ({device})", fontsize=9)
+        ax.set_title(f"QSA of every {GAMMA}th query, {s} tokens\n{device}", fontsize=9)
     fig.tight_layout()
     png = os.path.splitext(jsonl)[0] + ".png"
     write_atomic(png, lambda fh: fig.savefig(fh, format="png", dpi=110), binary=True)
