@@ -1,0 +1,167 @@
+"""Where does the fused Mosaic GPU QSA + top-k (`pallas_kernels.qsa_topk.mosaic_gpu`) spend its time over the
+attention alone? Times the kernel with parts of its "estimated" top-k replaced (monkeypatched into `topk.py` /
+`mosaic_gpu.py` while the kernel is traced), same inputs, same process. A profiling tool: the variants select
+other blocks (except "per-row store branches" and "ungated histogram count", which keep the picks; the JSON line
+says how many ids each variant shares with the first one).
+
+Variants:
+  base                              the kernel as it is
+  per-row store branches            the accepted items stored with a branch per row and target (the form before
+                                    one branch per thread)
+  ungated histogram count           the count at every step (no skip of un-hashed blocks)
+  erfinv -> identity                the Gaussian threshold's inverse error function left out
+  histogram threshold kept          the histogram threshold never refreshed
+  no histogram count                the histogram never counted
+  no exact slots                    the exact slots never updated
+  no stores                         accepted items not stored: the threshold chain becomes dead code, so this is
+                                    about the attention + block scores + exact slots
+  erfinv, threshold, count out      the three above together
+  branchless refresh, ungated count the threshold refresh as a select instead of a branch, the count every step
+
+Usage (a Hopper GPU): python3 tools/qsa_topk_ablation.py --out $OUT/qsa-topk-ablation.jsonl [--lens 131072]
+Shapes: B=1, N=28, K=4, D=128, bf16, gamma 16, random normal inputs; top-k as in `Momo()` (block 64, one sink
+block, local 128, k 128, k_exact 8, estimated, histogram threshold, golden scan).
+Measured (H100, 2026-11-26, `bench/results/qsa-topk-ablation_NVIDIA-H100-80GB-HBM3_2026-11-26.jsonl`): 25.7 ms at
+128k for the base; no single part above 2 ms; the stores out 19.6 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gpu_timing import queued_median_ms
+from jsonl_log import append_jsonl
+
+from pallas_kernels.qsa_topk import mosaic_gpu as M
+from pallas_kernels.qsa_topk import topk as T
+
+N, K, D, GAMMA = 28, 4, 128, 16
+
+
+def _ungated(original):
+    def tracing(iota, first_active_step=None):
+        del first_active_step
+        return original(iota, None)
+    return tracing
+
+
+def _no_count(state, x, stat, n, mean, sigma):
+    del x, stat, n, mean, sigma
+    return state.hist, state.hist_base, state.hist_width, state.hist_counted
+
+
+def _no_exact(state, x, j, active):
+    return state, (x, jnp.zeros(x.shape, jnp.int32) + j, active)
+
+
+def _kept_threshold(state, slots_left, remaining):
+    del slots_left, remaining
+    return state.hist_thr
+
+
+def _branchless_every(period, step, run, keep):
+    if period == 1:
+        return run()
+    on = (jnp.asarray(step, jnp.int32) & (period - 1)) == 0
+    return jax.tree.map(lambda a, b: jnp.where(jnp.zeros(b.shape, jnp.float32) + on.astype(jnp.float32) > 0.5, a, b),
+                        run(), keep())
+
+
+def _per_row_store_branches(targets, slots, accept):
+    """One inline store per target, a branch per row register."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, scf
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for ref, values in targets:
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), M.ROW, M.ROW, M.ROW))
+        def store(ctx, out, v, s, a):
+            del ctx
+            index = ir.IndexType.get()
+            for (row,), rv, rs, ra in zip(v.layout.thread_idxs(v.shape), v.registers.flat, s.registers.flat,
+                                          a.registers.flat, strict=True):
+                rv, rs, ra = M._first(rv), M._first(rs), M._first(ra)
+                branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, ra, arith.constant(ra.type, 0)))
+                with ir.InsertionPoint(branch.then_block):
+                    memref.store(rv, out, [row, arith.index_cast(index, rs)])
+                    scf.yield_([])
+
+        store(ref, *(plgpu.layout_cast(x, M.ROW) for x in (values, slots, accept.astype(jnp.int32))))
+
+
+def variants() -> dict[str, dict[tuple[object, str], object]]:
+    """name -> {(module, attribute): replacement}."""
+    return {
+        "base": {},
+        "per-row store branches": {(M, "scatter_rows"): _per_row_store_branches},
+        "ungated histogram count": {(T, "mosaic_tracing"): _ungated(T.mosaic_tracing)},
+        "erfinv -> identity": {(T, "erfinv"): lambda x: x},
+        "histogram threshold kept": {(T, "_histogram_threshold"): _kept_threshold},
+        "no histogram count": {(T, "_histogram_count"): _no_count},
+        "no exact slots": {(T, "exact_offer"): _no_exact},
+        "no stores": {(M, "scatter_rows"): lambda *a: None},
+        "erfinv, threshold, count out": {(T, "erfinv"): lambda x: x, (T, "_histogram_threshold"): _kept_threshold,
+                                         (T, "_histogram_count"): _no_count},
+        "branchless refresh, ungated count": {(T, "_every"): _branchless_every,
+                                              (T, "mosaic_tracing"): _ungated(T.mosaic_tracing)},
+    }
+
+
+def run_variant(patches, fn):
+    """``fn()`` traced and run with ``patches`` in place (jit caches cleared first, so it is traced anew)."""
+    saved = {key: getattr(*key) for key in patches}
+    jax.clear_caches()
+    try:
+        for (module, name), value in patches.items():
+            setattr(module, name, value)
+        return fn()
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--lens", type=int, nargs="+", default=[131072])
+    p.add_argument("--variants", nargs="+", help="names from the module docstring (default: all)")
+    args = p.parse_args()
+    table = variants()
+    names = args.variants or list(table)
+    unknown = sorted(set(names) - set(table))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; expected some of {sorted(table)}")
+    device = jax.devices()[0].device_kind
+    for s in args.lens:
+        kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(kq, (1, s, N, D), jnp.bfloat16)
+        k = jax.random.normal(kk, (1, s, K, D), jnp.bfloat16)
+        v = jax.random.normal(kv, (1, s, K, D), jnp.bfloat16)
+        first_ids = None
+        for name in names:
+            def kernel():
+                return M.qsa_topk_mosaic_gpu(q, k, v, gamma=GAMMA, block_kv=64, top_k=128, k_exact=8, sink_blocks=1,
+                                             local=128, sm_scale=D ** -0.5)
+
+            def measure():
+                ids = np.sort(np.asarray(jax.block_until_ready(kernel()).block_idx), -1)
+                return ids, queued_median_ms(kernel, calls=2, reps=3, warmup=1)
+
+            row = {"S": s, "variant": name, "device": device}
+            try:
+                ids, row["ms"] = run_variant(table[name], measure)
+                first_ids = ids if first_ids is None else first_ids
+                row["same_ids_as_first"] = float((ids == first_ids).mean())
+            except Exception as e:  # noqa: BLE001 -- report and go on
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(json.dumps(row), flush=True)
+            append_jsonl(args.out, row)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
