@@ -62,6 +62,13 @@ def qsa_mosaic(q, k, v, *, block_k: int):
     return out[:, :tg], lse[:, :, :tg]
 
 
+def random_qkv(s: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The benchmark's inputs for ``s`` tokens: q ``[1, s, N, D]``, k / v ``[1, s, K, D]``, bf16, standard normal."""
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    return (jax.random.normal(kq, (1, s, N, D), jnp.bfloat16), jax.random.normal(kk, (1, s, K, D), jnp.bfloat16),
+            jax.random.normal(kv, (1, s, K, D), jnp.bfloat16))
+
+
 def plot(jsonl: str) -> str:
     """Bars of ms per case, one panel per length, from the JSON-lines file ``jsonl`` (the latest row per device,
     length and case; rows with an error left out), written atomically beside it as a PNG; returns its path."""
@@ -98,10 +105,7 @@ def main() -> None:
         return
     device = jax.devices()[0].device_kind
     for s in args.lens:
-        kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-        q = jax.random.normal(kq, (1, s, N, D), jnp.bfloat16)
-        k = jax.random.normal(kk, (1, s, K, D), jnp.bfloat16)
-        v = jax.random.normal(kv, (1, s, K, D), jnp.bfloat16)
+        q, k, v = random_qkv(s)
         triton = {topk: jax.jit(lambda q, k, v, topk=topk: qsa_topk_triton(
             q, k, v, gamma=GAMMA, block_kv=64, top_k=128 if topk != "none" else 1, k_exact=8, topk=topk,
             sink_blocks=1, local=128, sm_scale=D ** -0.5, scan="golden")) for topk in ("none", "estimated")}

@@ -19,8 +19,8 @@ Variants:
   branchless refresh, ungated count the threshold refresh as a select instead of a branch, the count every step
 
 Usage (a Hopper GPU): python3 tools/qsa_topk_ablation.py --out $OUT/qsa-topk-ablation.jsonl [--lens 131072]
-Shapes: B=1, N=28, K=4, D=128, bf16, gamma 16, random normal inputs; top-k as in `Momo()` (block 64, one sink
-block, local 128, k 128, k_exact 8, estimated, histogram threshold, golden scan).
+Shapes: those of tools/qsa_mosaic_ceiling.py (B=1, N=28, K=4, D=128, bf16, gamma 16, random normal); top-k as in
+`Momo()` (block 64, one sink block, local 128, k 128, k_exact 8, estimated, histogram threshold, golden scan).
 Measured (H100, 2026-11-26, `bench/results/qsa-topk-ablation_NVIDIA-H100-80GB-HBM3_2026-11-26.jsonl`): 25.7 ms at
 128k for the base; no single part above 2 ms; the stores out 19.6 ms.
 """
@@ -36,11 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from gpu_timing import queued_median_ms
 from jsonl_log import append_jsonl
+from qsa_mosaic_ceiling import GAMMA, D, random_qkv
 
 from pallas_kernels.qsa_topk import mosaic_gpu as M
 from pallas_kernels.qsa_topk import topk as T
-
-N, K, D, GAMMA = 28, 4, 128, 16
 
 
 def _ungated(original):
@@ -138,10 +137,7 @@ def main() -> None:
         p.error(f"--variants: unknown {unknown}; expected some of {sorted(table)}")
     device = jax.devices()[0].device_kind
     for s in args.lens:
-        kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-        q = jax.random.normal(kq, (1, s, N, D), jnp.bfloat16)
-        k = jax.random.normal(kk, (1, s, K, D), jnp.bfloat16)
-        v = jax.random.normal(kv, (1, s, K, D), jnp.bfloat16)
+        q, k, v = random_qkv(s)
         first_ids = None
         for name in names:
             def kernel():
