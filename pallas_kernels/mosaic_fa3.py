@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.tiling import LN2
+from pallas_kernels.tiling import LN2, cdiv
 
 WG_ROWS = 64  # query rows per consumer warpgroup
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a WGMMA-layout tile
@@ -31,6 +31,12 @@ SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) 
 
 CONSUMER_REGISTERS = 232  # per thread of a consumer warpgroup (O, S / P and the row statistics live in registers)
 PRODUCER_REGISTERS = 40  # per thread of the TMA producer warpgroup
+
+
+def padded_head_dim(d: int) -> int:
+    """The head dim zero-padded to a multiple of 64, at least 64: the width of the Q / K / V / O tiles (rows of
+    128 bytes in bf16, the swizzle `SMEM_TRANSFORMS` names)."""
+    return cdiv(max(d, 64), 64) * 64
 
 
 def warp_specialized(consumer: Callable[[jax.Array], None], producer: Callable[[], None]) -> None:

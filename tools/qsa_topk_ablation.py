@@ -35,6 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from gpu_timing import queued_median_ms
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, scf
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jsonl_log import append_jsonl
 from qsa_mosaic_ceiling import GAMMA, D, random_qkv
 
@@ -73,10 +76,6 @@ def _branchless_every(period, step, run, keep):
 
 def _per_row_store_branches(targets, slots, accept):
     """One inline store per target, a branch per row register."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref, scf
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     for ref, values in targets:
         @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), M.ROW, M.ROW, M.ROW))
         def store(ctx, out, v, s, a):
@@ -112,7 +111,8 @@ def variants() -> dict[str, dict[tuple[object, str], object]]:
 
 
 def run_variant(patches, fn):
-    """``fn()`` traced and run with ``patches`` in place (jit caches cleared first, so it is traced anew)."""
+    """``fn()`` traced and run with ``patches`` in place. The jit caches are cleared before (so the kernel is traced
+    anew) and after (so no later call reuses a patched trace)."""
     saved = {key: getattr(*key) for key in patches}
     jax.clear_caches()
     try:
@@ -122,6 +122,7 @@ def run_variant(patches, fn):
     finally:
         for (module, name), value in saved.items():
             setattr(module, name, value)
+        jax.clear_caches()
 
 
 def main() -> None:

@@ -140,7 +140,7 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> No
     if d > MAX_HEAD_DIM:
         raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; "
                          f"received shape {tuple(q.shape)}")
-    d_pad = _round_up(max(d, 64), 64)
+    d_pad = fa3.padded_head_dim(d)
     need = _smem_bytes(layout.block_k, d_pad, 2, layout.block_q)
     if need > _SMEM_BUDGET:
         raise ValueError(f"layout.block_k: block_q={layout.block_q} with block_k={layout.block_k} and D={d_pad} needs "
@@ -513,7 +513,7 @@ def block_sparse_attention_mosaic_gpu(
     of range contribute nothing.
     """
     t, d = q.shape[1], q.shape[3]
-    d_pad = _round_up(max(d, 64), 64)
+    d_pad = fa3.padded_head_dim(d)
     stages = num_stages or default_stages(layout.block_k, d_pad, layout.block_q)
     t_pad = _round_up(layout.num_q_blocks * layout.block_q, BLOCK_Q)
     k, v = poison_keys(k, v)  # a non-finite value row becomes a NaN key

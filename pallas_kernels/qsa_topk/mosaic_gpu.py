@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_fa3 as fa3
-from pallas_kernels.block_sparse.mosaic_gpu import default_stages
+from pallas_kernels.block_sparse.mosaic_gpu import MAX_HEAD_DIM, default_stages
 from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table
 from pallas_kernels.tiling import LN2, LOG2E, cdiv
@@ -56,8 +56,8 @@ def check_supported(q: jax.Array, *, topk: str, block_kv: int, k_exact: int, row
         raise ValueError(f"topk: expected 'estimated' for implementation='mosaic_gpu'; received {topk!r}")
     if jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES):
         raise ValueError(f"q: expected dtype bfloat16 or float16 for implementation='mosaic_gpu'; received {q.dtype}")
-    if q.shape[-1] > 128:
-        raise ValueError(f"q: expected head dim D <= 128 for implementation='mosaic_gpu'; received shape "
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; received shape "
                          f"{tuple(q.shape)}")
     if block_kv not in BLOCK_KVS:
         raise ValueError(f"block_kv: expected one of {BLOCK_KVS} for implementation='mosaic_gpu'; received {block_kv}")
@@ -233,22 +233,25 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
         def producer():
             kv_head = lax.div(head, jnp.array(groups, head.dtype))
 
-            def fetch(i, slot):
-                start = block_at(i) * bk
-                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(start, bk), kv_head], k_smem.at[slot], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(start, bk), kv_head], v_smem.at[slot], v_bar.at[slot])
+            def fetch(ref, smem, bar, start, slot):
+                """The K or V tile of the keys from ``start`` into stage ``slot``."""
+                plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(start, bk), kv_head], smem.at[slot], bar.at[slot])
 
             for i in range(stages):
-                pl.when(i < n_blocks)(functools.partial(fetch, i, i))
+                @pl.when(i < n_blocks)
+                def _():
+                    start = block_at(i) * bk
+                    fetch(k_ref, k_smem, k_bar, start, i)
+                    fetch(v_ref, v_smem, v_bar, start, i)
 
             @pl.loop(stages, jnp.maximum(n_blocks, stages))
             def _(i):
                 slot = lax.rem(i, stages)
                 start = block_at(i) * bk
                 plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(start, bk), kv_head], k_smem.at[slot], k_bar.at[slot])
+                fetch(k_ref, k_smem, k_bar, start, slot)
                 plgpu.barrier_wait(v_free.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(start, bk), kv_head], v_smem.at[slot], v_bar.at[slot])
+                fetch(v_ref, v_smem, v_bar, start, slot)
 
         fa3.warp_specialized(consumer, producer)
 
@@ -289,7 +292,7 @@ def qsa_topk_mosaic_gpu(q, k, v, *, gamma: int, block_kv: int, top_k: int, k_exa
     tg = cdiv(t, gamma)
     ctas = cdiv(tg, TILE)
     nk = cdiv(s, block_kv)
-    dp = max(64, -(-d // 64) * 64)
+    dp = fa3.padded_head_dim(d)
     qg = _pad_to(_pad_to(q[:, ::gamma], 3, dp), 1, ctas * TILE)
     k_in = _pad_to(_pad_to(k, 3, dp), 1, nk * block_kv)
     v_in = _pad_to(_pad_to(v, 3, dp), 1, nk * block_kv)
