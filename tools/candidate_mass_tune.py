@@ -1,10 +1,12 @@
-"""Time `candidate_mass_triton` variants on one GPU (tile sweep); one JSON line per variant.
+"""Time `candidate_mass_triton` variants on one GPU (tile sweep), and the Mosaic GPU kernel (its K stages) on an
+sm90 GPU; one JSON line per variant, the Mosaic rows with their largest difference to the Triton default's masses.
 
-Usage: python3 tools/candidate_mass_tune.py --out $OUT/candidate-mass.jsonl [--label L]
+Usage: python3 tools/candidate_mass_tune.py --out $OUT/candidate-mass.jsonl [--label L] [--candidates C]
 With an older ``pallas_kernels`` first on PYTHONPATH (no ``per_step`` argument) only its default is timed.
 
 Shape of MOMO's re-rank at 128k with c = 2: B=1, T=S=131072, N=28, K=4, D=128, bf16, query block 128,
-block 64, 256 candidates per query block (random distinct-ish ids at or before the block), gamma 16.
+block 64, 256 candidates per query block (random distinct-ish ids at or before the block), gamma 16
+(``--candidates 512 --strides 2``: the re-rank of ``Momo(rerank=4, rerank_stride=2)``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from gpu_timing import median_ms
 from jsonl_log import append_jsonl
 
 import pallas_kernels
+from pallas_kernels.candidate_mass.mosaic_gpu import ROWS, candidate_mass_mosaic_gpu
 from pallas_kernels.candidate_mass.triton import candidate_mass_triton
+from pallas_kernels.platform import is_sm90
 
 
 def main() -> None:
@@ -30,9 +34,12 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--strides", type=int, nargs="+", default=[1, 4])
     p.add_argument("--per-steps", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--candidates", type=int, default=256)
+    p.add_argument("--mosaic-stages", type=int, nargs="*", default=[2, 3, 4],
+                   help="K stages of the Mosaic GPU kernel to time (sm90 only; none: skip it)")
     args = p.parse_args()
 
-    s, n, kh, d, qb, block, c, gamma = args.seq_len, 28, 4, 128, 128, 64, 256, 16
+    s, n, kh, d, qb, block, c, gamma = args.seq_len, 28, 4, 128, 128, 64, args.candidates, 16
     kq, kk, kc, kr = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(kq, (1, s, n, d), jnp.bfloat16)
     k = jax.random.normal(kk, (1, s, kh, d), jnp.bfloat16)
@@ -57,6 +64,23 @@ def main() -> None:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(json.dumps(row), flush=True)
             append_jsonl(args.out, row)
+        if is_sm90() and qb // stride in ROWS:
+            base = dict(query_block=qb, block=block, stride=stride, gamma=gamma, sm_scale=d ** -0.5)
+            want = candidate_mass_triton(q, k, cand, ref, **base)
+            for stages, order in itertools.product(args.mosaic_stages, (True, False)):
+                row = dict(label=args.label, module=pallas_kernels.__file__, S=s, stride=stride, candidates=c,
+                           implementation="mosaic_gpu", stages=stages, sort=order,
+                           device=jax.devices()[0].device_kind)
+                try:
+                    fn = jax.jit(lambda q, k, cand, ref, st=stages, o=order: candidate_mass_mosaic_gpu(
+                        q, k, cand, ref, stages=st, sort=o, **base))
+                    got = fn(q, k, cand, ref)
+                    row["max_rel_diff_vs_triton"] = float(jnp.max(jnp.abs(got - want) / (jnp.abs(want) + 1e-6)))
+                    row["ms"] = median_ms(lambda: fn(q, k, cand, ref))
+                except Exception as e:  # reported, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(json.dumps(row), flush=True)
+                append_jsonl(args.out, row)
 
 
 if __name__ == "__main__":

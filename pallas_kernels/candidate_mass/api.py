@@ -5,12 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu, check_supported
 from pallas_kernels.candidate_mass.reference import candidate_mass_reference
 from pallas_kernels.candidate_mass.triton import candidate_mass_triton
 from pallas_kernels.checks import check_int, check_pow2, check_sm_scale, fmt_shape
-from pallas_kernels.platform import default_implementation
+from pallas_kernels.platform import default_implementation, is_sm90
 
-IMPLEMENTATIONS = ("reference", "triton")
+IMPLEMENTATIONS = ("reference", "triton", "mosaic_gpu")
 
 
 def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: jax.Array, *, query_block: int,
@@ -31,6 +32,9 @@ def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: j
       ref_lse: float32 ``[B, N, ceil(T / gamma)]``; a row whose reference is -inf counts nothing.
       query_block, block: powers of two >= 16; gamma: a divisor of query_block; stride: a power of two with
         ``query_block / stride >= 16`` (rows per program).
+      implementation: "reference", "triton", "mosaic_gpu" (Hopper; `mosaic_gpu.check_supported` names its limits)
+        or None: "mosaic_gpu" on an sm90 GPU where it supports the inputs, else Triton on a GPU or when
+        ``interpret``, else the reference.
 
     Returns float32 ``[B, N, nq, C]``.
     """
@@ -61,9 +65,21 @@ def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: j
     scale = check_sm_scale(sm_scale, d)
     if implementation is None:
         implementation = default_implementation(bool(interpret))
+        if implementation == "triton" and not interpret and is_sm90():
+            try:
+                check_supported(q, query_block=query_block, block=block, stride=stride)
+                implementation = "mosaic_gpu"
+            except ValueError:
+                pass
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
     kw = dict(query_block=query_block, block=block, stride=stride, gamma=gamma, sm_scale=scale)
     if implementation == "reference":
         return candidate_mass_reference(q, k, candidates.astype(jnp.int32), ref_lse, **kw)
+    if implementation == "mosaic_gpu":
+        if interpret:
+            raise ValueError("interpret: expected False for implementation='mosaic_gpu' (Mosaic GPU's interpreter "
+                             "cannot run the kernel; use 'triton' or 'reference' on a CPU); received True")
+        check_supported(q, query_block=query_block, block=block, stride=stride)
+        return candidate_mass_mosaic_gpu(q, k, candidates.astype(jnp.int32), ref_lse, **kw)
     return candidate_mass_triton(q, k, candidates.astype(jnp.int32), ref_lse, interpret=interpret, **kw)

@@ -107,3 +107,38 @@ def test_shape_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"ref_lse: expected \[B=1, N=2, ceil\(T / gamma\)=16\]"):
         candidate_mass(q, k, jnp.zeros((1, 2, 2, 3), jnp.int32), jnp.zeros((1, 2, 8)), query_block=32, block=16,
                        gamma=4)
+
+
+@pytest.mark.parametrize("stride,block,d", [(2, 64, 128), (1, 64, 80), (2, 128, 64)])
+def test_mosaic_candidate_mass_lowers_for_cuda(stride, block, d):
+    """The Mosaic GPU kernel (it runs on an sm90 GPU only: test_candidate_mass_gpu.py) lowers to a Mosaic GPU module
+    for CUDA: two query blocks per CTA (stride 2) and two halves of one (stride 1), both key block sizes."""
+    import jax
+
+    t, s = 3000, 5000
+    q = jax.ShapeDtypeStruct((1, t, 8, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, s, 2, d), jnp.bfloat16)
+    cand = jax.ShapeDtypeStruct((1, 8, -(-t // 128), 100), jnp.int32)
+    ref = jax.ShapeDtypeStruct((1, 8, -(-t // 16)), jnp.float32)
+    f = jax.jit(lambda q, k, c, r: candidate_mass(q, k, c, r, query_block=128, block=block, gamma=16, stride=stride,
+                                                  implementation="mosaic_gpu"))
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
+        text = f.trace(q, k, cand, ref).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(stride=4), r"stride: expected query_block / stride in \(64, 128\)"),
+    (dict(block=32), r"block: expected one of \(64, 128\)"),
+    (dict(dtype=jnp.float32), r"q: expected dtype bfloat16 or float16"),
+    (dict(d=192), r"q: expected head dim D <= 128"),
+    (dict(interpret=True), r"interpret: expected False"),
+])
+def test_mosaic_candidate_mass_rejects_unsupported_input(kw, match):
+    kw = dict(kw)
+    q, k, _ = random_qkv(1, 1, 256, 256, 2, 1, kw.pop("d", 64), kw.pop("dtype", jnp.bfloat16))
+    args = dict(query_block=128, block=64, gamma=16, stride=2) | kw
+    cand = jnp.zeros((1, 2, 2, 3), jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        candidate_mass(q, k, cand, jnp.zeros((1, 2, 16)), implementation="mosaic_gpu", **args)

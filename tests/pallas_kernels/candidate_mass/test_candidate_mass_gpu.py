@@ -1,4 +1,4 @@
-"""GPU check of the candidate-mass Triton kernel (compiled): `pytest -m gpu`."""
+"""GPU checks of the candidate-mass kernels (compiled): `pytest -m gpu`."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.candidate_mass import candidate_mass
+from pallas_kernels.platform import is_sm90
 from tests.pallas_kernels.helpers import random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -24,3 +25,31 @@ def test_candidate_mass_triton_matches_reference_on_gpu(dtype, stride):
     got = candidate_mass(q, k, cand, ref, implementation="triton", **kw)
     want = candidate_mass(q, k, cand, ref, implementation="reference", **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=1e-5)
+
+
+@pytest.mark.skipif(not is_sm90(), reason="needs an sm90 GPU (H100 / H200)")
+@pytest.mark.parametrize("dtype,stride,block,d,t,c", [
+    (jnp.bfloat16, 2, 64, 128, 1000, 256),   # two query blocks per CTA, odd count (the last CTA's second is empty)
+    (jnp.bfloat16, 1, 64, 128, 1100, 100),   # two halves of one query block; C not a multiple of 64
+    (jnp.float16, 2, 128, 80, 777, 70),      # 128-key blocks, padded head dim, ragged T
+])
+def test_candidate_mass_mosaic_matches_reference_on_gpu(dtype, stride, block, d, t, c):
+    b, s, n, kh = 2, 4096, 8, 2
+    q, k, _ = random_qkv(11, b, t, s, n, kh, d, dtype)
+    rng = np.random.default_rng(1)
+    nq, nk = -(-t // 128), -(-s // block)
+    cand = rng.integers(-1, nk + 2, size=(b, n, nq, c)).astype(np.int32)  # -1, nk, nk + 1: empty
+    cand[0, 1, 0] = -1  # a query block without candidates
+    cand[1, 0, -1, :8] = nk - 1  # the last query block's diagonal block (causal mask within it)
+    ref = rng.normal(3.0, 1.0, size=(b, n, -(-t // 16))).astype(np.float32)
+    ref[1, 2, 5] = -np.inf  # a gamma group without reference counts nothing
+    kw = dict(query_block=128, block=block, gamma=16, stride=stride)
+    got = candidate_mass(q, k, jnp.asarray(cand), jnp.asarray(ref), implementation="mosaic_gpu", **kw)
+    want = candidate_mass(q, k, jnp.asarray(cand), jnp.asarray(ref), implementation="reference", **kw)
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == cand.shape and np.isfinite(got).all() and want.max() > 0
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-5)
+    assert np.all(got[0, 1, 0] == 0)
+    # the default on this GPU is the Mosaic kernel
+    default = candidate_mass(q, k, jnp.asarray(cand), jnp.asarray(ref), **kw)
+    np.testing.assert_array_equal(np.asarray(default), got)

@@ -1,0 +1,259 @@
+"""Candidate mass for Hopper (sm90) in Pallas Mosaic GPU.
+
+The wrapper takes every ``stride``-th row of each query block (``rows = query_block / stride``, 64 or 128) and
+cuts them into 64-row tiles. One CTA runs two tiles, three warpgroups:
+
+* a producer warpgroup walks each tile's candidate list and brings the listed K blocks into a ring of
+  shared-memory stages with TMA (one ring shared by both consumers when their tiles are the two halves of one
+  query block, ``rows == 128``; one ring each when they are two query blocks, ``rows == 64``);
+* two consumer warpgroups own one tile each (its Q tile stays in shared memory). Per candidate a consumer
+  computes ``S = Q K^T`` ``[64, block]`` with wgmma, ``exp2(S * scale - ref_r)`` (float32; masked to 0 for keys
+  after the row's position, padding keys and ids out of range; ``ref_r`` the base-2 log-sum-exp of row r's
+  gamma group's sampled row) and its row sums: a ``[64]`` row vector, the mass each row puts on the block.
+  It writes that vector into row ``c % 64`` of a ``[64, 64]`` float32 tile in shared memory; every 64
+  candidates the tile is read back with the candidates as rows and summed over its columns (the query rows),
+  which gives the 64 candidates' masses in one reduction within each warp (`_flush`), stored to the output.
+
+With ``rows == 128`` the two halves' masses are separate outputs the wrapper adds. Empty slots (-1) and ids out
+of range load block 0 and count nothing. Limits: bf16 / fp16, ``block`` 64 or 128, ``rows`` 64 or 128 (wgmma
+tiles of 64 rows), head dims zero-padded to 64 or 128. The Triton kernel (`triton.py`) covers the rest.
+
+CPU: the kernel lowers for CUDA on a CPU machine (tests/pallas_kernels/candidate_mass/test_candidate_mass.py);
+it runs on a Hopper GPU only (test_candidate_mass_gpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import memref, vector
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import mosaic_fa3 as fa3
+from pallas_kernels.block_sparse.mosaic_gpu import MAX_HEAD_DIM
+from pallas_kernels.tiling import LOG2E, cdiv
+from pallas_kernels.tiling import pad_to as _pad_to
+
+WG_ROWS = fa3.WG_ROWS
+ROW = fa3.ROW
+CHUNK = 64  # candidates per reduction over the rows (the rows of the shared-memory tile)
+DTYPES = (jnp.bfloat16, jnp.float16)
+BLOCKS = (64, 128)
+ROWS = (64, 128)  # rows per query block the kernel takes: one or two wgmma tiles
+_SMEM_BUDGET = 220 * 1024
+_MAX_STAGES = 4
+
+
+def check_supported(q: jax.Array, *, query_block: int, block: int, stride: int) -> None:
+    """The kernel's own limits, as ValueErrors naming the argument (before anything is traced)."""
+    if jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES):
+        raise ValueError(f"q: expected dtype bfloat16 or float16 for implementation='mosaic_gpu'; received {q.dtype}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; received shape "
+                         f"{tuple(q.shape)}")
+    if block not in BLOCKS:
+        raise ValueError(f"block: expected one of {BLOCKS} for implementation='mosaic_gpu'; received {block}")
+    if query_block // stride not in ROWS:
+        raise ValueError(f"stride: expected query_block / stride in {ROWS} for implementation='mosaic_gpu' (rows per "
+                         f"query block, wgmma tiles of {WG_ROWS}); received stride={stride} with "
+                         f"query_block={query_block}")
+
+
+def stages_for(block: int, head_dim: int, rings: int) -> int:
+    """K stages per ring that fit next to the Q tiles and the two mass tiles, in [2, 4]."""
+    fixed = 2 * WG_ROWS * head_dim * 2 + 2 * CHUNK * WG_ROWS * 4 + 2 * WG_ROWS * 4
+    return max(2, min(_MAX_STAGES, (_SMEM_BUDGET - fixed) // (rings * block * head_dim * 2)))
+
+
+def _flush(tile_ref, out_ref) -> None:
+    """``out[c] = sum_r tile[c, r]`` for a ``[64, 64]`` float32 shared-memory tile written by the warpgroup (row c:
+    candidate c's mass per query row) into a ``[64]`` float32 GMEM view. Warpgroup barriers on both sides: the
+    tile holds every warp's rows, and is written again after this."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def flush(ctx, tile, out):
+        del ctx
+        mgpu_utils.warpgroup_barrier()
+        x = mgpu_fa.FragmentedArray.load_untiled(tile, layout=mgpu_fa.WGMMA_LAYOUT, optimized=False)
+        total = x.reduce("add", 1)  # within each warp: a WGMMA tile's row lives in one quad of lanes
+        for (c,), reg in zip(total.layout.thread_idxs(total.shape), total.registers.flat, strict=True):
+            if isinstance(reg.type, ir.VectorType):
+                reg = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+            memref.store(reg, out, [c])  # the lanes holding one candidate store the same value
+        mgpu_utils.warpgroup_barrier()
+
+    flush(tile_ref, out_ref)
+
+
+def _kernel(q_ref, k_ref, cand_ref, ref_ref, out_ref, *, block, stages, groups, kv_len, q_offset, query_block,
+            stride, num_q_blocks, tiles_per_block, sm_scale):
+    bk = block
+    nk = k_ref.shape[1] // bk
+    n_cand = cand_ref.shape[-1]
+    split = tiles_per_block == 1  # the two consumers work on two query blocks (two lists, two rings)
+    rings = 2 if split else 1
+    cta = lax.axis_index("q")
+    head = lax.axis_index("heads")
+    batch = lax.axis_index("batch")
+
+    def where_is(w):
+        """(query block, half of it, in range) of consumer w's tile."""
+        tile = cta * 2 + w
+        qb = tile // tiles_per_block
+        return jnp.minimum(qb, num_q_blocks - 1), tile % tiles_per_block, qb < num_q_blocks
+
+    def entry(w, j):
+        """(first key row, id in range) of candidate j of consumer w's list."""
+        raw = cand_ref[batch, head, where_is(w)[0], j]
+        ok = (raw >= 0) & (raw < nk)
+        return jnp.where(ok, raw, 0) * bk, ok
+
+    def body(scoped):
+        (q_smem, k_smem, m_smem, r_smem), (k_bar, q_bar), k_free = scoped
+
+        def consumer(wg):
+            qb, part, valid = where_is(wg)
+            ring = wg if split else 0
+            row0 = (cta * 2 + wg) * WG_ROWS  # the tile's first row in the kernel's row order
+
+            @pl.when(valid)
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, WG_ROWS), head], q_smem.at[wg], q_bar.at[wg])
+                plgpu.copy_gmem_to_smem(ref_ref.at[batch, head, pl.ds(row0, WG_ROWS)], r_smem.at[wg], q_bar.at[wg + 2])
+                plgpu.barrier_wait(q_bar.at[wg + 2])
+                ref = plgpu.load(r_smem.at[wg], (), layout=ROW, optimized=False)  # base 2; +inf: counts nothing
+                ref_b = lax.broadcast_in_dim(ref, (WG_ROWS, bk), [0])
+                plgpu.barrier_wait(q_bar.at[wg])
+                scale = sm_scale * LOG2E
+                first_pos = qb * query_block + part * WG_ROWS * stride + q_offset  # the tile's first row
+
+                def mask(x, start, limit):
+                    rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
+                    k_pos = start + cols
+                    ok = (k_pos <= first_pos + rows * stride) & (k_pos < limit)
+                    return jnp.where(ok, x, -jnp.inf)
+
+                def step(j, carry):
+                    slot = ring * stages + lax.rem(j, stages)
+                    start, in_range = entry(wg, j)
+                    limit = jnp.where(in_range, kv_len, 0)  # an id out of range shows nothing
+                    plgpu.barrier_wait(k_bar.at[slot])
+
+                    def scores(s_ref):
+                        plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                        return s_ref[...]
+
+                    s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    x = s * scale - ref_b
+                    need = (start + bk - 1 > first_pos) | (start + bk > limit)
+                    x = lax.cond(need, lambda v: mask(v, start, limit), lambda v: v, x)
+                    c = lax.rem(j, CHUNK)
+                    m_smem[wg, c] = jnp.exp2(x).sum(axis=1)
+
+                    @pl.when(c == CHUNK - 1)
+                    def _():
+                        _flush(m_smem.at[wg], out_ref.at[batch, head, qb, part, pl.ds(j - c, CHUNK)])
+
+                    return carry
+
+                lax.fori_loop(0, n_cand, step, jnp.int32(0))
+
+        def producer():
+            kv_head = lax.div(head, jnp.array(groups, head.dtype))
+
+            def fetch(w, j, slot):
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(entry(w, j)[0], bk), kv_head], k_smem.at[slot],
+                                        k_bar.at[slot])
+
+            live = [where_is(w)[2] for w in range(rings)]
+            for i in range(stages):
+                for w in range(rings):
+                    pl.when(live[w])(functools.partial(fetch, w, i, w * stages + i))
+
+            @pl.loop(stages, n_cand)
+            def _(j):
+                for w in range(rings):
+                    @pl.when(live[w])
+                    def _():
+                        slot = w * stages + lax.rem(j, stages)
+                        plgpu.barrier_wait(k_free.at[slot])
+                        fetch(w, j, slot)
+
+        fa3.warp_specialized(consumer, producer)
+
+    dp = q_ref.shape[-1]
+    n_slots = rings * stages
+    pl.run_scoped(
+        lambda *scoped: body(scoped),
+        (
+            plgpu.SMEM((2, WG_ROWS, dp), q_ref.dtype, transforms=fa3.SMEM_TRANSFORMS),
+            plgpu.SMEM((n_slots, bk, dp), q_ref.dtype, transforms=fa3.SMEM_TRANSFORMS),
+            plgpu.SMEM((2, CHUNK, WG_ROWS), jnp.float32),
+            plgpu.SMEM((2, WG_ROWS), jnp.float32),
+        ),
+        (plgpu.Barrier(num_barriers=n_slots), plgpu.Barrier(num_barriers=4)),
+        plgpu.Barrier(num_arrivals=1 if split else 2, num_barriers=n_slots),
+        collective_axes="wg",
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("query_block", "block", "stride", "gamma", "sm_scale", "stages",
+                                             "sort"))
+def candidate_mass_mosaic_gpu(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: jax.Array, *,
+                              query_block: int, block: int, stride: int, gamma: int, sm_scale: float,
+                              stages: int | None = None, sort: bool = True) -> jax.Array:
+    """Shapes and meaning as in `pallas_kernels.candidate_mass.api.candidate_mass`; inputs assumed validated and
+    within `check_supported`. ``stages``: K stages per ring (default `stages_for`).
+
+    ``sort`` (default): each list is walked in ascending id order (the masses are returned in the caller's order).
+    The kernel reads a whole K block per candidate for 64 rows, so it is bound by those reads; in id order the CTAs
+    that run at the same time (neighbouring query blocks of one head) read nearby blocks at about the same time,
+    and most reads hit the L2 cache."""
+    b, t, n, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    nq, c = candidates.shape[2], candidates.shape[3]
+    nk = cdiv(s, block)
+    dp = fa3.padded_head_dim(d)
+    rows = query_block // stride
+    tiles_per_block = rows // WG_ROWS
+    ctas = cdiv(nq * tiles_per_block, 2)
+    rows_pad = ctas * 2 * WG_ROWS
+    t_pad = nq * query_block
+    idx = jnp.arange(0, t_pad, stride, dtype=jnp.int32)  # the rows taken, [nq * rows]
+    q_sub = _pad_to(_pad_to(_pad_to(q, 1, t_pad)[:, idx], 3, dp), 1, rows_pad)  # [B, rows_pad, N, Dp]
+    k_in = _pad_to(_pad_to(k, 3, dp), 1, nk * block)
+    ref = jnp.pad(ref_lse.astype(jnp.float32), ((0, 0), (0, 0), (0, t_pad // gamma + 1)),
+                  constant_values=-jnp.inf)[..., idx // gamma]  # [B, N, nq * rows]
+    ref = jnp.where((ref == -jnp.inf) | (idx >= t), jnp.inf, ref * LOG2E)  # +inf: the row counts nothing
+    ref = jnp.pad(ref, ((0, 0), (0, 0), (0, rows_pad - nq * rows)), constant_values=jnp.inf)
+    c_pad = cdiv(c, CHUNK) * CHUNK
+    cand = candidates.astype(jnp.int32)
+    if sort:  # ids in range first, ascending; the rest (empty slots) after them
+        order = jnp.argsort(jnp.where((cand >= 0) & (cand < nk), cand, nk), axis=-1)
+        cand = jnp.take_along_axis(cand, order, axis=-1)
+    cand = jnp.pad(cand, ((0, 0), (0, 0), (0, 0), (0, c_pad - c)), constant_values=-1)
+    rings = 1 if tiles_per_block == 2 else 2
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, block=block, stages=stages or stages_for(block, dp, rings), groups=n // kh,
+                          kv_len=s, q_offset=s - t, query_block=query_block, stride=stride, num_q_blocks=nq,
+                          tiles_per_block=tiles_per_block, sm_scale=sm_scale),
+        out_type=jax.ShapeDtypeStruct((b, n, nq, tiles_per_block, c_pad), jnp.float32),
+        grid=(ctas, n, b),
+        grid_names=("q", "heads", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    mass = kernel(q_sub, k_in, cand, ref).sum(axis=3)[..., :c]
+    if sort:  # back to the caller's order
+        mass = jnp.put_along_axis(jnp.zeros_like(mass), order, mass, axis=-1, inplace=False)
+    return mass
