@@ -233,7 +233,7 @@ def test_rerank_picks_the_block_the_unsampled_rows_attend_to(options):
         lay = pattern.plan(q, k, k, options=options).layout
         return set(np.asarray(lay.kv_blocks)[0, 0, last, : int(lay.kv_block_count[0, 0, last])].tolist())
 
-    plain, reranked = chosen(Momo(**kw)), chosen(Momo(rerank=2, **kw))
+    plain, reranked = chosen(Momo(rerank=0, **kw)), chosen(Momo(rerank=2, **kw))
     assert 1 in plain and 2 not in plain
     assert 2 in reranked and 1 not in reranked
 
@@ -282,3 +282,25 @@ def test_golden_scan_changes_only_the_estimated_selection():
             ids[topk, scan] = np.asarray(Momo(topk=topk, scan=scan, **kw).plan(q, k, v, options=opts).qsa.block_idx)
     np.testing.assert_array_equal(ids["exact", "golden"], ids["exact", "natural"])
     assert (ids["estimated", "golden"] != ids["estimated", "natural"]).any()
+
+
+def test_default_reranks_four_times_the_kept_blocks_with_every_second_row():
+    """`Momo()` re-ranks (4 x k_trim candidates, every 2nd row); the factor is capped by the union of a query block's
+    sampled selections and off below 2; the stride falls back to every row where 2 would leave < 16 rows."""
+    p = Momo()
+    assert (p.rerank, p.rerank_stride, p.rerank_factor, p.rerank_rows) == (None, None, 4, 2)
+    small = dict(k=4, k_exact=1, k_trim=4)
+    assert Momo(gamma=16, query_block=32, **small).rerank_factor == 2  # union 2 rows x 4 = 8 = 2 x k_trim
+    assert Momo(gamma=32, query_block=32, **small).rerank_factor == 0  # union 4: nothing to re-rank
+    assert Momo(gamma=16, query_block=16, **small).rerank_rows == 1
+    assert (Momo(rerank=0).rerank_factor, Momo(rerank=2, rerank_stride=4).rerank_rows) == (0, 4)
+
+
+def test_default_plan_is_the_explicit_rerank_plan():
+    q, k, v = random_qkv(3, 1, 256, 256, 2, 1, 16)
+    kw = dict(gamma=4, block=16, k=4, k_exact=1, k_trim=4, query_block=32, sink=16, local=16, topk="exact")
+    auto = Momo(**kw).plan(q, k, v).layout
+    explicit = Momo(rerank=4, rerank_stride=2, **kw).plan(q, k, v).layout
+    plain = Momo(rerank=0, **kw).plan(q, k, v).layout
+    np.testing.assert_array_equal(np.asarray(auto.kv_blocks), np.asarray(explicit.kv_blocks))
+    assert not np.array_equal(np.asarray(auto.kv_blocks), np.asarray(plain.kv_blocks))

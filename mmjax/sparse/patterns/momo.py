@@ -98,6 +98,8 @@ from pallas_kernels.qsa_topk.topk import check_quantile
 from pallas_kernels.tiling import cdiv
 
 TOPK_ALGORITHMS = ("exact", "tournament", "estimated")
+DEFAULT_RERANK = 4  # the re-rank's candidates per kept block by default (``Momo.rerank=None``)
+DEFAULT_RERANK_STRIDE = 2  # its rows: every 2nd row of a query block (``Momo.rerank_stride=None``)
 
 
 # ----------------------------------------------------------------- forced blocks
@@ -232,8 +234,9 @@ def delta_correct(out_star: jax.Array, lse_star: jax.Array, out_gamma: jax.Array
 # ------------------------------------------------------------------- pattern
 def _measure_implementation(options: KernelOptions) -> str | None:
     """The implementation of the measuring kernels (QSA + top-k, candidate mass) for ``options``, which name the
-    block-sparse kernel's: "mosaic_gpu" runs them with their default (Triton on a GPU); `Momo.qsa_kernel` then
-    takes the fused Mosaic GPU QSA + top-k where it supports the config."""
+    block-sparse kernel's: "mosaic_gpu" runs them with their default (on an sm90 GPU the candidate mass takes its
+    Mosaic GPU kernel where it supports the inputs, else Triton); `Momo.qsa_kernel` then takes the fused Mosaic GPU
+    QSA + top-k where it supports the config."""
     return None if options.implementation == "mosaic_gpu" else options.implementation
 
 
@@ -267,10 +270,13 @@ class Momo(Pattern):
       quantile: how the "estimated" top-k sets its acceptance threshold: "histogram" (default: the
         Gaussian quantile raised where counts at frozen edges show more scores above it than free
         slots) or "gaussian" (the rule before 2026-11-25); see `pallas_kernels.qsa_topk.topk`.
-      rerank: 0 (default: off) or c >= 1: union + trim keeps ``c * k_trim`` candidates per query block,
-        and `pallas_kernels.candidate_mass` scores them with the block's rows (every ``rerank_stride``-th)
-        before the best ``k_trim`` are kept; see the module docstring ("Re-rank").
-      rerank_stride: the rows of a query block the re-rank uses (a power of two, query_block / stride >= 16).
+      rerank: c >= 1: union + trim keeps ``c * k_trim`` candidates per query block, and
+        `pallas_kernels.candidate_mass` scores them with the block's rows (every ``rerank_stride``-th) before the
+        best ``k_trim`` are kept; 0: off (MOMO as published); None (default): `DEFAULT_RERANK` where the union of a
+        query block's sampled selections holds that many candidates, else the most it holds (off below 2); see
+        the module docstring ("Re-rank") and `rerank_factor`.
+      rerank_stride: the rows of a query block the re-rank uses (a power of two, query_block / stride >= 16);
+        None (default): `DEFAULT_RERANK_STRIDE` where the query block has 16 rows per stride, else 1.
     """
 
     gamma: int = 16
@@ -285,8 +291,8 @@ class Momo(Pattern):
     trim_rule: str = "auto"
     scan: str = "golden"
     quantile: str = "histogram"
-    rerank: int = 0
-    rerank_stride: int = 1
+    rerank: int | None = None
+    rerank_stride: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()  # names block / query_block (the base class would say block_q / block_k)
@@ -315,6 +321,23 @@ class Momo(Pattern):
     def sink_blocks(self) -> int:
         return cdiv(self.sink, self.block)
 
+    @property
+    def rerank_factor(self) -> int:
+        """The re-rank's c in use (0: off): ``rerank``, or for None `DEFAULT_RERANK` capped by the union of a query
+        block's sampled selections (``query_block / gamma * k`` candidates over ``k_trim``), 0 below 2."""
+        if self.rerank is not None:
+            return self.rerank
+        c = min(DEFAULT_RERANK, (self.query_block // self.gamma) * self.k // self.trim)
+        return c if c >= 2 else 0
+
+    @property
+    def rerank_rows(self) -> int:
+        """The re-rank's row stride in use (``rerank_stride``, or for None `DEFAULT_RERANK_STRIDE` where it leaves
+        16 rows per query block, else 1)."""
+        if self.rerank_stride is not None:
+            return self.rerank_stride
+        return DEFAULT_RERANK_STRIDE if self.query_block // DEFAULT_RERANK_STRIDE >= 16 else 1
+
     def validate(self) -> None:
         check_int("gamma", self.gamma, 1)
         check_pow2("block", self.block)
@@ -337,13 +360,15 @@ class Momo(Pattern):
         check_quantile(self.quantile)
         if self.trim_rule not in MOMO_TRIM_RULES:
             raise ValueError(f"trim_rule: expected one of {MOMO_TRIM_RULES}; received {self.trim_rule!r}")
-        check_int("rerank", self.rerank, 0)
-        check_pow2("rerank_stride", self.rerank_stride, 1)
-        if self.query_block // self.rerank_stride < 16:
-            raise ValueError(f"rerank_stride: expected query_block / rerank_stride >= 16 (query_block="
-                             f"{self.query_block}); received {self.rerank_stride}")
+        if self.rerank is not None:
+            check_int("rerank", self.rerank, 0)
+        if self.rerank_stride is not None:
+            check_pow2("rerank_stride", self.rerank_stride, 1)
+            if self.query_block // self.rerank_stride < 16:
+                raise ValueError(f"rerank_stride: expected query_block / rerank_stride >= 16 (query_block="
+                                 f"{self.query_block}); received {self.rerank_stride}")
         union = (self.query_block // self.gamma) * self.k
-        if self.rerank * self.trim > union:
+        if self.rerank_factor * self.trim > union:
             raise ValueError(f"rerank: expected rerank * k_trim <= the union of a query block's sampled selections "
                              f"(query_block / gamma * k = {union}); received rerank={self.rerank}, k_trim={self.trim}")
 
@@ -384,16 +409,16 @@ class Momo(Pattern):
         geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,
                    sink_blocks=self.sink_blocks, local=self.local)
         ids, _ = union_trim(res.block_idx, res.block_score, gamma=self.gamma,
-                            k_trim=self.trim * max(1, self.rerank), rule=self.rule, lse=res.lse_gamma, **geo)
-        if self.rerank:
-            ids = self._rerank(q, k, ids, res.lse_gamma, options)
+                            k_trim=self.trim * max(1, self.rerank_factor), rule=self.rule, lse=res.lse_gamma, **geo)
+        if self.rerank_factor:
+            ids = self.rerank_candidates(q, k, ids, res.lse_gamma, options)
         return MomoPlan(res, assemble_layout(ids, **geo))
 
-    def _rerank(self, q, k, candidates, lse_gamma, options: KernelOptions) -> jax.Array:
-        """The ``k_trim`` candidates (ids ``[B, N, nq, rerank * k_trim]``, -1 empty) with the most mass over the
-        query block's rows (every ``rerank_stride``-th), as ``[B, N, nq, k_trim]`` ids (-1 empty)."""
+    def rerank_candidates(self, q, k, candidates, lse_gamma, options: KernelOptions = KernelOptions()) -> jax.Array:
+        """The ``k_trim`` candidates (ids ``[B, N, nq, rerank_factor * k_trim]``, -1 empty) with the most mass over
+        the query block's rows (every ``rerank_rows``-th), as ``[B, N, nq, k_trim]`` ids (-1 empty)."""
         mass = candidate_mass(q, k, candidates, lse_gamma, query_block=self.query_block, block=self.block,
-                              gamma=self.gamma, stride=self.rerank_stride, sm_scale=options.sm_scale,
+                              gamma=self.gamma, stride=self.rerank_rows, sm_scale=options.sm_scale,
                               implementation=_measure_implementation(options), interpret=options.interpret)
         top, pick = lax.top_k(jnp.where(candidates >= 0, mass, -jnp.inf), self.trim)
         return jnp.where(top > -jnp.inf, jnp.take_along_axis(candidates, pick, -1), -1).astype(jnp.int32)
