@@ -45,7 +45,8 @@ correction.
    0.153, 1.05 (was 2.31). The exact top-k with "mass" is at 0.93 / 1.42 / 1.04: what is left
    is the sampling of 8 rows per query block, the same for every modality, so no
    per-modality variant is needed.
-   Re-rank (``rerank=c``, off by default). On the mixed video + text input the gap grows with the
+   Re-rank (``rerank=c``; the default, None, is c = 4 with every 2nd row: ``rerank_factor``, ``rerank_rows``;
+   ``rerank=0`` is MOMO as published). On the mixed video + text input the gap grows with the
    length (CPU, reference kernels, 2 query / 1 key heads, fp32, exact top-k, "mass" trim, 2026-11-25:
    0.29 points at 128k, 3.30 at 256k; 5.5 at 1M on an H200). It is the sampling of the rows: the
    best list for the 8 sampled rows' *true* masses (no per-row top-k at all) has the same gap
@@ -59,13 +60,17 @@ correction.
    ``c * k_trim`` blocks per query block, no values. One H100 at 128k (2026-11-25): MOMO 89.3 ms,
    with c = 2 every row 141.0 ms, every 4th row 115.5 ms (the candidate-mass kernel alone, tuned since:
    51.1 / 18.5 ms). At 1M on an H100 (``k_exact=32``, estimated top-k) the mixed gap is 6.51 points, 3.12
-   with c = 2 every row: still above 1.5; video 0.42 -> 0.23, needle 0.07 -> 0.04. Hence off by default.
+   with c = 2 every row: still above 1.5; video 0.42 -> 0.23, needle 0.07 -> 0.04. Hence it was off by default then.
    Why it grows with the length (CPU, 256k, `tools/momo_sink_gap.py`): the mixed family's per-frame sinks give
    more near-equal sink blocks than k_trim (224 at 256k); the estimated top-k keeps the first good ones it meets.
    Sinks on / off, points: estimated 4.15 / 0.75, exact 2.38 / 0.47, exact + re-rank c = 2 0.45 / 0.24.
    The estimated top-k's threshold now counts its scores (``quantile="histogram"``, default since 2026-11-26;
    `pallas_kernels.qsa_topk.topk`) and chooses within the sink cluster: one H200 at 1M, mixed gap 8.03 ->
    5.62 points (exact top-k 5.47), 2.99 with re-rank c = 2 every 4th row; MOMO 2607 ms = 6.29x cuDNN.
+   On by default since 2026-11-26 (one H100 at 1M, the fused Mosaic QSA and the Mosaic candidate-mass kernel,
+   `bench/results/momo-{1m-default-rerank-timing,mass-1m-16blocks-default}_*`): c = 4 with every 2nd row keeps the
+   mixed / video / needle gaps at 1.36 / 0.23 / 0.04 points (without re-rank 4.41 / 0.44 / 0.07), MOMO 2205 ms =
+   7.23x cuDNN (1754 ms = 9.09x without).
 3. Key-sparse attention of all queries on that layout (`block_sparse_attention`) -> O_*.
 4. Delta correction (Eq. 3): ``out[t] = O_*[t] + (O_gamma - O_*)[gamma * (t // gamma)]``,
    so the sampled rows equal dense attention and every row of a gamma group is shifted by
