@@ -35,6 +35,8 @@ def main() -> None:
     p.add_argument("--strides", type=int, nargs="+", default=[1, 4])
     p.add_argument("--per-steps", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--candidates", type=int, default=256)
+    p.add_argument("--shared-in-group", action="store_true",
+                   help="give the query heads of a key head the same candidate lists (random ones differ)")
     p.add_argument("--mosaic-stages", type=int, nargs="*", default=[2, 3, 4],
                    help="K stages of the Mosaic GPU kernel to time (sm90 only; none: skip it)")
     args = p.parse_args()
@@ -46,6 +48,8 @@ def main() -> None:
     nq = s // qb
     first = jnp.arange(nq)[:, None] * (qb // block)  # the query block's first key block
     cand = (jax.random.uniform(kc, (1, n, nq, c)) * (first[None, None] + 1)).astype(jnp.int32)
+    if args.shared_in_group:  # the query heads of a key head list the same blocks (the first of each group's)
+        cand = jnp.repeat(cand[:, :: n // kh], n // kh, axis=1)
     ref = 4.0 + jax.random.normal(kr, (1, n, s // gamma), jnp.float32)
     tunable = "per_step" in inspect.signature(candidate_mass_triton).parameters
     grid = list(itertools.product(args.per_steps, [4, 8], [2, 3])) if tunable else [(None, None, None)]
@@ -67,13 +71,13 @@ def main() -> None:
         if is_sm90() and qb // stride in ROWS:
             base = dict(query_block=qb, block=block, stride=stride, gamma=gamma, sm_scale=d ** -0.5)
             want = candidate_mass_triton(q, k, cand, ref, **base)
-            for stages, order in itertools.product(args.mosaic_stages, (True, False)):
+            for stages, order, hf in itertools.product(args.mosaic_stages, (True, False), (True, False)):
                 row = dict(label=args.label, module=pallas_kernels.__file__, S=s, stride=stride, candidates=c,
-                           implementation="mosaic_gpu", stages=stages, sort=order,
+                           implementation="mosaic_gpu", stages=stages, sort=order, heads_first=hf,
                            device=jax.devices()[0].device_kind)
                 try:
-                    fn = jax.jit(lambda q, k, cand, ref, st=stages, o=order: candidate_mass_mosaic_gpu(
-                        q, k, cand, ref, stages=st, sort=o, **base))
+                    fn = jax.jit(lambda q, k, cand, ref, st=stages, o=order, hf=hf: candidate_mass_mosaic_gpu(
+                        q, k, cand, ref, stages=st, sort=o, heads_first=hf, **base))
                     got = fn(q, k, cand, ref)
                     row["max_rel_diff_vs_triton"] = float(jnp.max(jnp.abs(got - want) / (jnp.abs(want) + 1e-6)))
                     row["ms"] = median_ms(lambda: fn(q, k, cand, ref))

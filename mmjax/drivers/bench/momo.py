@@ -224,6 +224,25 @@ def _rerank_stages(pattern: Momo, options: KernelOptions):
             jax.jit(lambda q, k, ids, lse: pattern.rerank_candidates(q, k, ids, lse, options)))
 
 
+@jax.jit
+def _union_saving(lists: jax.Array) -> jax.Array:
+    """``lists`` ``[..., L]``: groups of concatenated candidate lists (-1 empty, ids unique per list). The share of
+    the listed ids that a walk of each group's union would not read again: ``1 - |union| / sum |list|``."""
+    s = jnp.sort(jnp.where(lists >= 0, lists, -1), axis=-1)
+    first = jnp.concatenate([jnp.ones_like(s[..., :1], bool), s[..., 1:] != s[..., :-1]], axis=-1)
+    return 1.0 - jnp.sum(first & (s >= 0)) / jnp.maximum(jnp.sum(s >= 0), 1)
+
+
+def _shared_reads(ids: jax.Array, groups: int) -> dict[str, float]:
+    """What the candidate-mass kernel could read once for several lists (``ids`` ``[B, N, nq, C]``): the union
+    saving (`_union_saving`) over query blocks 2i and 2i + 1 of a head, and over the ``groups`` query heads of a
+    key head for one query block."""
+    b, n, nq, c = ids.shape
+    pairs = ids[:, :, : nq // 2 * 2].reshape(b, n, nq // 2, 2 * c)
+    heads = jnp.moveaxis(ids.reshape(b, n // groups, groups, nq, c), 2, 3).reshape(b, n // groups, nq, groups * c)
+    return {"neighbour_blocks": float(_union_saving(pairs)), "head_group": float(_union_saving(heads))}
+
+
 def _time(fn, s: int) -> float:
     """Median ms; the first call (compile + warm-up) is not timed."""
     reps = 3 if s <= 131072 else (2 if s <= 524288 else 1)
@@ -325,8 +344,11 @@ class Runner:
                     ids = union_c(res, s, s)
                     row[f"{name}_union_trim_ms"] = _time(lambda: union_c(res, s, s), s)
                     row[f"{name}_candidate_mass_ms"] = _time(lambda: rerank(q, k, ids, res.lse_gamma), s)
-                    msg = (f" (union + trim to {c} x k_trim {row[f'{name}_union_trim_ms']:.1f}, candidate mass + "
-                           f"top-k {row[f'{name}_candidate_mass_ms']:.1f})")
+                    saving = _shared_reads(ids, q.shape[2] // k.shape[2])
+                    row[f"{name}_union_saving"] = saving
+                    msg = (f" (union + trim to {c} x k_trim {row[f'{name}_union_trim_ms']:.1f}, candidate mass + top-k "
+                           f"{row[f'{name}_candidate_mass_ms']:.1f}; reads a union walk saves: neighbouring query "
+                           f"blocks {saving['neighbour_blocks']:.2f}, a key head's query heads {saving['head_group']:.2f})")
                     del ids
                 self.log(f"  S={s} MOMO + re-rank {c}x, rows/{st}: total {row[f'{name}_total_ms']:.1f} ms{msg}")
             except Exception as e:
