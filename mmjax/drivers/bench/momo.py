@@ -348,7 +348,8 @@ class Runner:
                     row[f"{name}_union_saving"] = saving
                     msg = (f" (union + trim to {c} x k_trim {row[f'{name}_union_trim_ms']:.1f}, candidate mass + top-k "
                            f"{row[f'{name}_candidate_mass_ms']:.1f}; reads a union walk saves: neighbouring query "
-                           f"blocks {saving['neighbour_blocks']:.2f}, a key head's query heads {saving['head_group']:.2f})")
+                           f"blocks {saving['neighbour_blocks']:.2f}, a key head's query heads "
+                           f"{saving['head_group']:.2f})")
                     del ids
                 self.log(f"  S={s} MOMO + re-rank {c}x, rows/{st}: total {row[f'{name}_total_ms']:.1f} ms{msg}")
             except Exception as e:
