@@ -18,6 +18,13 @@ With ``rows == 128`` the two halves' masses are separate outputs the wrapper add
 of range load block 0 and count nothing. Limits: bf16 / fp16, ``block`` 64 or 128, ``rows`` 64 or 128 (wgmma
 tiles of 64 rows), head dims zero-padded to 64 or 128. The Triton kernel (`triton.py`) covers the rest.
 
+The kernel is bound by its K reads (16 KB per candidate for 64 rows), so the wrapper sorts each list by id and the grid
+runs the query heads fastest (see `candidate_mass_mosaic_gpu`). Measured (one H100, 2026-11-26,
+`tools/candidate_mass_tune.py`, 128k tokens, 28 / 4 heads, 512 random candidates per query block): every 2nd row
+39.0 ms, every row 72.8 ms, against 73.7 / 100.3 ms for the Triton kernel's best tiles; MOMO's default re-rank at 1M
+417 ms (`bench momo`). A FlashAttention-3 pingpong of the consumers, Q as a register operand and the lists in
+shared memory did not make it faster.
+
 CPU: the kernel lowers for CUDA on a CPU machine (tests/pallas_kernels/candidate_mass/test_candidate_mass.py);
 it runs on a Hopper GPU only (test_candidate_mass_gpu.py).
 """
