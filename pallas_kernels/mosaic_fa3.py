@@ -29,6 +29,19 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a WGMMA-layout tile
 SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # Q / K / V / O tiles
 
 
+DTYPES = (jnp.bfloat16, jnp.float16)  # of q / k / v in every Mosaic kernel
+MAX_HEAD_DIM = 128  # larger D (acc registers, fewer stages) is not measured on a GPU yet
+
+
+def check_q(q: jax.Array) -> None:
+    """The dtype and head dim every Mosaic kernel takes, as ValueErrors naming ``q``."""
+    if jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES):
+        raise ValueError(f"q: expected dtype bfloat16 or float16 for implementation='mosaic_gpu'; received {q.dtype}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; received shape "
+                         f"{tuple(q.shape)}")
+
+
 CONSUMER_REGISTERS = 232  # per thread of a consumer warpgroup (O, S / P and the row statistics live in registers)
 PRODUCER_REGISTERS = 40  # per thread of the TMA producer warpgroup
 

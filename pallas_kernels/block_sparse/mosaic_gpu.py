@@ -60,8 +60,6 @@ BLOCK_Q = 128  # two consumer warpgroups of 64 rows
 WG_ROWS = fa3.WG_ROWS
 BLOCK_QS = (WG_ROWS, BLOCK_Q)
 BLOCK_KS = (64, 128)
-MAX_HEAD_DIM = 128  # larger D (acc registers, fewer stages) is not measured on a GPU yet
-DTYPES = (jnp.bfloat16, jnp.float16)
 # Shared memory per CTA on sm90 is 227 KB; the Q/O tiles and the K/V ring must fit.
 _SMEM_BUDGET = 220 * 1024
 _MAX_STAGES = 4
@@ -123,9 +121,7 @@ def default_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q) -> int:
 
 def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> None:
     """The Mosaic GPU kernel's own limits (raised before anything is traced)."""
-    if jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES):
-        raise ValueError(f"q: expected dtype bfloat16 or float16 for implementation='mosaic_gpu'; "
-                         f"received {q.dtype}")
+    fa3.check_q(q)
     if layout.block_q not in BLOCK_QS:
         raise ValueError(f"layout.block_q: expected one of {BLOCK_QS} for implementation='mosaic_gpu' "
                          f"(two warpgroups of {WG_ROWS} rows on one query block or on one each); "
@@ -137,9 +133,6 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> No
         raise ValueError("layout.kv_windows: key windows are not supported by implementation='mosaic_gpu' "
                          "(use 'triton'); received a layout with kv_windows=True")
     d = q.shape[-1]
-    if d > MAX_HEAD_DIM:
-        raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; "
-                         f"received shape {tuple(q.shape)}")
     d_pad = fa3.padded_head_dim(d)
     need = _smem_bytes(layout.block_k, d_pad, 2, layout.block_q)
     if need > _SMEM_BUDGET:

@@ -44,14 +44,12 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_fa3 as fa3
-from pallas_kernels.block_sparse.mosaic_gpu import MAX_HEAD_DIM
 from pallas_kernels.tiling import LOG2E, cdiv
 from pallas_kernels.tiling import pad_to as _pad_to
 
 WG_ROWS = fa3.WG_ROWS
 ROW = fa3.ROW
 CHUNK = 64  # candidates per reduction over the rows (the rows of the shared-memory tile)
-DTYPES = (jnp.bfloat16, jnp.float16)
 BLOCKS = (64, 128)
 ROWS = (64, 128)  # rows per query block the kernel takes: one or two wgmma tiles
 _SMEM_BUDGET = 220 * 1024
@@ -60,11 +58,7 @@ _MAX_STAGES = 4
 
 def check_supported(q: jax.Array, *, query_block: int, block: int, stride: int) -> None:
     """The kernel's own limits, as ValueErrors naming the argument (before anything is traced)."""
-    if jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES):
-        raise ValueError(f"q: expected dtype bfloat16 or float16 for implementation='mosaic_gpu'; received {q.dtype}")
-    if q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; received shape "
-                         f"{tuple(q.shape)}")
+    fa3.check_q(q)
     if block not in BLOCKS:
         raise ValueError(f"block: expected one of {BLOCKS} for implementation='mosaic_gpu'; received {block}")
     if query_block // stride not in ROWS:

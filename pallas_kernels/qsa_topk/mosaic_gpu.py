@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_fa3 as fa3
-from pallas_kernels.block_sparse.mosaic_gpu import MAX_HEAD_DIM, default_stages
+from pallas_kernels.block_sparse.mosaic_gpu import default_stages
 from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table
 from pallas_kernels.tiling import LN2, LOG2E, cdiv
@@ -46,7 +46,6 @@ WG_ROWS = fa3.WG_ROWS
 ROW = fa3.ROW
 
 
-DTYPES = (jnp.bfloat16, jnp.float16)
 BLOCK_KVS = (64, 128)
 
 
@@ -54,11 +53,7 @@ def check_supported(q: jax.Array, *, topk: str, block_kv: int, k_exact: int, row
     """The Mosaic GPU kernel's own limits, as ValueErrors naming the argument (before anything is traced)."""
     if topk != "estimated":
         raise ValueError(f"topk: expected 'estimated' for implementation='mosaic_gpu'; received {topk!r}")
-    if jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES):
-        raise ValueError(f"q: expected dtype bfloat16 or float16 for implementation='mosaic_gpu'; received {q.dtype}")
-    if q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"q: expected head dim D <= {MAX_HEAD_DIM} for implementation='mosaic_gpu'; received shape "
-                         f"{tuple(q.shape)}")
+    fa3.check_q(q)
     if block_kv not in BLOCK_KVS:
         raise ValueError(f"block_kv: expected one of {BLOCK_KVS} for implementation='mosaic_gpu'; received {block_kv}")
     if k_exact < 8 or k_exact % 8:
