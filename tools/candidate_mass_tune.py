@@ -71,13 +71,13 @@ def main() -> None:
         if is_sm90() and qb // stride in ROWS:
             base = dict(query_block=qb, block=block, stride=stride, gamma=gamma, sm_scale=d ** -0.5)
             want = candidate_mass_triton(q, k, cand, ref, **base)
-            for stages, order, hf in itertools.product(args.mosaic_stages, (True, False), (True, False)):
+            for stages, per_step in itertools.product(args.mosaic_stages, (1, 2)):
                 row = dict(label=args.label, module=pallas_kernels.__file__, S=s, stride=stride, candidates=c,
-                           implementation="mosaic_gpu", stages=stages, sort=order, heads_first=hf,
+                           implementation="mosaic_gpu", stages=stages, per_step=per_step,
                            device=jax.devices()[0].device_kind)
                 try:
-                    fn = jax.jit(lambda q, k, cand, ref, st=stages, o=order, hf=hf: candidate_mass_mosaic_gpu(
-                        q, k, cand, ref, stages=st, sort=o, heads_first=hf, **base))
+                    fn = jax.jit(lambda q, k, cand, ref, st=stages, ps=per_step: candidate_mass_mosaic_gpu(
+                        q, k, cand, ref, stages=st, per_step=ps, **base))
                     got = fn(q, k, cand, ref)
                     row["max_rel_diff_vs_triton"] = float(jnp.max(jnp.abs(got - want) / (jnp.abs(want) + 1e-6)))
                     row["ms"] = median_ms(lambda: fn(q, k, cand, ref))

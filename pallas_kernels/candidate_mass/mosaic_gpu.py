@@ -21,9 +21,9 @@ tiles of 64 rows), head dims zero-padded to 64 or 128. The Triton kernel (`trito
 The kernel is bound by its K reads (16 KB per candidate for 64 rows), so the wrapper sorts each list by id and the grid
 runs the query heads fastest (see `candidate_mass_mosaic_gpu`). Measured (one H100, 2026-11-26,
 `tools/candidate_mass_tune.py`, 128k tokens, 28 / 4 heads, 512 random candidates per query block): every 2nd row
-39.0 ms, every row 72.8 ms, against 73.7 / 100.3 ms for the Triton kernel's best tiles; MOMO's default re-rank at 1M
-417 ms (`bench momo`). A FlashAttention-3 pingpong of the consumers, Q as a register operand and the lists in
-shared memory did not make it faster.
+37.1 ms, every row 67.2 ms (two candidates per step), against 73.7 / 100.3 ms for the Triton kernel's best tiles;
+MOMO's default re-rank at 1M 417 ms with one candidate per step (`bench momo`). A FlashAttention-3 pingpong of the
+consumers, Q as a register operand and the lists in shared memory did not make it faster.
 
 CPU: the kernel lowers for CUDA on a CPU machine (tests/pallas_kernels/candidate_mass/test_candidate_mass.py);
 it runs on a Hopper GPU only (test_candidate_mass_gpu.py).
@@ -94,8 +94,9 @@ def _flush(tile_ref, out_ref) -> None:
 
 
 def _kernel(q_ref, k_ref, cand_ref, ref_ref, out_ref, *, block, stages, groups, kv_len, q_offset, query_block,
-            stride, num_q_blocks, tiles_per_block, sm_scale):
+            stride, num_q_blocks, tiles_per_block, sm_scale, per_step):
     bk = block
+    width = per_step * bk  # keys of one step: per_step candidates side by side in one stage
     nk = k_ref.shape[1] // bk
     n_cand = cand_ref.shape[-1]
     split = tiles_per_block == 1  # the two consumers work on two query blocks (two lists, two rings)
@@ -130,57 +131,72 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, out_ref, *, block, stages, groups, 
                 plgpu.copy_gmem_to_smem(ref_ref.at[batch, head, pl.ds(row0, WG_ROWS)], r_smem.at[wg], q_bar.at[wg + 2])
                 plgpu.barrier_wait(q_bar.at[wg + 2])
                 ref = plgpu.load(r_smem.at[wg], (), layout=ROW, optimized=False)  # base 2; +inf: counts nothing
-                ref_b = lax.broadcast_in_dim(ref, (WG_ROWS, bk), [0])
+                ref_b = lax.broadcast_in_dim(ref, (WG_ROWS, width), [0])
+                cols = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, width), 1, layout=plgpu.Layout.WGMMA)
                 plgpu.barrier_wait(q_bar.at[wg])
                 scale = sm_scale * LOG2E
                 first_pos = qb * query_block + part * WG_ROWS * stride + q_offset  # the tile's first row
 
-                def mask(x, start, limit):
+                def mask(x, starts, limits):
+                    """-inf where a key is after the row or past its candidate's limit (candidate p: columns
+                    ``[p * bk, (p + 1) * bk)``)."""
                     rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
-                    k_pos = start + cols
+                    k_pos, limit = starts[0] + cols, limits[0]
+                    for p in range(1, per_step):
+                        k_pos = jnp.where(cols >= p * bk, starts[p] + cols - p * bk, k_pos)
+                        limit = jnp.where(cols >= p * bk, limits[p], limit)
                     ok = (k_pos <= first_pos + rows * stride) & (k_pos < limit)
                     return jnp.where(ok, x, -jnp.inf)
 
-                def step(j, carry):
-                    slot = ring * stages + lax.rem(j, stages)
-                    start, in_range = entry(wg, j)
-                    limit = jnp.where(in_range, kv_len, 0)  # an id out of range shows nothing
+                def step(i, carry):
+                    slot = ring * stages + lax.rem(i, stages)
+                    j = i * per_step  # the step's first candidate
+                    starts, limits, need = [], [], False
+                    for p in range(per_step):
+                        start, in_range = entry(wg, j + p)
+                        limit = jnp.where(in_range, kv_len, 0)  # an id out of range shows nothing
+                        starts.append(start)
+                        limits.append(limit)
+                        need = need | (start + bk - 1 > first_pos) | (start + bk > limit)
                     plgpu.barrier_wait(k_bar.at[slot])
 
                     def scores(s_ref):
                         plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
                         return s_ref[...]
 
-                    s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+                    s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, width), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
                     x = s * scale - ref_b
-                    need = (start + bk - 1 > first_pos) | (start + bk > limit)
-                    x = lax.cond(need, lambda v: mask(v, start, limit), lambda v: v, x)
+                    x = lax.cond(need, lambda v: mask(v, starts, limits), lambda v: v, x)
+                    e = jnp.exp2(x)
                     c = lax.rem(j, CHUNK)
-                    m_smem[wg, c] = jnp.exp2(x).sum(axis=1)
+                    for p in range(per_step):
+                        part_e = e if per_step == 1 else jnp.where(cols // bk == p, e, 0.0)
+                        m_smem[wg, c + p] = part_e.sum(axis=1)
 
-                    @pl.when(c == CHUNK - 1)
+                    @pl.when(c == CHUNK - per_step)
                     def _():
                         _flush(m_smem.at[wg], out_ref.at[batch, head, qb, part, pl.ds(j - c, CHUNK)])
 
                     return carry
 
-                lax.fori_loop(0, n_cand, step, jnp.int32(0))
+                lax.fori_loop(0, n_cand // per_step, step, jnp.int32(0))
 
         def producer():
             kv_head = lax.div(head, jnp.array(groups, head.dtype))
 
-            def fetch(w, j, slot):
-                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(entry(w, j)[0], bk), kv_head], k_smem.at[slot],
-                                        k_bar.at[slot])
+            def fetch(w, i, slot):
+                """Step i's candidates into one stage (one TMA copy each, all on the stage's barrier)."""
+                for p in range(per_step):
+                    plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(entry(w, i * per_step + p)[0], bk), kv_head],
+                                            k_smem.at[slot, pl.ds(p * bk, bk)], k_bar.at[slot])
 
             live = [where_is(w)[2] for w in range(rings)]
             for i in range(stages):
                 for w in range(rings):
                     pl.when(live[w])(functools.partial(fetch, w, i, w * stages + i))
 
-            @pl.loop(stages, n_cand)
+            @pl.loop(stages, n_cand // per_step)
             def _(j):
                 for w in range(rings):
                     @pl.when(live[w])
@@ -197,21 +213,22 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, out_ref, *, block, stages, groups, 
         lambda *scoped: body(scoped),
         (
             plgpu.SMEM((2, WG_ROWS, dp), q_ref.dtype, transforms=fa3.SMEM_TRANSFORMS),
-            plgpu.SMEM((n_slots, bk, dp), q_ref.dtype, transforms=fa3.SMEM_TRANSFORMS),
+            plgpu.SMEM((n_slots, width, dp), q_ref.dtype, transforms=fa3.SMEM_TRANSFORMS),
             plgpu.SMEM((2, CHUNK, WG_ROWS), jnp.float32),
             plgpu.SMEM((2, WG_ROWS), jnp.float32),
         ),
-        (plgpu.Barrier(num_barriers=n_slots), plgpu.Barrier(num_barriers=4)),
+        (plgpu.Barrier(num_arrivals=per_step, num_barriers=n_slots), plgpu.Barrier(num_barriers=4)),
         plgpu.Barrier(num_arrivals=1 if split else 2, num_barriers=n_slots),
         collective_axes="wg",
     )
 
 
 @functools.partial(jax.jit, static_argnames=("query_block", "block", "stride", "gamma", "sm_scale", "stages",
-                                             "sort", "heads_first"))
+                                             "sort", "heads_first", "per_step"))
 def candidate_mass_mosaic_gpu(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: jax.Array, *,
                               query_block: int, block: int, stride: int, gamma: int, sm_scale: float,
-                              stages: int | None = None, sort: bool = True, heads_first: bool = True) -> jax.Array:
+                              stages: int | None = None, sort: bool = True, heads_first: bool = True,
+                              per_step: int | None = None) -> jax.Array:
     """Shapes and meaning as in `pallas_kernels.candidate_mass.api.candidate_mass`; inputs assumed validated and
     within `check_supported`. ``stages``: K stages per ring (default `stages_for`).
 
@@ -222,7 +239,13 @@ def candidate_mass_mosaic_gpu(q: jax.Array, k: jax.Array, candidates: jax.Array,
 
     ``heads_first`` (default): the grid's fastest dimension is the query head, so the CTAs of one query block for
     all heads run at the same time. The query heads of one key head read the same K, and their lists share about
-    half their blocks (MOMO at 1M, `bench momo`'s ``union_saving``), which those CTAs then read from L2."""
+    half their blocks (MOMO at 1M, `bench momo`'s ``union_saving``), which those CTAs then read from L2.
+
+    ``per_step``: candidates per step, side by side in one K stage and one ``[64, per_step * block]`` score tile
+    (default 2 for 64-key blocks, else 1): fewer, wider wgmma products (one H100 at 128k: 37.1 / 67.2 ms for every
+    2nd row / every row against 38.6 / 71.8 with one per step)."""
+    if per_step is None:
+        per_step = 2 if block == 64 else 1
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     nq, c = candidates.shape[2], candidates.shape[3]
@@ -248,7 +271,8 @@ def candidate_mass_mosaic_gpu(q: jax.Array, k: jax.Array, candidates: jax.Array,
     cand = jnp.pad(cand, ((0, 0), (0, 0), (0, 0), (0, c_pad - c)), constant_values=-1)
     rings = 1 if tiles_per_block == 2 else 2
     kernel = plgpu.kernel(
-        functools.partial(_kernel, block=block, stages=stages or stages_for(block, dp, rings), groups=n // kh,
+        functools.partial(_kernel, block=block, stages=stages or stages_for(per_step * block, dp, rings),
+                          groups=n // kh, per_step=per_step,
                           kv_len=s, q_offset=s - t, query_block=query_block, stride=stride, num_q_blocks=nq,
                           tiles_per_block=tiles_per_block, sm_scale=sm_scale),
         out_type=jax.ShapeDtypeStruct((b, n, nq, tiles_per_block, c_pad), jnp.float32),

@@ -68,9 +68,9 @@ correction.
    `pallas_kernels.qsa_topk.topk`) and chooses within the sink cluster: one H200 at 1M, mixed gap 8.03 ->
    5.62 points (exact top-k 5.47), 2.99 with re-rank c = 2 every 4th row; MOMO 2607 ms = 6.29x cuDNN.
    On by default since 2026-11-26 (one H100 at 1M, the fused Mosaic QSA and the Mosaic candidate-mass kernel,
-   `bench/results/momo-{1m-default-rerank-timing-heads-first,mass-1m-16blocks-default}_*`): c = 4 with every
+   `bench/results/momo-{1m-default-rerank-timing-final,mass-1m-16blocks-default}_*`): c = 4 with every
    2nd row keeps the mixed / video / needle gaps at 1.36 / 0.23 / 0.04 points (without re-rank 4.41 / 0.44 /
-   0.07), MOMO 2171 ms = 7.44x cuDNN (1759 ms = 9.18x without).
+   0.07), MOMO 2153 ms = 7.58x cuDNN (1767 ms = 9.24x without).
 3. Key-sparse attention of all queries on that layout (`block_sparse_attention`) -> O_*.
 4. Delta correction (Eq. 3): ``out[t] = O_*[t] + (O_gamma - O_*)[gamma * (t // gamma)]``,
    so the sampled rows equal dense attention and every row of a gamma group is shifted by

@@ -53,3 +53,23 @@ def test_candidate_mass_mosaic_matches_reference_on_gpu(dtype, stride, block, d,
     # the default on this GPU is the Mosaic kernel
     default = candidate_mass(q, k, jnp.asarray(cand), jnp.asarray(ref), **kw)
     np.testing.assert_array_equal(np.asarray(default), got)
+
+
+@pytest.mark.skipif(not is_sm90(), reason="needs an sm90 GPU (H100 / H200)")
+@pytest.mark.parametrize("stride", [2, 1])
+def test_candidate_mass_mosaic_two_candidates_per_step_on_gpu(stride):
+    """Two 64-key candidates side by side in one stage (one [64, 128] score tile): the same masses, with an id out
+    of range and a causal block as one of the pair."""
+    from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu
+
+    b, t, s, n, kh, d = 1, 900, 4096, 4, 2, 128
+    q, k, _ = random_qkv(13, b, t, s, n, kh, d, jnp.bfloat16)
+    rng = np.random.default_rng(2)
+    nq, nk = -(-t // 128), s // 64
+    cand = rng.integers(-1, nk + 1, size=(b, n, nq, 130)).astype(np.int32)
+    cand[0, 0, -1, :5] = nk - 1
+    ref = rng.normal(3.0, 1.0, size=(b, n, -(-t // 16))).astype(np.float32)
+    kw = dict(query_block=128, block=64, gamma=16, stride=stride)
+    got = candidate_mass_mosaic_gpu(q, k, jnp.asarray(cand), jnp.asarray(ref), sm_scale=d ** -0.5, per_step=2, **kw)
+    want = candidate_mass(q, k, jnp.asarray(cand), jnp.asarray(ref), implementation="reference", **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=1e-5)
