@@ -214,13 +214,7 @@ def _rerank_stages(pattern: Momo, options: KernelOptions):
     """Jitted (union + trim to ``rerank * k_trim`` candidates: ``(res, t, s) -> ids``, the re-rank:
     ``(q, k, ids, lse_gamma) -> ids``) of a re-rank variant, the two stages it adds to MOMO."""
 
-    def union_c(res, t, s):
-        geo = dict(q_len=t, kv_len=s, query_block=pattern.query_block, block=pattern.block,
-                   sink_blocks=pattern.sink_blocks, local=pattern.local)
-        return union_trim(res.block_idx, res.block_score, gamma=pattern.gamma, k_trim=pattern.trim * pattern.rerank,
-                          rule=pattern.rule, lse=res.lse_gamma, **geo)[0]
-
-    return (jax.jit(union_c, static_argnums=(1, 2)),
+    return (jax.jit(pattern.union_candidates, static_argnums=(1, 2)),
             jax.jit(lambda q, k, ids, lse: pattern.rerank_candidates(q, k, ids, lse, options)))
 
 

@@ -411,13 +411,21 @@ class Momo(Pattern):
                        local=self.local, scan=self.scan, quantile=self.quantile, sm_scale=options.sm_scale,
                        implementation=qsa_impl, interpret=options.interpret, rows=rows,
                        check_finite=options.check_finite)
-        geo = dict(q_len=t, kv_len=s, query_block=self.query_block, block=self.block,
-                   sink_blocks=self.sink_blocks, local=self.local)
-        ids, _ = union_trim(res.block_idx, res.block_score, gamma=self.gamma,
-                            k_trim=self.trim * max(1, self.rerank_factor), rule=self.rule, lse=res.lse_gamma, **geo)
+        ids = self.union_candidates(res, t, s)
         if self.rerank_factor:
             ids = self.rerank_candidates(q, k, ids, res.lse_gamma, options)
-        return MomoPlan(res, assemble_layout(ids, **geo))
+        return MomoPlan(res, assemble_layout(ids, **self._geometry(t, s)))
+
+    def _geometry(self, q_len: int, kv_len: int) -> dict:
+        return dict(q_len=q_len, kv_len=kv_len, query_block=self.query_block, block=self.block,
+                    sink_blocks=self.sink_blocks, local=self.local)
+
+    def union_candidates(self, res: QSATopKResult, q_len: int, kv_len: int) -> jax.Array:
+        """Union + trim of the sampled rows' selections (``res`` from `qsa_topk`): int32 ids ``[B, N, nq, C]`` (-1
+        empty), ``C = k_trim``, or ``rerank_factor * k_trim`` candidates for `rerank_candidates` when it re-ranks."""
+        return union_trim(res.block_idx, res.block_score, gamma=self.gamma,
+                          k_trim=self.trim * max(1, self.rerank_factor), rule=self.rule, lse=res.lse_gamma,
+                          **self._geometry(q_len, kv_len))[0]
 
     def rerank_candidates(self, q, k, candidates, lse_gamma, options: KernelOptions = KernelOptions()) -> jax.Array:
         """The ``k_trim`` candidates (ids ``[B, N, nq, rerank_factor * k_trim]``, -1 empty) with the most mass over
