@@ -52,19 +52,23 @@ def padded_head_dim(d: int) -> int:
     return cdiv(max(d, 64), 64) * 64
 
 
-def warp_specialized(consumer: Callable[[jax.Array], None], producer: Callable[[], None]) -> None:
+def warp_specialized(consumer: Callable[[jax.Array], None], producer: Callable[[], None], *,
+                     consumer_registers: int = CONSUMER_REGISTERS, producer_registers: int = PRODUCER_REGISTERS) -> None:
     """Run ``consumer(wg)`` on warpgroups 0 and 1 and ``producer()`` on warpgroup 2 (the kernel's ``thread_name`` is
-    "wg", three threads), moving registers from the producer to the consumers first."""
+    "wg", three threads), moving registers from the producer to the consumers first (per thread; multiples of 8
+    with ``2 * consumer + producer <= 512``, the register file of a multiprocessor over 128 threads)."""
+    if 2 * consumer_registers + producer_registers > 512:
+        raise ValueError(f"registers: 2 * {consumer_registers} + {producer_registers} exceeds 512 per thread")
     wg = lax.axis_index("wg")
 
     @pl.when(wg < 2)
     def _():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers, action="increase")
         consumer(wg)
 
     @pl.when(wg == 2)
     def _():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(producer_registers, action="decrease")
         producer()
 
 

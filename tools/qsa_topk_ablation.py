@@ -1,13 +1,11 @@
 """Where does the fused Mosaic GPU QSA + top-k (`pallas_kernels.qsa_topk.mosaic_gpu`) spend its time over the
 attention alone? Times the kernel with parts of its "estimated" top-k replaced (monkeypatched into `topk.py` /
 `mosaic_gpu.py` while the kernel is traced), same inputs, same process. A profiling tool: the variants select
-other blocks (except "per-row store branches" and "ungated histogram count", which keep the picks; the JSON line
+other blocks (except "ungated histogram count", which keeps the picks; the JSON line
 says how many ids each variant shares with the first one).
 
 Variants:
   base                              the kernel as it is
-  per-row store branches            the accepted items stored with a branch per row and target (the form before
-                                    one branch per thread)
   ungated histogram count           the count at every step (no skip of un-hashed blocks)
   erfinv -> identity                the Gaussian threshold's inverse error function left out
   histogram threshold kept          the histogram threshold never refreshed
@@ -21,8 +19,10 @@ Variants:
 Usage (a Hopper GPU): python3 tools/qsa_topk_ablation.py --out $OUT/qsa-topk-ablation.jsonl [--lens 131072]
 Shapes: those of tools/qsa_mosaic_ceiling.py (B=1, N=28, K=4, D=128, bf16, gamma 16, random normal); top-k as in
 `Momo()` (block 64, one sink block, local 128, k 128, k_exact 8, estimated, histogram threshold, golden scan).
-Measured (H100, 2026-11-26, `bench/results/qsa-topk-ablation_NVIDIA-H100-80GB-HBM3_2026-11-26.jsonl`): 25.7 ms at
-128k for the base; no single part above 2 ms; the stores out 19.6 ms.
+Measured (H100, 2026-11-26, `bench/results/qsa-topk-ablation_NVIDIA-H100-80GB-HBM3_2026-11-26.jsonl`), with the top-k
+still on the consumer warpgroups: 25.7 ms at 128k for the base; no single part above 2 ms; the stores out 19.6 ms.
+With the top-k on the producer warpgroup: 21.0 ms at 128k, 1.20 s at 1M (1.43 s before, same call; the rows of
+the previous kernel were timed with its commit's ``pallas_kernels`` first on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -35,9 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from gpu_timing import queued_median_ms
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, memref, scf
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jsonl_log import append_jsonl
 from qsa_mosaic_ceiling import GAMMA, D, random_qkv
 
@@ -74,29 +71,10 @@ def _branchless_every(period, step, run, keep):
                         run(), keep())
 
 
-def _per_row_store_branches(targets, slots, accept):
-    """One inline store per target, a branch per row register."""
-    for ref, values in targets:
-        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), M.ROW, M.ROW, M.ROW))
-        def store(ctx, out, v, s, a):
-            del ctx
-            index = ir.IndexType.get()
-            for (row,), rv, rs, ra in zip(v.layout.thread_idxs(v.shape), v.registers.flat, s.registers.flat,
-                                          a.registers.flat, strict=True):
-                rv, rs, ra = M._first(rv), M._first(rs), M._first(ra)
-                branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, ra, arith.constant(ra.type, 0)))
-                with ir.InsertionPoint(branch.then_block):
-                    memref.store(rv, out, [row, arith.index_cast(index, rs)])
-                    scf.yield_([])
-
-        store(ref, *(plgpu.layout_cast(x, M.ROW) for x in (values, slots, accept.astype(jnp.int32))))
-
-
 def variants() -> dict[str, dict[tuple[object, str], object]]:
     """name -> {(module, attribute): replacement}."""
     return {
         "base": {},
-        "per-row store branches": {(M, "scatter_rows"): _per_row_store_branches},
         "ungated histogram count": {(T, "mosaic_tracing"): _ungated(T.mosaic_tracing)},
         "erfinv -> identity": {(T, "erfinv"): lambda x: x},
         "histogram threshold kept": {(T, "_histogram_threshold"): _kept_threshold},

@@ -6,32 +6,43 @@ may see into a ring of K/V stages with TMA, in the scan order (``scan="golden"``
 permutation of `common.scan_table` with ``rows=128``, shared by the two consumers so each tile is loaded
 once); two consumer warpgroups own 64 sampled rows each. Per block a consumer computes ``S = Q K^T`` with
 wgmma, masks it on positions where needed (row r of the CTA sits at ``(cta * 128 + r) * gamma + S - T``),
-updates the online softmax, issues ``O += P V``, and offers the block score ``S(j) = logsumexp`` of the
-block's scaled logits (from the same ``P``: ``m + log2(sum P)``) to the row's "estimated" top-k
-(`topk.estimated_step`, state in registers). Accepted items are stored straight to the output by a
-per-row scattered store (`scatter_rows`, Mosaic GPU's ``inline_mgpu``), as the Triton kernel does.
+updates the online softmax, writes the block score ``S(j) = logsumexp`` of the block's scaled logits (from the
+same ``P``: ``m + log2(sum P)``) to a shared-memory ring of ``stages + 1`` score rows, and issues ``O += P V``.
+
+The top-k runs on the producer warpgroup, one sampled row per thread (`PRODUCER_TILE`: a row's slots sit in
+its thread's registers, so `topk`'s row reductions need no shuffles): after it has issued the loads of step i
+and seen the consumers release step ``i - stages`` (their V-stage arrival, which follows the score write), it
+offers that step's 128 scores to the rows' "estimated" top-k (`topk.estimated_step`) and stores the accepted
+items straight to the output (`scatter_rows`), as the Triton kernel does. A consumer is at most ``stages``
+steps ahead of the producer (it waits for the K tile of its step), so the ring needs no barrier of its own.
+Before, the consumers ran the top-k on their own rows between the softmax and ``P V``, four threads per row:
+that work sat on the path between the two consumers' matrix products.
 
 Semantics: those of `qsa_topk_reference(..., topk="estimated", rows=128)` on finite inputs (the wrapper,
 `qsa_topk(implementation="mosaic_gpu")`, hands inputs holding a NaN / inf to the Triton kernel with the same tiles).
 The consumers run the FlashAttention-3 pieces of `pallas_kernels.mosaic_fa3`.
 
-Measured (H100, 2026-11-26, 28 heads / 4 kv heads, D=128, gamma 16, k 128): 1.41-1.46 s at 1M tokens against the
-Triton kernel's 2.22 s, and 25-26 ms at 128k against 37 ms. The attention alone (no top-k) takes 1.10 s / 17 ms
-with the same 64-key tiles: the top-k's row-vector work and its stores cost the rest (`tools/qsa_mosaic_ceiling.py`).
-CPU: the kernel lowers for CUDA (tests/pallas_kernels/qsa_topk/test_qsa_topk_mosaic.py); it runs on a Hopper GPU
-only (test_qsa_topk_gpu.py).
+Measured (H100, 2026-11-26, 28 heads / 4 kv heads, D=128, gamma 16, k 128, `tools/qsa_topk_ablation.py --variants
+base`, this kernel and the one before it in one call): 1.20 s at 1M tokens against 1.43 s with the top-k on the
+consumers (Triton: 2.22 s), and 21.0 ms at 128k against 25.9 ms. The attention alone (no top-k) takes 1.10 s /
+17 ms with the same 64-key tiles (`tools/qsa_mosaic_ceiling.py`). ptxas: no spills (consumers 200 registers per
+thread, producer 104). CPU: the kernel lowers for CUDA (tests/pallas_kernels/qsa_topk/test_qsa_topk_mosaic.py);
+it runs on a Hopper GPU only (test_qsa_topk_gpu.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, memref, scf, vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_fa3 as fa3
@@ -64,6 +75,18 @@ def check_supported(q: jax.Array, *, topk: str, block_kv: int, k_exact: int, row
                          f"golden scan order depends on); received {rows}")
 
 
+# The producer warpgroup runs the top-k with one sampled row per thread: a ``[128, w]`` array holds a row's w slots
+# in w registers of its thread (`PRODUCER_TILE`), a ``[128]`` vector one register (`PRODUCER_ROW`), so the row
+# reductions of `topk` stay inside a thread.
+PRODUCER_TILE = plgpu.Layout.TILED(plgpu.Tiling(((TILE, 1), (32, 1))), warp_dims=(-4,), lane_dims=(-2,),
+                                   vector_dim=-1)
+PRODUCER_ROW = PRODUCER_TILE.reduce(1)
+# Registers per thread: the consumers hold no top-k state, the producer holds 128 rows' (exact slots, histogram,
+# statistics: about 45 registers) next to its TMA loop.
+CONSUMER_REGISTERS = 200
+PRODUCER_REGISTERS = 104
+
+
 def _first(reg):
     """The element of a one-element register (Mosaic GPU keeps row-vector registers as ``vector<1x...>``)."""
     if isinstance(reg.type, ir.VectorType):
@@ -73,19 +96,16 @@ def _first(reg):
     return reg
 
 
-def scatter_rows(targets, slots, accept):
+def scatter_rows(targets, slots, accept, layout=PRODUCER_ROW):
     """``ref[r, slots[r]] = values[r]`` where ``accept[r]``, for each ``(ref, values)`` of ``targets``: row vectors
-    (layout ``ROW``) of one warpgroup's 64 rows; each ``ref`` a ``[64, width]`` view (GMEM). Rows held by several
-    threads are stored by each of them (the same value).
+    in ``layout`` (`PRODUCER_ROW`: 128 rows, one per thread; `ROW`: a consumer warpgroup's 64 rows, each held by
+    four threads, which all store it); each ``ref`` a ``[rows, width]`` view (GMEM).
 
-    One branch per thread on whether any of its rows accepts guards the per-row stores, so the common step, where
-    no row of a warp accepts, costs the warp one branch. (Measured on an H100, 2026-11-26: the same time as a
-    branch per row and target, 25-26 ms at 128k tokens. What the top-k costs is its row-vector arithmetic:
-    without the accepted items stored, the threshold work is dead code and the kernel runs in 19.6 ms.)"""
+    One branch per thread on whether any of its rows accepts guards the per-row stores."""
     refs = [r for r, _ in targets]
     n = len(refs)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * n + (ROW,) * (n + 2))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * n + (layout,) * (n + 2))
     def store(ctx, *args):
         del ctx
         outs, vals, (s, a) = args[:n], args[n:2 * n], args[2 * n:]
@@ -102,23 +122,44 @@ def scatter_rows(targets, slots, accept):
         outer = scf.IfOp(any_row)
         with ir.InsertionPoint(outer.then_block):
             for row, rs, cond, rv in rows:
-                branch = scf.IfOp(cond)
-                with ir.InsertionPoint(branch.then_block):
+                branch = scf.IfOp(cond) if len(rows) > 1 else None
+                with ir.InsertionPoint(branch.then_block) if branch else contextlib.nullcontext():
                     col = arith.index_cast(index, rs)
                     for out, x in zip(outs, rv, strict=True):
                         memref.store(x, out, [row, col])
-                    scf.yield_([])
+                    if branch:
+                        scf.yield_([])
             scf.yield_([])
 
-    # inline_mgpu takes the registers as they are: a splat (e.g. jnp.zeros) must be laid out as rows first.
+    # inline_mgpu takes the registers as they are: a splat (e.g. jnp.zeros) must be laid out first.
     row_vectors = [v for _, v in targets] + [slots, accept.astype(jnp.int32)]
-    store(*refs, *(plgpu.layout_cast(x, ROW) for x in row_vectors))
+    store(*refs, *(plgpu.layout_cast(x, layout) for x in row_vectors))
 
 
-def store_tile(ref, values):
-    """``ref[...] = values`` for a ``[64, w]`` wgmma-layout array (each thread stores the elements it holds)."""
+def load_rows(ref, layout=PRODUCER_ROW):
+    """``ref[...]`` of a ``[128]`` float32 SMEM view as a row vector in ``layout`` (each thread loads its rows)."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((TILE,), jnp.float32, layout))
+    def load(ctx, src):
+        del ctx
+        f32 = ir.F32Type.get()
+        reg_type = ir.VectorType.get([1], f32)
+        mgpu_layout = layout.to_mgpu()
+        regs = []
+        for (row,) in mgpu_layout.thread_idxs((TILE,)):
+            regs.append(vector.broadcast(reg_type, memref.load(src, [row])))
+        shape = mgpu_layout.registers_shape((TILE,))
+        return mgpu.FragmentedArray(_registers=np.array(regs, dtype=object).reshape(shape), _layout=mgpu_layout,
+                                    _is_signed=None)
+
+    return load(ref)
+
+
+def store_tile(ref, values, layout=PRODUCER_TILE):
+    """``ref[...] = values`` for a ``[rows, w]`` array in ``layout`` (each thread stores the elements it holds)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), layout))
     def store(ctx, out, v):
         del ctx
         v.foreach(lambda val, idx: memref.store(val, out, list(idx)))
@@ -139,6 +180,7 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
     batch = lax.axis_index("batch")
     last_row = jnp.minimum((cta + 1) * TILE, tg) - 1
     n_blocks = jnp.minimum(nk, (last_row * gamma + q_offset) // bk + 1)
+    score_slots = stages + 1  # the score ring: a consumer can be at most `stages` steps ahead of the producer
     if golden:
         span, mult = scan_ref[cta, 0], scan_ref[cta, 1]
 
@@ -151,7 +193,7 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
         return jnp.where(permuted, sink_blocks + r, i)
 
     def body(scoped):
-        (qo_smem, k_smem, v_smem, lse_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+        (qo_smem, k_smem, v_smem, lse_smem, score_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
         schedule = functools.partial(fa3.schedule, sched)
 
         def consumer(wg):
@@ -161,9 +203,6 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
             plgpu.barrier_wait(q_bar.at[wg])
             scale = sm_scale * LOG2E
             first_pos = row0 * gamma + q_offset
-            rows_v = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0, layout=ROW)
-            pos = (row0 + rows_v) * gamma + q_offset  # [64] positions of the rows
-            lo = jnp.maximum(pos - local, 0) // bk  # candidates: sink_blocks <= j < lo (common.py)
 
             def mask(s, start):
                 rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -173,10 +212,9 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
                 return jnp.where(ok, s, -jnp.inf)
 
             def step(i, carry):
-                acc, m, l, state = carry
+                acc, m, l = carry
                 slot = lax.rem(i, stages)
-                j = block_at(i)
-                start = j * bk
+                start = block_at(i) * bk
 
                 s = fa3.qk(q_smem, k_smem.at[slot], sched, bk)
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -184,16 +222,13 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
                 s = lax.cond(need, lambda x: mask(x, start), lambda x: x, s)
                 sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
                 plgpu.barrier_arrive(sched)  # softmax done
-                # The block's score (natural log), offered while the tensor cores run the other consumer. Its sum
-                # is relative to the running max; a block so far below it that the sum underflows (> ~100 nats:
-                # no mass) scores its own max, a finite lower bound (the running statistics take no -inf).
+                # The block's score (natural log) for the producer's top-k, released with this step's V stage.
+                # Its sum is relative to the running max; a block so far below it that the sum underflows
+                # (> ~100 nats: no mass) scores its own max, a finite lower bound (the running statistics take
+                # no -inf).
                 under = sm.block_sum == 0.0
                 score = jnp.where(under, sm.block_max, sm.m_use + jnp.log2(jnp.where(under, 1.0, sm.block_sum))) * LN2
-                active = (i >= sink_blocks) & (i < lo)
-                state, (accept, sv, si, cnt) = topk_lib.estimated_step(
-                    state, score, j, active, lo - i, k=top_k, k_exact=k_exact, step=i)
-                scatter_rows([(sv_ref.at[batch, head, pl.ds(row0, WG_ROWS)], sv),
-                              (si_ref.at[batch, head, pl.ds(row0, WG_ROWS)], si)], cnt, accept)
+                score_smem.at[lax.rem(i, score_slots), pl.ds(wg * WG_ROWS, WG_ROWS)][...] = score
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_wait(sched)  # the tensor cores are ours
 
@@ -201,36 +236,44 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
                     pl.when(i + 1 < n_blocks)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, stages)]))
 
                 acc = fa3.pv(sm.acc, sm.p, v_smem.at[slot], wait_next_k)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, sm.m, sm.l, state
+                plgpu.barrier_arrive(v_free.at[slot])  # also releases this step's scores to the producer
+                return acc, sm.m, sm.l
 
             acc, m, l = fa3.init_rows(dp)
-            state = topk_lib.estimated_init(WG_ROWS, top_k, k_exact, buffers=False, quantile=quantile)
-            state = jax.tree.map(lambda x: plgpu.layout_cast(x, ROW if x.ndim == 1 else plgpu.Layout.WGMMA), state)
 
             @pl.when(n_blocks > 0)
             def _():
                 plgpu.barrier_wait(k_bar.at[0])
 
             pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
-            acc, m, l, state = lax.fori_loop(0, n_blocks, step, (acc, m, l, state))
+            acc, m, l = lax.fori_loop(0, n_blocks, step, (acc, m, l))
             pl.when(wg == 0)(schedule)
 
             fa3.write_rows(acc, m, l, q_smem, l_smem, out_ref.at[batch, pl.ds(row0, WG_ROWS), head],
                            lse_ref.at[batch, head, pl.ds(row0, WG_ROWS)], dtype)
-            (ev, ei), _ = topk_lib.estimated_result(state, k_exact)
-            store_tile(ev_ref.at[batch, head, pl.ds(row0, WG_ROWS)], ev)
-            store_tile(ei_ref.at[batch, head, pl.ds(row0, WG_ROWS)], ei)
-            scatter_rows([(cnt_ref.at[batch, head, pl.ds(row0, WG_ROWS)], state.count)],
-                         jnp.zeros((WG_ROWS,), jnp.int32), rows_v >= 0)
             plgpu.wait_smem_to_gmem(0)
 
         def producer():
             kv_head = lax.div(head, jnp.array(groups, head.dtype))
+            row0 = cta * TILE
+            rows_v = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=PRODUCER_ROW)
+            pos = (row0 + rows_v) * gamma + q_offset  # [128] positions of the rows
+            lo = jnp.maximum(pos - local, 0) // bk  # candidates: sink_blocks <= j < lo (common.py)
+            sv_view = sv_ref.at[batch, head, pl.ds(row0, TILE)]
+            si_view = si_ref.at[batch, head, pl.ds(row0, TILE)]
 
             def fetch(ref, smem, bar, start, slot):
                 """The K or V tile of the keys from ``start`` into stage ``slot``."""
                 plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(start, bk), kv_head], smem.at[slot], bar.at[slot])
+
+            def offer(i, state):
+                """Step i's block scores (released by the consumers' v_free arrival) to the rows' top-k."""
+                score = load_rows(score_smem.at[lax.rem(i, score_slots)])
+                active = (i >= sink_blocks) & (i < lo)
+                state, (accept, sv, si, cnt) = topk_lib.estimated_step(
+                    state, score, block_at(i), active, lo - i, k=top_k, k_exact=k_exact, step=i)
+                scatter_rows([(sv_view, sv), (si_view, si)], cnt, accept)
+                return state
 
             for i in range(stages):
                 @pl.when(i < n_blocks)
@@ -239,16 +282,33 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
                     fetch(k_ref, k_smem, k_bar, start, i)
                     fetch(v_ref, v_smem, v_bar, start, i)
 
-            @pl.loop(stages, jnp.maximum(n_blocks, stages))
-            def _(i):
+            def fetch_and_offer(i, state):
                 slot = lax.rem(i, stages)
                 start = block_at(i) * bk
                 plgpu.barrier_wait(k_free.at[slot])
                 fetch(k_ref, k_smem, k_bar, start, slot)
-                plgpu.barrier_wait(v_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])  # the consumers are done with step i - stages
                 fetch(v_ref, v_smem, v_bar, start, slot)
+                return offer(i - stages, state)
 
-        fa3.warp_specialized(consumer, producer)
+            def drain(i, state):
+                plgpu.barrier_wait(v_free.at[lax.rem(i, stages)])
+                return offer(i, state)
+
+            state = topk_lib.estimated_init(TILE, top_k, k_exact, buffers=False, quantile=quantile)
+            state = jax.tree.map(lambda x: plgpu.layout_cast(x, PRODUCER_ROW if x.ndim == 1 else PRODUCER_TILE),
+                                 state)
+            state = lax.fori_loop(stages, jnp.maximum(n_blocks, stages), fetch_and_offer, state)
+            state = lax.fori_loop(jnp.maximum(n_blocks - stages, 0), n_blocks, drain, state)
+
+            (ev, ei), _ = topk_lib.estimated_result(state, k_exact)
+            store_tile(ev_ref.at[batch, head, pl.ds(row0, TILE)], ev)
+            store_tile(ei_ref.at[batch, head, pl.ds(row0, TILE)], ei)
+            scatter_rows([(cnt_ref.at[batch, head, pl.ds(row0, TILE)], state.count)],
+                         jnp.zeros((TILE,), jnp.int32), rows_v >= 0)
+
+        fa3.warp_specialized(consumer, producer, consumer_registers=CONSUMER_REGISTERS,
+                             producer_registers=PRODUCER_REGISTERS)
 
     transforms = fa3.SMEM_TRANSFORMS
 
@@ -256,7 +316,7 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
         # Rows are offered finite scores at every step from sink_blocks to their last candidate (finite inputs:
         # the wrapper hands other inputs to Triton), which lets the histogram count skip un-hashed blocks.
         with topk_lib.mosaic_tracing(lambda dtype, shape, dim: plgpu.broadcasted_iota(dtype, shape, dim,
-                                                                                      layout=plgpu.Layout.WGMMA),
+                                                                                      layout=PRODUCER_TILE),
                                      first_active_step=sink_blocks):
             body(scoped)
 
@@ -267,6 +327,7 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
             plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
             plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
             plgpu.SMEM((2, WG_ROWS), jnp.float32),
+            plgpu.SMEM((stages + 1, TILE), jnp.float32),
         ),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
