@@ -12,6 +12,11 @@ One CTA per (128 query rows, query head, batch), three warpgroups:
   consumers alternate (one runs its softmax while the other's matrix products run), as
   in FlashAttention-3.
 
+The grid runs one CTA per work item (128 query rows, head, batch), query blocks fastest and the longest causal
+rows first. ``persistent=True`` runs one CTA per multiprocessor instead, each taking the items ``pid, pid +
+grid, ...`` in turn with its K / V rings carrying over (measured slower except on short lists; see
+`block_sparse_attention_mosaic_gpu`).
+
 Two query-block sizes. With ``block_q == 128`` both consumers work on one query block and share its
 list: every K/V tile is loaded once for 128 rows. With ``block_q == 64`` (the granularity of
 MInference's kernels: a diagonal band or a query block's own list costs half the pairs) each consumer
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +59,7 @@ from pallas_kernels import mosaic_fa3 as fa3
 from pallas_kernels.block_sparse.layout import BlockLayout
 from pallas_kernels.block_sparse.merge import merge_attention
 from pallas_kernels.nonfinite import poison_keys
+from pallas_kernels.platform import num_cores
 from pallas_kernels.tiling import LOG2E, inverse_permutation
 from pallas_kernels.tiling import pad_to as _pad_to
 
@@ -84,6 +91,9 @@ class MosaicConfig:
       block_q: 128 (both consumers share one query block and its list) or 64 (each consumer has its own
         query block and list, and its own ring of K/V stages).
       num_q_blocks: query blocks of the layout.
+      grid: CTAs launched; each runs the work items (128 query rows, head, batch) ``pid, pid + grid, ...``
+        (`launch`: one per item, or with ``persistent`` one per multiprocessor, so a CTA's next item loads its
+        first K / V tiles while the consumers finish the last one).
     """
 
     block_k: int
@@ -101,6 +111,7 @@ class MosaicConfig:
     has_pos: bool
     block_q: int = BLOCK_Q
     num_q_blocks: int = 1
+    grid: int = 1
 
 
 def _rings(block_q: int) -> int:
@@ -176,28 +187,40 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     rings = _rings(cfg.block_q)
     dtype = q_ref.dtype
     ctas = q_ref.shape[1] // BLOCK_Q
+    heads = q_ref.shape[2]
+    items = ctas * heads * q_ref.shape[0]
+    pid = lax.axis_index("items")
+    my_items = (items - pid + cfg.grid - 1) // cfg.grid  # items pid, pid + grid, ... of this CTA
 
-    cta = ctas - 1 - lax.axis_index("q")  # longest causal rows start first
-    head = lax.axis_index("heads")
-    batch = lax.axis_index("batch")
+    class Item(NamedTuple):
+        """One (128 query rows, head, batch) work item; items run query blocks fastest, longest causal rows
+        first."""
+        cta: jax.Array
+        head: jax.Array
+        batch: jax.Array
 
-    def lead(name, qb):
-        has_b, has_n, has_q = leads[name]
-        return (batch if has_b else 0, head if has_n else 0, qb if has_q else 0)
+        @classmethod
+        def of(cls, t):
+            w = pid + t * cfg.grid
+            return cls(ctas - 1 - lax.rem(w, ctas), lax.rem(w // ctas, heads), w // (ctas * heads))
 
-    def query_block(w):
-        """Query block of consumer w, clamped into the layout (split: block 2 * cta + w)."""
-        return jnp.minimum(cta * 2 + w, cfg.num_q_blocks - 1) if split else cta
+        def lead(self, name, qb):
+            has_b, has_n, has_q = leads[name]
+            return (self.batch if has_b else 0, self.head if has_n else 0, qb if has_q else 0)
 
-    def count_of(w):
-        c = count_ref[lead("kv_block_count", query_block(w))]
-        return jnp.where(cta * 2 + w < cfg.num_q_blocks, c, 0) if split else c
+        def query_block(self, w):
+            """Query block of consumer w, clamped into the layout (split: block 2 * cta + w)."""
+            return jnp.minimum(self.cta * 2 + w, cfg.num_q_blocks - 1) if split else self.cta
 
-    def tile(j, w):
-        """(first key row, entry in range) of entry j of consumer w's list."""
-        raw = blocks_ref[*lead("kv_blocks", query_block(w)), j]
-        ok = (raw >= 0) & (raw < cfg.num_kv_blocks)
-        return jnp.where(ok, raw, 0) * bk, ok
+        def count(self, w):
+            c = count_ref[self.lead("kv_block_count", self.query_block(w))]
+            return jnp.where(self.cta * 2 + w < cfg.num_q_blocks, c, 0) if split else c
+
+        def tile(self, j, w):
+            """(first key row, entry in range) of entry j of consumer w's list."""
+            raw = blocks_ref[*self.lead("kv_blocks", self.query_block(w)), j]
+            ok = (raw >= 0) & (raw < cfg.num_kv_blocks)
+            return jnp.where(ok, raw, 0) * bk, ok
 
     def body(scoped):
         (qo_smem, k_smem, v_smem, lse_smem, qp_smem, kp_smem), (k_bar, v_bar, q_bar, p_bar), \
@@ -207,129 +230,145 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
         def consumer(wg):
             q_smem, l_smem = qo_smem.at[wg], lse_smem.at[wg]
             ring = wg * stages if split else 0
-            row0 = cta * BLOCK_Q + wg * WG_ROWS
-            count = count_of(wg)
-            steps = jnp.maximum(count_of(0), count_of(1)) if split else count
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, WG_ROWS), head], q_smem, q_bar.at[wg])
-            if cfg.has_pos:  # the rows' original positions, through shared memory
-                plgpu.copy_gmem_to_smem(qpos_ref.at[*lead("q_pos", 0)[:2], pl.ds(row0, WG_ROWS)],
-                                        qp_smem.at[wg], q_bar.at[wg + 2])
-                plgpu.barrier_wait(q_bar.at[wg + 2])
-                q_vec = plgpu.load(qp_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-            plgpu.barrier_wait(q_bar.at[wg])
             scale = cfg.sm_scale * LOG2E
-            q_first = row0 + cfg.q_offset
 
-            def mask_by_index(s, start, limit):
-                """Positions are indices: row r at q_first + r, key c at start + c."""
-                rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                ok = cols < limit - start
-                if cfg.causal:
-                    rel = cols - rows  # key pos - query pos = rel + start - q_first
-                    ok = ok & (rel <= q_first - start - cfg.gap)
-                    if cfg.window:
-                        ok = ok & (rel > q_first - start - cfg.window)
-                return jnp.where(ok, s, -jnp.inf)
+            def run_item(t, done):
+                """Item t of this CTA; ``done``: K/V stages of this consumer's ring used by earlier items."""
+                it = Item.of(t)
+                row0 = it.cta * BLOCK_Q + wg * WG_ROWS
+                count = it.count(wg)
+                steps = jnp.maximum(it.count(0), it.count(1)) if split else count
+                # q_smem / l_smem held the previous item's O / lse: its stores have read them (end of run_item).
+                plgpu.copy_gmem_to_smem(q_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head], q_smem, q_bar.at[wg])
+                q_vec = None
+                if cfg.has_pos:  # the rows' original positions, through shared memory
+                    plgpu.copy_gmem_to_smem(qpos_ref.at[*it.lead("q_pos", 0)[:2], pl.ds(row0, WG_ROWS)],
+                                            qp_smem.at[wg], q_bar.at[wg + 2])
+                    plgpu.barrier_wait(q_bar.at[wg + 2])
+                    q_vec = plgpu.load(qp_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                plgpu.barrier_wait(q_bar.at[wg])
+                q_first = row0 + cfg.q_offset
 
-            def mask_by_position(s, slot, limit):
-                plgpu.barrier_wait(p_bar.at[slot])
-                k_vec = plgpu.load(kp_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                kp = lax.broadcast_in_dim(k_vec, s.shape, [1])
-                qp = lax.broadcast_in_dim(q_vec, s.shape, [0])
-                ok = kp < limit
-                if cfg.causal:
-                    ok = ok & (kp + cfg.gap <= qp)
-                    if cfg.window:
-                        ok = ok & (kp + cfg.window > qp)
-                return jnp.where(ok, s, -jnp.inf)
-
-            def step(j, carry):
-                acc, m, l = carry
-                slot = ring + lax.rem(j, stages)
-                start, in_range = tile(j, wg)
-                limit = jnp.where(in_range, cfg.kv_len, 0)  # an entry out of range shows nothing
-
-                s = fa3.qk(q_smem, k_smem.at[slot], sched, bk)
-                plgpu.barrier_arrive(k_free.at[slot])
-                if cfg.has_pos:
-                    s = mask_by_position(s, slot, limit)
-                else:
-                    need = (start + bk > limit)
+                def mask_by_index(s, start, limit):
+                    """Positions are indices: row r at q_first + r, key c at start + c."""
+                    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    ok = cols < limit - start
                     if cfg.causal:
-                        need = need | (start + bk - 1 + cfg.gap > q_first)
+                        rel = cols - rows  # key pos - query pos = rel + start - q_first
+                        ok = ok & (rel <= q_first - start - cfg.gap)
                         if cfg.window:
-                            need = need | (start + cfg.window <= q_first + WG_ROWS - 1)
-                    s = lax.cond(need, lambda x: mask_by_index(x, start, limit), lambda x: x, s)
-                sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
-                plgpu.barrier_arrive(sched)  # softmax done
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_wait(sched)  # the tensor cores are ours
+                            ok = ok & (rel > q_first - start - cfg.window)
+                    return jnp.where(ok, s, -jnp.inf)
 
-                def wait_next_k():
-                    pl.when(j + 1 < count)(lambda: plgpu.barrier_wait(k_bar.at[ring + lax.rem(j + 1, stages)]))
+                def mask_by_position(s, slot, limit):
+                    plgpu.barrier_wait(p_bar.at[slot])
+                    k_vec = plgpu.load(kp_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                    kp = lax.broadcast_in_dim(k_vec, s.shape, [1])
+                    qp = lax.broadcast_in_dim(q_vec, s.shape, [0])
+                    ok = kp < limit
+                    if cfg.causal:
+                        ok = ok & (kp + cfg.gap <= qp)
+                        if cfg.window:
+                            ok = ok & (kp + cfg.window > qp)
+                    return jnp.where(ok, s, -jnp.inf)
 
-                acc = fa3.pv(sm.acc, sm.p, v_smem.at[slot], wait_next_k)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, sm.m, sm.l
+                def stage(j):
+                    return ring + lax.rem(done + j, stages)
 
-            def idle(j, carry):
-                """A step past this consumer's list while the other one still computes (split): the two
-                schedule handshakes of a step, so the consumers stay paired."""
-                schedule()
-                schedule()
-                return carry
+                def step(j, carry):
+                    acc, m, l = carry
+                    slot = stage(j)
+                    start, in_range = it.tile(j, wg)
+                    limit = jnp.where(in_range, cfg.kv_len, 0)  # an entry out of range shows nothing
 
-            acc, m, l = fa3.init_rows(dp)
+                    s = fa3.qk(q_smem, k_smem.at[slot], sched, bk)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if cfg.has_pos:
+                        s = mask_by_position(s, slot, limit)
+                    else:
+                        need = (start + bk > limit)
+                        if cfg.causal:
+                            need = need | (start + bk - 1 + cfg.gap > q_first)
+                            if cfg.window:
+                                need = need | (start + cfg.window <= q_first + WG_ROWS - 1)
+                        s = lax.cond(need, lambda x: mask_by_index(x, start, limit), lambda x: x, s)
+                    sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
+                    plgpu.barrier_arrive(sched)  # softmax done
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(sched)  # the tensor cores are ours
 
-            @pl.when(count > 0)
-            def _():
-                plgpu.barrier_wait(k_bar.at[ring])
+                    def wait_next_k():
+                        pl.when(j + 1 < count)(lambda: plgpu.barrier_wait(k_bar.at[stage(j + 1)]))
 
-            pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
-            acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
-            if split:
-                lax.fori_loop(count, steps, idle, jnp.int32(0))
-            pl.when(wg == 0)(schedule)
+                    acc = fa3.pv(sm.acc, sm.p, v_smem.at[slot], wait_next_k)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, sm.m, sm.l
 
-            fa3.write_rows(acc, m, l, q_smem, l_smem, out_ref.at[batch, pl.ds(row0, WG_ROWS), head],
-                           lse_ref.at[batch, head, pl.ds(row0, WG_ROWS)], dtype)
+                def idle(j, carry):
+                    """A step past this consumer's list while the other one still computes (split): the two
+                    schedule handshakes of a step, so the consumers stay paired."""
+                    schedule()
+                    schedule()
+                    return carry
+
+                acc, m, l = fa3.init_rows(dp)
+
+                @pl.when(count > 0)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[stage(0)])
+
+                pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
+                acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+                if split:
+                    lax.fori_loop(count, steps, idle, jnp.int32(0))
+                pl.when(wg == 0)(schedule)
+
+                fa3.write_rows(acc, m, l, q_smem, l_smem, out_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head],
+                               lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)], dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_smem / l_smem free for the next item
+                return done + count
+
+            lax.fori_loop(0, my_items, run_item, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         def producer():
-            kv_head = lax.div(head, jnp.array(cfg.groups, head.dtype))
-            counts = [count_of(w) for w in range(rings)]
+            def fetch_k(it, start, slot):
+                kv_head = lax.div(it.head, jnp.array(cfg.groups, it.head.dtype))
+                plgpu.copy_gmem_to_smem(k_ref.at[it.batch, pl.ds(start, bk), kv_head], k_smem.at[slot],
+                                        k_bar.at[slot])
 
-            def fetch_k(start, slot):
-                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(start, bk), kv_head], k_smem.at[slot], k_bar.at[slot])
-
-            def fetch_v(start, slot):
+            def fetch_v(it, start, slot):
                 """V tile (and, with positions, the keys' positions: both freed after P V)."""
-                plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(start, bk), kv_head], v_smem.at[slot], v_bar.at[slot])
+                kv_head = lax.div(it.head, jnp.array(cfg.groups, it.head.dtype))
+                plgpu.copy_gmem_to_smem(v_ref.at[it.batch, pl.ds(start, bk), kv_head], v_smem.at[slot],
+                                        v_bar.at[slot])
                 if cfg.has_pos:
-                    plgpu.copy_gmem_to_smem(kpos_ref.at[*lead("k_pos", 0)[:2], pl.ds(start, bk)],
+                    plgpu.copy_gmem_to_smem(kpos_ref.at[*it.lead("k_pos", 0)[:2], pl.ds(start, bk)],
                                             kp_smem.at[slot], p_bar.at[slot])
 
-            def fetch(w, j):
-                start = tile(j, w)[0]
-                fetch_k(start, w * stages + j)
-                fetch_v(start, w * stages + j)
+            def run_item(t, done):
+                """Item t's K / V tiles into the rings; ``done``: tiles each ring took for earlier items (a
+                stage is refilled once the consumers released it, from the ``stages``-th tile of the kernel on)."""
+                it = Item.of(t)
+                counts = [it.count(w) for w in range(rings)]
 
-            for i in range(stages):
-                for w in range(rings):
-                    pl.when(i < counts[w])(functools.partial(fetch, w, i))
+                def fill(j):
+                    for w in range(rings):
+                        @pl.when(j < counts[w])
+                        def _():
+                            g = done[w] + j
+                            slot = w * stages + lax.rem(g, stages)
+                            start = it.tile(j, w)[0]
+                            pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                            fetch_k(it, start, slot)
+                            pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                            fetch_v(it, start, slot)
 
-            @pl.loop(stages, jnp.maximum(functools.reduce(jnp.maximum, counts), stages))
-            def _(j):
-                for w in range(rings):
-                    @pl.when(j < counts[w])
-                    def _():
-                        slot = w * stages + lax.rem(j, stages)
-                        start = tile(j, w)[0]
-                        plgpu.barrier_wait(k_free.at[slot])
-                        fetch_k(start, slot)
-                        plgpu.barrier_wait(v_free.at[slot])
-                        fetch_v(start, slot)
+                pl.loop(0, functools.reduce(jnp.maximum, counts))(fill)
+                return tuple(d + c for d, c in zip(done, counts, strict=True))
+
+            lax.fori_loop(0, my_items, run_item, (jnp.int32(0),) * rings)
 
         fa3.warp_specialized(consumer, producer)
 
@@ -364,8 +403,10 @@ def _lead_flags(x: jax.Array) -> tuple[bool, bool, bool]:
 
 def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv_blocks: int,
            kv_len: int, q_offset: int, block_k: int, causal: bool, gap: int, window: int,
-           sm_scale: float, stages: int, block_q: int = BLOCK_Q) -> tuple[jax.Array, jax.Array]:
-    """The kernel on prepared operands.
+           sm_scale: float, stages: int, block_q: int = BLOCK_Q,
+           persistent: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
+    work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`).
 
     Args:
       q_in: ``[B, Tp, N, Dp]`` (Tp a multiple of 128, Dp of 64), rows in the layout's order.
@@ -391,12 +432,14 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2],
     )
+    items = (tp // BLOCK_Q) * n * b
+    cfg = dataclasses.replace(cfg, grid=min(items, num_cores()) if persistent else items)
     kernel = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
         out_type=(jax.ShapeDtypeStruct(q_in.shape, q_in.dtype),
                   jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
-        grid=(tp // BLOCK_Q, n, b),
-        grid_names=("q", "heads", "batch"),
+        grid=(cfg.grid,),
+        grid_names=("items",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -429,7 +472,7 @@ def _expand_heads(x: jax.Array, groups: int) -> jax.Array:
     return jnp.repeat(x, groups, axis=2) if groups > 1 else x
 
 
-def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad):
+def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent):
     """The layout's key blocks; q_in is padded and in the layout's row order."""
     s, kh = k.shape[1], k.shape[2]
     n = q_in.shape[2]
@@ -452,10 +495,10 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
     return launch(q_in, k_in, v_in, layout.kv_blocks, count, q_pos, k_pos, groups=groups,
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
-                  block_q=layout.block_q)
+                  block_q=layout.block_q, persistent=persistent)
 
 
-def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad):
+def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent):
     """The layout's single key columns: for each (batch, head, query block) its columns are
     gathered into dense ``block_k`` tiles of one key array (``nq * ceil(max_cols / block_k)``
     tiles per query head), and the kernel runs over the tiles of its query block with the
@@ -484,10 +527,11 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
     q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
     return launch(q_in, k_c, v_c, blocks, count, q_pos, k_pos, groups=1, num_kv_blocks=nq * tiles,
                   kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
-                  gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q)
+                  gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
+                  persistent=persistent)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -497,8 +541,16 @@ def block_sparse_attention_mosaic_gpu(
     sm_scale: float,
     causal: bool = True,
     num_stages: int | None = None,
+    persistent: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
+
+    ``persistent``: one CTA per multiprocessor, each running the work items ``pid, pid + grid, ...`` (its next
+    item's first K / V tiles load while the consumers finish the last one); default: one CTA per item. Measured on
+    one H200 (2026-11-26, ``tools/bench_mosaic_gpu.py --grids``): the persistent grid wins only on short lists
+    (32k, random 10% / 3% with 128-key blocks: 0.68 / 0.42 of cuDNN's TFLOP/s against 0.62 / 0.39) and loses
+    elsewhere (dense 0.89 / 0.92 / 0.95x cuDNN at 32k / 128k / 512k against 0.97 / 1.04 / 1.15x; random 10% at
+    512k 0.92 against 1.09): its static round-robin of items balances worse than the hardware's CTA scheduler.
 
     Inputs are assumed validated (see `api.block_sparse_attention` and `check_supported`).
     Traced layouts cannot make the kernel read out of bounds: ids out of range are loaded
@@ -514,7 +566,8 @@ def block_sparse_attention_mosaic_gpu(
         q_perm = jnp.clip(layout.q_perm, 0, t - 1)
         q = _gather_rows(q, q_perm)  # [B, T, N, D] in permuted row order per head
     q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
-    kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad}
+    kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
+          "persistent": persistent}
     out, lse = _block_pass(q_in, k, v, layout, **kw)
     out, lse = out[:, :t, :, :d], lse[:, :, :t]
     if layout.kv_columns is not None:

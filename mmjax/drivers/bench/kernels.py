@@ -269,7 +269,7 @@ def run_benchmark(cfg: KernelBenchConfig, out_dir: str | None, log=print, result
     # Targets the issue asks the benchmark to report.
     targets = []
     by = {(r["S"], r["method"], r.get("impl", "triton")): r for r in rows if "ms" in r}
-    for s in cfg.seq_lens:
+    for s in sorted(set(cfg.seq_lens) | set(cfg.sparse_only_lens)):
         a, d = by.get((s, cfg.anchor, cfg.anchor)), by.get((s, "dense-layout", "triton"))
         if a and d:
             targets.append({"S": s, "target": "dense-layout TFLOP/s >= 0.65x anchor",
@@ -285,6 +285,11 @@ def run_benchmark(cfg: KernelBenchConfig, out_dir: str | None, log=print, result
                 ratio = sp["tflops"] / a["tflops"]
                 targets.append({"S": s, "target": f"random-{keep:.0%} computed TFLOP/s >= 0.6x anchor",
                                 "ratio": ratio, "met": ratio >= 0.6})
+            sm = by.get((s, f"random-{keep:.0%}", "mosaic_gpu"))
+            if a and sm:  # issue 16: the Hopper kernel's sparse layouts at 0.9x the anchor's dense rate
+                ratio = sm["tflops"] / a["tflops"]
+                targets.append({"S": s, "target": f"mosaic_gpu random-{keep:.0%} computed TFLOP/s >= 0.9x anchor",
+                                "ratio": ratio, "met": ratio >= 0.9})
     result = {
         "config": dataclasses.asdict(cfg), "tile": list(tile), "tile_sweep": sweep,
         "rows": rows, "checks": checks, "check_tolerance": tol, "checks_passed": passed,

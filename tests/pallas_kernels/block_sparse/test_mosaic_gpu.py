@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import BlockLayout, block_sparse_attention
-from pallas_kernels.block_sparse.mosaic_gpu import default_stages
+from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu, default_stages
 from tests.pallas_kernels.helpers import random_qkv
 
 
@@ -77,3 +77,14 @@ def test_default_stages_fit_shared_memory():
                 continue
             st = default_stages(bk, d, bq)
             assert 2 <= st <= 4 and 2 * 64 * d * 2 + rings * st * 2 * bk * d * 2 <= 227 * 1024, (bq, bk, d)
+
+
+@pytest.mark.parametrize("bq", [128, 64])
+def test_persistent_grid_lowers_for_cuda(bq):
+    """``persistent=True``: one CTA per multiprocessor looping over the work items (more items than the
+    abstract H100's 132 multiprocessors here)."""
+    layout = BlockLayout.dense_causal(3000, 3000, block_q=bq, block_k=64)
+    f = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=0.1, persistent=True))
+    qs, ks = jax.ShapeDtypeStruct((1, 3000, 16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 3000, 4, 128), jnp.bfloat16)
+    text = f.trace(qs, ks, ks, jax.tree.map(_abstract, layout)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

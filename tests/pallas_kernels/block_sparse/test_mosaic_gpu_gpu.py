@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
 from pallas_kernels.platform import is_sm90
 from tests.pallas_kernels.helpers import (
     masked_dense_attention,
@@ -160,3 +161,22 @@ def test_mosaic_nonfinite_value_poisons_its_rows():
     out32 = np.asarray(out, np.float32)
     assert np.isnan(out32[0, 100:]).all() and np.isnan(np.asarray(lse)[0, :, 100:]).all()
     assert np.isfinite(out32[0, :100]).all() and np.isfinite(np.asarray(lse)[0, :, :100]).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("block_q,perm,columns", [(128, False, 0), (64, False, 0), (128, True, 24), (64, True, 0)])
+def test_mosaic_persistent_grid_runs_many_items_per_cta(block_q, perm, columns):
+    """More work items (128 query rows, head, batch) than multiprocessors: each CTA of the persistent grid
+    (``persistent=True``) runs several in turn, its rings of K / V stages carrying over from item to item. The
+    result is the masked dense one and equals, bit for bit, the default kernel's (one CTA per item)."""
+    b, t, s, n, kh, d = 2, 3000, 3000, 16, 4, 128  # 24 x 16 x 2 = 768 items
+    rng = np.random.default_rng(block_q + 3 * perm + columns)
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)
+    layout = random_layout(rng, b, n, t, s, block_q, 64, density=0.2, perm=perm, columns=columns)
+    persistent = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5, persistent=True)
+    _check(*persistent, q, k, v, layout, jnp.bfloat16)
+    per_item = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5)
+    out, _ = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    np.testing.assert_array_equal(np.asarray(per_item[0]), np.asarray(out))
+    for a, c in zip(persistent, per_item, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
