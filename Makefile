@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# `make test SLOW=1` also runs the tests marked slow (before a release).
+MARKS := $(if $(SLOW),not gpu,not gpu and not slow)
+
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 -q
+	$(VENV)/bin/python -m pytest -n 2 -q -m "$(MARKS)"
 
 bench: $(STAMP)
 	$(VENV)/bin/mmjax bench kernels

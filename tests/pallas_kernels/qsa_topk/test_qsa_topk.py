@@ -1,6 +1,8 @@
 """qsa_topk on CPU: online top-k structures == lax.top_k; kernel (interpret) == reference ==
 dense attention on the sampled rows; validation."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,12 +218,14 @@ def test_histogram_threshold_is_never_below_the_gaussian_one():
     remaining = jnp.broadcast_to(nb - jnp.arange(nb), x.shape).astype(jnp.int32)
     g = topk_lib.estimated_init(rows, 32, 4, quantile="gaussian")
     h = topk_lib.estimated_init(rows, 32, 4, quantile="histogram")
+    step = jax.jit(functools.partial(topk_lib.estimated_step, k=32, k_exact=4))  # one compile for all steps
     for j in range(nb):
         # The same state (the Gaussian run's slots and statistics) under both rules.
         h = h._replace(exact=g.exact, count=g.count, n=g.n, mean=g.mean, m2=g.m2, est_vals=g.est_vals,
                        est_ids=g.est_ids)
-        g2, (acc_g, *_) = topk_lib.estimated_step(g, x[:, j], j, active[:, j], remaining[:, j], k=32, k_exact=4, step=j)
-        h, (acc_h, *_) = topk_lib.estimated_step(h, x[:, j], j, active[:, j], remaining[:, j], k=32, k_exact=4, step=j)
+        j32 = jnp.int32(j)
+        g2, (acc_g, *_) = step(g, x[:, j], j32, active[:, j], remaining[:, j], step=j32)
+        h, (acc_h, *_) = step(h, x[:, j], j32, active[:, j], remaining[:, j], step=j32)
         assert not np.any(np.asarray(acc_h) & ~np.asarray(acc_g)), j
         g = g2
     assert float(jnp.min(h.hist_counted)) > 0, "every row froze its edges and counted"
