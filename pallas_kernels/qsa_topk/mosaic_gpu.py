@@ -32,7 +32,6 @@ it runs on a Hopper GPU only (test_qsa_topk_gpu.py).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -96,70 +95,51 @@ def _first(reg):
     return reg
 
 
-def scatter_rows(targets, slots, accept, layout=PRODUCER_ROW):
+def scatter_rows(targets, slots, accept):
     """``ref[r, slots[r]] = values[r]`` where ``accept[r]``, for each ``(ref, values)`` of ``targets``: row vectors
-    in ``layout`` (`PRODUCER_ROW`: 128 rows, one per thread; `ROW`: a consumer warpgroup's 64 rows, each held by
-    four threads, which all store it); each ``ref`` a ``[rows, width]`` view (GMEM).
-
-    One branch per thread on whether any of its rows accepts guards the per-row stores."""
+    of the producer's 128 rows (`PRODUCER_ROW`, one per thread); each ``ref`` a ``[128, width]`` view (GMEM).
+    A thread whose row accepts stores its items behind one branch."""
     refs = [r for r, _ in targets]
     n = len(refs)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * n + (layout,) * (n + 2))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * n + (PRODUCER_ROW,) * (n + 2))
     def store(ctx, *args):
         del ctx
         outs, vals, (s, a) = args[:n], args[n:2 * n], args[2 * n:]
-        index = ir.IndexType.get()
-        rows = []
-        for (row,), rs, ra, *rv in zip(s.layout.thread_idxs(s.shape), s.registers.flat, a.registers.flat,
-                                       *(v.registers.flat for v in vals), strict=True):
-            ra = _first(ra)
-            rows.append((row, _first(rs), arith.cmpi(arith.CmpIPredicate.ne, ra, arith.constant(ra.type, 0)),
-                         [_first(x) for x in rv]))
-        any_row = rows[0][2]
-        for _, _, cond, _ in rows[1:]:
-            any_row = arith.ori(any_row, cond)
-        outer = scf.IfOp(any_row)
-        with ir.InsertionPoint(outer.then_block):
-            for row, rs, cond, rv in rows:
-                branch = scf.IfOp(cond) if len(rows) > 1 else None
-                with ir.InsertionPoint(branch.then_block) if branch else contextlib.nullcontext():
-                    col = arith.index_cast(index, rs)
-                    for out, x in zip(outs, rv, strict=True):
-                        memref.store(x, out, [row, col])
-                    if branch:
-                        scf.yield_([])
+        [(row,)] = list(s.layout.thread_idxs(s.shape))  # one row per thread
+        ra = _first(a.registers.flat[0])
+        branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, ra, arith.constant(ra.type, 0)))
+        with ir.InsertionPoint(branch.then_block):
+            col = arith.index_cast(ir.IndexType.get(), _first(s.registers.flat[0]))
+            for out, v in zip(outs, vals, strict=True):
+                memref.store(_first(v.registers.flat[0]), out, [row, col])
             scf.yield_([])
 
     # inline_mgpu takes the registers as they are: a splat (e.g. jnp.zeros) must be laid out first.
     row_vectors = [v for _, v in targets] + [slots, accept.astype(jnp.int32)]
-    store(*refs, *(plgpu.layout_cast(x, layout) for x in row_vectors))
+    store(*refs, *(plgpu.layout_cast(x, PRODUCER_ROW) for x in row_vectors))
 
 
-def load_rows(ref, layout=PRODUCER_ROW):
-    """``ref[...]`` of a ``[128]`` float32 SMEM view as a row vector in ``layout`` (each thread loads its rows)."""
+def load_rows(ref):
+    """``ref[...]`` of a ``[128]`` float32 SMEM view as a `PRODUCER_ROW` vector (each thread loads its row)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                       return_type=plgpu.ShapeDtypeStruct((TILE,), jnp.float32, layout))
+                       return_type=plgpu.ShapeDtypeStruct((TILE,), jnp.float32, PRODUCER_ROW))
     def load(ctx, src):
         del ctx
-        f32 = ir.F32Type.get()
-        reg_type = ir.VectorType.get([1], f32)
-        mgpu_layout = layout.to_mgpu()
-        regs = []
-        for (row,) in mgpu_layout.thread_idxs((TILE,)):
-            regs.append(vector.broadcast(reg_type, memref.load(src, [row])))
-        shape = mgpu_layout.registers_shape((TILE,))
-        return mgpu.FragmentedArray(_registers=np.array(regs, dtype=object).reshape(shape), _layout=mgpu_layout,
-                                    _is_signed=None)
+        layout = PRODUCER_ROW.to_mgpu()
+        reg_type = ir.VectorType.get([1], ir.F32Type.get())
+        regs = [vector.broadcast(reg_type, memref.load(src, [row])) for (row,) in layout.thread_idxs((TILE,))]
+        return mgpu.FragmentedArray(_registers=np.array(regs, dtype=object).reshape(layout.registers_shape((TILE,))),
+                                    _layout=layout, _is_signed=None)
 
     return load(ref)
 
 
-def store_tile(ref, values, layout=PRODUCER_TILE):
-    """``ref[...] = values`` for a ``[rows, w]`` array in ``layout`` (each thread stores the elements it holds)."""
+def store_tile(ref, values):
+    """``ref[...] = values`` for a ``[128, w]`` `PRODUCER_TILE` array (each thread stores its row)."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), layout))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), PRODUCER_TILE))
     def store(ctx, out, v):
         del ctx
         v.foreach(lambda val, idx: memref.store(val, out, list(idx)))
