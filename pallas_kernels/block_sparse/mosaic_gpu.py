@@ -198,11 +198,13 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
         cta: jax.Array
         head: jax.Array
         batch: jax.Array
+        kv_head: jax.Array  # the key / value head the query head reads
 
         @classmethod
         def of(cls, t):
             w = pid + t * cfg.grid
-            return cls(ctas - 1 - lax.rem(w, ctas), lax.rem(w // ctas, heads), w // (ctas * heads))
+            head = lax.rem(w // ctas, heads)
+            return cls(ctas - 1 - lax.rem(w, ctas), head, w // (ctas * heads), lax.div(head, cfg.groups))
 
         def lead(self, name, qb):
             has_b, has_n, has_q = leads[name]
@@ -334,14 +336,12 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
         def producer():
             def fetch_k(it, start, slot):
-                kv_head = lax.div(it.head, jnp.array(cfg.groups, it.head.dtype))
-                plgpu.copy_gmem_to_smem(k_ref.at[it.batch, pl.ds(start, bk), kv_head], k_smem.at[slot],
+                plgpu.copy_gmem_to_smem(k_ref.at[it.batch, pl.ds(start, bk), it.kv_head], k_smem.at[slot],
                                         k_bar.at[slot])
 
             def fetch_v(it, start, slot):
                 """V tile (and, with positions, the keys' positions: both freed after P V)."""
-                kv_head = lax.div(it.head, jnp.array(cfg.groups, it.head.dtype))
-                plgpu.copy_gmem_to_smem(v_ref.at[it.batch, pl.ds(start, bk), kv_head], v_smem.at[slot],
+                plgpu.copy_gmem_to_smem(v_ref.at[it.batch, pl.ds(start, bk), it.kv_head], v_smem.at[slot],
                                         v_bar.at[slot])
                 if cfg.has_pos:
                     plgpu.copy_gmem_to_smem(kpos_ref.at[*it.lead("k_pos", 0)[:2], pl.ds(start, bk)],

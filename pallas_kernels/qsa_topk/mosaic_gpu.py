@@ -307,7 +307,7 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
             plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
             plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
             plgpu.SMEM((2, WG_ROWS), jnp.float32),
-            plgpu.SMEM((stages + 1, TILE), jnp.float32),
+            plgpu.SMEM((score_slots, TILE), jnp.float32),
         ),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,

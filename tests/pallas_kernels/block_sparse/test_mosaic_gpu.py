@@ -2,6 +2,8 @@
 GPU module for CUDA (catches Pallas / Mosaic lowering errors in CI). Running it needs an sm90
 GPU: Mosaic GPU's interpret mode cannot run it (tests in test_mosaic_gpu_gpu.py)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -15,8 +17,10 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def _lower(q_shape, k_shape, dtype, layout, **kw):
-    f = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation="mosaic_gpu", **kw))
+def _lower(q_shape, k_shape, dtype, layout, attention=None, **kw):
+    """Lower ``attention(q, k, v, layout, **kw)`` (default: the API with implementation="mosaic_gpu") for CUDA."""
+    attention = attention or functools.partial(block_sparse_attention, implementation="mosaic_gpu")
+    f = jax.jit(lambda q, k, v, lay: attention(q, k, v, lay, **kw))
     args = (jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(k_shape, dtype),
             jax.ShapeDtypeStruct(k_shape, dtype), jax.tree.map(_abstract, layout))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -84,7 +88,5 @@ def test_persistent_grid_lowers_for_cuda(bq):
     """``persistent=True``: one CTA per multiprocessor looping over the work items (more items than the
     abstract H100's 132 multiprocessors here)."""
     layout = BlockLayout.dense_causal(3000, 3000, block_q=bq, block_k=64)
-    f = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=0.1, persistent=True))
-    qs, ks = jax.ShapeDtypeStruct((1, 3000, 16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 3000, 4, 128), jnp.bfloat16)
-    text = f.trace(qs, ks, ks, jax.tree.map(_abstract, layout)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    _lower((1, 3000, 16, 128), (1, 3000, 4, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+           sm_scale=0.1, persistent=True)
