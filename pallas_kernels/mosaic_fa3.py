@@ -14,6 +14,7 @@ statistics ``[64]`` (layout `ROW`).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -106,23 +107,33 @@ class SoftmaxStep(NamedTuple):
     block_max: jax.Array  # the tile's own row max (base 2, scaled); -inf for a fully masked row
     block_sum: jax.Array  # the tile's row sum of P (relative to m_use)
     m_use: jax.Array  # the shift P is relative to (0 where every key so far is masked)
+    part_max: tuple[jax.Array, ...]  # block_max of each of the ``parts`` equal key ranges of the tile
+    part_sum: tuple[jax.Array, ...]  # block_sum of each of them
 
 
 def softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array, *, scale: float,
-                 dtype) -> SoftmaxStep:
+                 dtype, parts: int = 1) -> SoftmaxStep:
     """One tile of the online softmax: ``s`` the masked logits (``-inf`` where masked), ``scale`` = sm_scale *
-    log2(e)."""
-    block_max = s.max(axis=1) * scale
+    log2(e). ``parts``: the row max and sum are also kept per equal key range of the tile (``parts`` of
+    ``block_k / parts >= 8`` keys, e.g. two 64-key blocks of a 128-key tile), reduced range by range."""
+    width = s.shape[1] // parts
+
+    def split(x):
+        return [x[:, h * width:(h + 1) * width] for h in range(parts)] if parts > 1 else [x]
+
+    part_max = tuple(x.max(axis=1) * scale for x in split(s))
+    block_max = functools.reduce(jnp.maximum, part_max)
     m_new = jnp.maximum(m, block_max)
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
     alpha = jnp.exp2(m - m_use)
     p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    block_sum = p.sum(axis=1)
+    part_sum = tuple(x.sum(axis=1) for x in split(p))
+    block_sum = functools.reduce(jnp.add, part_sum)
     l = l * alpha + block_sum
     p16 = p.astype(dtype)
     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-    return SoftmaxStep(acc, m_new, l, p16, block_max, block_sum, m_use)
+    return SoftmaxStep(acc, m_new, l, p16, block_max, block_sum, m_use, part_max, part_sum)
 
 
 def pv(acc: jax.Array, p: jax.Array, v_tile, while_running: Callable[[], None] | None = None) -> jax.Array:

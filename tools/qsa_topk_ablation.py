@@ -15,6 +15,9 @@ Variants:
                                     about the attention + block scores + exact slots
   erfinv, threshold, count out      the three above together
   branchless refresh, ungated count the threshold refresh as a select instead of a branch, the count every step
+  golden_pairs scan                 ``scan="golden_pairs"``: 128-key tiles of two scored 64-key blocks (other picks)
+  natural scan                      ``scan="natural"``: id order, also 128-key tiles (other picks)
+  stages 3 / stages 5               3 or 5 K/V stages instead of `default_stages` (4 for 64-key tiles); same picks
 
 Usage (a Hopper GPU): python3 tools/qsa_topk_ablation.py --out $OUT/qsa-topk-ablation.jsonl [--lens 131072]
 Shapes: those of tools/qsa_mosaic_ceiling.py (B=1, N=28, K=4, D=128, bf16, gamma 16, random normal); top-k as in
@@ -28,6 +31,7 @@ the previous kernel were timed with its commit's ``pallas_kernels`` first on PYT
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -71,6 +75,11 @@ def _branchless_every(period, step, run, keep):
                         run(), keep())
 
 
+def _kernel_with(**kwargs):
+    """The kernel entry point with some of its static arguments fixed."""
+    return {(M, "qsa_topk_mosaic_gpu"): functools.partial(M.qsa_topk_mosaic_gpu, **kwargs)}
+
+
 def variants() -> dict[str, dict[tuple[object, str], object]]:
     """name -> {(module, attribute): replacement}."""
     return {
@@ -85,6 +94,10 @@ def variants() -> dict[str, dict[tuple[object, str], object]]:
                                          (T, "_histogram_count"): _no_count},
         "branchless refresh, ungated count": {(T, "_every"): _branchless_every,
                                               (T, "mosaic_tracing"): _ungated(T.mosaic_tracing)},
+        "golden_pairs scan": _kernel_with(scan="golden_pairs"),
+        "natural scan": _kernel_with(scan="natural"),
+        "stages 3": _kernel_with(stages=3),
+        "stages 5": _kernel_with(stages=5),
     }
 
 

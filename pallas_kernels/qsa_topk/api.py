@@ -58,8 +58,10 @@ def qsa_topk(
       scan: the order in which the "estimated" top-k is offered the blocks: "natural" (id
         order) or "golden" (per tile of ``rows`` sampled rows, most candidates in a
         golden-ratio order, so the running quantile sees a sample of the whole row early
-        instead of the oldest blocks first; see `common.py`). Ignored by "exact" and
-        "tournament", whose selection does not depend on the order. With "golden" the
+        instead of the oldest blocks first; see `common.py`) or "golden_pairs" (the same with
+        pairs of neighbouring blocks as the unit, so a kernel step can read 128 contiguous keys:
+        the Mosaic GPU kernel's 128-key tiles at ``block_kv=64``). Ignored by "exact" and
+        "tournament", whose selection does not depend on the order. With the golden orders the
         selection depends on ``rows``; the reference takes the same ``rows``.
       quantile: how the "estimated" top-k sets its acceptance threshold: "histogram" (counts at
         frozen edges; default) or "gaussian" (a normal quantile of the running mean and
@@ -67,8 +69,8 @@ def qsa_topk(
       sm_scale: a finite float > 0; default ``D ** -0.5``.
       implementation: "reference" | "triton" | "mosaic_gpu" | None (triton on a GPU or when ``interpret``).
         "mosaic_gpu" (Hopper sm90; 1.5x the Triton kernel's speed at 1M tokens on an H100): ``topk="estimated"``,
-        bf16 / fp16, D <= 128, ``block_kv`` 64 or 128, ``k_exact`` a multiple of 8, ``rows=128`` (its tile of
-        sampled rows); inputs holding a NaN / inf run the Triton kernel instead (same results, same ``rows``).
+        bf16 / fp16, D <= 128, ``block_kv`` 64 or 128 (64 with "golden_pairs"), ``k_exact`` a multiple of 8,
+        ``rows=128`` (its tile of sampled rows); inputs holding a NaN / inf run the Triton kernel instead (same results, same ``rows``).
         `mmjax.sparse.patterns.Momo` takes it by default on Hopper where its config allows.
       rows, num_warps, num_stages: Triton tile (sampled rows per program; also the tile of
         the "golden" scan order in both implementations) and launch.
@@ -116,7 +118,7 @@ def qsa_topk(
         if interpret:
             raise ValueError("interpret: expected False for implementation='mosaic_gpu' (Mosaic GPU's interpreter "
                              "cannot run the kernel; use implementation='triton' with interpret=True)")
-        check_mosaic(q, topk=topk, block_kv=block_kv, k_exact=k_exact, rows=rows)
+        check_mosaic(q, topk=topk, block_kv=block_kv, k_exact=k_exact, rows=rows, scan=scan)
         kw.pop("topk")
         kw.pop("rows")
 

@@ -22,9 +22,12 @@ the result type.
   1/8 of them, and the tiles whose first rows round to the same ``n`` share one order (they
   read the same key block at the same step, as all tiles do in id order; at 1M tokens with
   beta 64, 16 blocks per 64-row tile and ``n`` rounded to multiples of 512 or 1024, runs of
-  32-64 consecutive tiles). Either way the row
-  offers are exactly its candidates, at steps ``sink_blocks <= i < lo(p)``, so the offers
-  still to come at step i are ``lo(p) - i`` in closed form.
+  32-64 consecutive tiles). "golden_pairs": the same with pairs of neighbouring blocks as the
+  unit (``u = 2``): from ``start = sink_blocks`` rounded up to even, step ``start + 2 w + o``
+  (``o`` in {0, 1}) offers block ``start + 2 (w * a mod n) + o``, so each pair of steps reads 128
+  contiguous keys at 64-key blocks (the Mosaic GPU kernel's 128-key tiles); ``n`` counts pairs.
+  Either way the row offers are exactly its candidates, at steps ``sink_blocks <= i < lo(p)``,
+  so the offers still to come at step i are ``lo(p) - i`` in closed form.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from pallas_kernels.tiling import cdiv
 
@@ -67,7 +71,7 @@ def candidate_end(pos: jax.Array, *, block_kv: int, local: int) -> jax.Array:
     return jnp.maximum(pos - local, 0) // block_kv
 
 
-SCAN_ORDERS = ("natural", "golden")
+SCAN_ORDERS = ("natural", "golden", "golden_pairs")
 GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 SCAN_BITS = 4  # significant bits kept of the permuted span (tail in id order < 1 / 2^(bits-1))
 
@@ -82,17 +86,30 @@ def golden_multiplier(n: int) -> int:
     return a
 
 
+def scan_unit(order: str) -> int:
+    """Blocks per permuted unit of a scan order (module docstring): 2 for "golden_pairs", else 1."""
+    return 2 if order == "golden_pairs" else 1
+
+
+def scan_start(sink_blocks: int, unit: int) -> int:
+    """First step of the permuted range: ``sink_blocks`` rounded up to a multiple of ``unit``."""
+    return cdiv(sink_blocks, unit) * unit
+
+
 def scan_table(q_len: int, kv_len: int, *, gamma: int, block_kv: int, local: int,
                sink_blocks: int, rows: int, order: str) -> np.ndarray:
     """int32 ``[num_tiles, 2]``: (n, a) of each tile of ``rows`` sampled rows (see the
-    module docstring); ``n = 0`` means id order. Static (geometry only)."""
+    module docstring; ``n`` in units of `scan_unit` blocks); ``n = 0`` means id order. Static
+    (geometry only)."""
     num_tiles = cdiv(cdiv(q_len, gamma), rows)
     table = np.zeros((num_tiles, 2), np.int32)
     if order == "natural":
         return table
+    unit = scan_unit(order)
+    start = scan_start(sink_blocks, unit)
     for tile in range(num_tiles):
         first = tile * rows * gamma + kv_len - q_len
-        n0 = max(0, first - local) // block_kv - sink_blocks
+        n0 = (max(0, first - local) // block_kv - start) // unit
         if n0 < 3:
             continue
         shift = max(0, n0.bit_length() - SCAN_BITS)
@@ -101,10 +118,24 @@ def scan_table(q_len: int, kv_len: int, *, gamma: int, block_kv: int, local: int
     return table
 
 
-def scan_block_ids(table: np.ndarray, *, sink_blocks: int, n_steps: int) -> np.ndarray:
+def scanned_block(i, n, a, *, sink_blocks: int, unit: int):
+    """The block offered at step ``i`` (traced int32 scalars, or arrays) of a tile whose `scan_table` row is
+    ``(n, a)``; for kernels. ``(w * a) mod n`` is computed directly in int32 (``w * a < n^2``: ``n`` below
+    46341 units, 2.9M tokens of 64-key blocks)."""
+    start = scan_start(sink_blocks, unit)
+    p = jnp.maximum(i - start, 0)
+    w = p // unit
+    permuted = (i >= start) & (w < n)
+    r = lax.rem(w * a, jnp.maximum(n, 1))
+    return jnp.where(permuted, start + r * unit + (p - w * unit), i)
+
+
+def scan_block_ids(table: np.ndarray, *, sink_blocks: int, n_steps: int, unit: int = 1) -> np.ndarray:
     """int32 ``[num_tiles, n_steps]``: the key block each tile scans at each step."""
     ids = np.tile(np.arange(n_steps, dtype=np.int64), (table.shape[0], 1))
+    start = scan_start(sink_blocks, unit)
     for tile, (n, a) in enumerate(table):
         if n:
-            ids[tile, sink_blocks: sink_blocks + n] = sink_blocks + (np.arange(n, dtype=np.int64) * a) % n
+            units = start + ((np.arange(n, dtype=np.int64) * a) % n) * unit
+            ids[tile, start: start + n * unit] = (units[:, None] + np.arange(unit)).reshape(-1)
     return ids.astype(np.int32)

@@ -2,9 +2,9 @@
 
 One CTA per (128 sampled rows, query head, batch), three warpgroups as in the block-sparse Mosaic kernel
 (`pallas_kernels.block_sparse.mosaic_gpu`): a producer warpgroup brings every key block the CTA's last row
-may see into a ring of K/V stages with TMA, in the scan order (``scan="golden"``: the golden-ratio
+may see into a ring of K/V stages with TMA, in the scan order (the golden orders: the golden-ratio
 permutation of `common.scan_table` with ``rows=128``, shared by the two consumers so each tile is loaded
-once); two consumer warpgroups own 64 sampled rows each. Per block a consumer computes ``S = Q K^T`` with
+once); two consumer warpgroups own 64 sampled rows each. Per tile a consumer computes ``S = Q K^T`` with
 wgmma, masks it on positions where needed (row r of the CTA sits at ``(cta * 128 + r) * gamma + S - T``),
 updates the online softmax, writes the block score ``S(j) = logsumexp`` of the block's scaled logits (from the
 same ``P``: ``m + log2(sum P)``) to a shared-memory ring of ``stages + 1`` score rows, and issues ``O += P V``.
@@ -18,16 +18,26 @@ steps ahead of the producer (it waits for the K tile of its step), so the ring n
 Before, the consumers ran the top-k on their own rows between the softmax and ``P V``, four threads per row:
 that work sat on the path between the two consumers' matrix products.
 
+Key tiles: with ``scan="golden_pairs"`` (MOMO's default) or ``"natural"`` and 64-key blocks, a step reads 128
+contiguous keys, two scored blocks (`tile_parts`): one ``S = Q K^T`` of 128 columns, one softmax rescale of O,
+half the barriers; the softmax keeps each half's row max and sum (`mosaic_fa3.softmax_step(parts=2)`), the
+consumers write two score rows per step and the producer offers both, in scan position order. With
+``scan="golden"`` the blocks of a step are not neighbours and the tiles stay 64 keys.
+
 Semantics: those of `qsa_topk_reference(..., topk="estimated", rows=128)` on finite inputs (the wrapper,
 `qsa_topk(implementation="mosaic_gpu")`, hands inputs holding a NaN / inf to the Triton kernel with the same tiles).
 The consumers run the FlashAttention-3 pieces of `pallas_kernels.mosaic_fa3`.
 
 Measured (H100, 2026-11-26, 28 heads / 4 kv heads, D=128, gamma 16, k 128, `tools/qsa_topk_ablation.py --variants
 base`, this kernel and the one before it in one call): 1.20 s at 1M tokens against 1.43 s with the top-k on the
-consumers (Triton: 2.22 s), and 21.0 ms at 128k against 25.9 ms. The attention alone (no top-k) takes 1.10 s /
-17 ms with the same 64-key tiles (`tools/qsa_mosaic_ceiling.py`). ptxas: no spills (consumers 200 registers per
-thread, producer 104). CPU: the kernel lowers for CUDA (tests/pallas_kernels/qsa_topk/test_qsa_topk_mosaic.py);
-it runs on a Hopper GPU only (test_qsa_topk_gpu.py).
+consumers (Triton: 2.22 s), and 21.0 ms at 128k against 25.9 ms. 128-key tiles (another call, same tool and
+card; "golden_pairs scan" / "natural scan" against "base" = "golden"): 1.029 / 1.000 s against 1.198 s at 1M,
+18.1 / 18.0 ms against 20.8 ms at 128k. Tried and dropped (one call, H100): the grid with query heads fastest
+(1.249 s against 1.208 s with row tiles fastest: the row tiles of a head that share one golden order read the same
+tiles from L2 at the same time), 3 or 5 stages (with that grid: 1.330 / 1.277 s against 1.249 s). The attention
+alone (no top-k) takes 1.10 s / 17 ms with 64-key tiles (`tools/qsa_mosaic_ceiling.py`). ptxas: no spills
+(consumers 200 registers per thread, producer 104). CPU: the kernel lowers for CUDA
+(tests/pallas_kernels/qsa_topk/test_qsa_topk_mosaic.py); it runs on a Hopper GPU only (test_qsa_topk_gpu.py).
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import mosaic_fa3 as fa3
 from pallas_kernels.block_sparse.mosaic_gpu import default_stages
 from pallas_kernels.qsa_topk import topk as topk_lib
-from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table
+from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table, scan_unit, scanned_block
 from pallas_kernels.tiling import LN2, LOG2E, cdiv
 from pallas_kernels.tiling import pad_to as _pad_to
 
@@ -57,15 +67,25 @@ ROW = fa3.ROW
 
 
 BLOCK_KVS = (64, 128)
+TILE_KEYS = 128  # keys per step where the scan order allows (contiguous neighbouring blocks)
 
 
-def check_supported(q: jax.Array, *, topk: str, block_kv: int, k_exact: int, rows: int) -> None:
+def tile_parts(scan: str, block_kv: int) -> int:
+    """Scored blocks per key tile (step): ``TILE_KEYS / block_kv`` where neighbouring blocks are offered one after
+    the other ("natural", and "golden_pairs" with 64-key blocks), 1 with "golden" (module docstring)."""
+    return 1 if scan == "golden" else TILE_KEYS // block_kv
+
+
+def check_supported(q: jax.Array, *, topk: str, block_kv: int, k_exact: int, rows: int, scan: str) -> None:
     """The Mosaic GPU kernel's own limits, as ValueErrors naming the argument (before anything is traced)."""
     if topk != "estimated":
         raise ValueError(f"topk: expected 'estimated' for implementation='mosaic_gpu'; received {topk!r}")
     fa3.check_q(q)
     if block_kv not in BLOCK_KVS:
         raise ValueError(f"block_kv: expected one of {BLOCK_KVS} for implementation='mosaic_gpu'; received {block_kv}")
+    if scan == "golden_pairs" and block_kv != TILE_KEYS // 2:
+        raise ValueError(f"scan: 'golden_pairs' takes block_kv={TILE_KEYS // 2} for implementation='mosaic_gpu' (a "
+                         f"pair is one {TILE_KEYS}-key tile); received block_kv={block_kv}")
     if k_exact < 8 or k_exact % 8:
         raise ValueError(f"k_exact: expected a positive multiple of 8 for implementation='mosaic_gpu' (its exact slots "
                          f"are a [64, k_exact] wgmma-layout array); received {k_exact}")
@@ -148,29 +168,28 @@ def store_tile(ref, values):
 
 
 def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_ref, si_ref, cnt_ref, *,
-            gamma, block_kv, stages, groups, kv_len, q_offset, tg, top_k, k_exact, sink_blocks, local,
-            sm_scale, golden, quantile):
-    bk = block_kv
+            gamma, block_kv, parts, stages, groups, kv_len, q_offset, tg, top_k, k_exact, sink_blocks, local,
+            sm_scale, unit, quantile):
+    bk = block_kv * parts  # keys per tile (step); each tile holds `parts` scored blocks of block_kv keys
     dp = q_ref.shape[-1]
     dtype = q_ref.dtype
     ctas = q_ref.shape[1] // TILE
-    nk = k_ref.shape[1] // bk
+    nk = k_ref.shape[1] // block_kv
     cta = ctas - 1 - lax.axis_index("q")  # longest causal rows start first
     head = lax.axis_index("heads")
     batch = lax.axis_index("batch")
     last_row = jnp.minimum((cta + 1) * TILE, tg) - 1
-    n_blocks = jnp.minimum(nk, (last_row * gamma + q_offset) // bk + 1)
+    n_blocks = jnp.minimum(nk, (last_row * gamma + q_offset) // block_kv + 1)  # scored blocks the CTA may see
+    n_steps = (n_blocks + parts - 1) // parts  # tiles
     score_slots = stages + 1  # the score ring: a consumer can be at most `stages` steps ahead of the producer
-    if golden:
+    if unit:
         span, mult = scan_ref[cta, 0], scan_ref[cta, 1]
 
-    def block_at(i):
-        """Key block scanned at step i (golden: a permutation of the first candidates, `common.py`)."""
-        if not golden:
-            return i
-        permuted = (i >= sink_blocks) & (i < sink_blocks + span)
-        r = lax.rem((i - sink_blocks) * mult, jnp.maximum(span, 1))
-        return jnp.where(permuted, sink_blocks + r, i)
+    def block_at(j):
+        """Key block offered at scan position j (golden orders: a permutation of the first candidates in units of
+        `unit` blocks, `common.py`); tile i holds the blocks of positions ``parts * i .. parts * i + parts - 1``,
+        contiguous since a unit is ``parts`` blocks."""
+        return scanned_block(j, span, mult, sink_blocks=sink_blocks, unit=unit) if unit else j
 
     def body(scoped):
         (qo_smem, k_smem, v_smem, lse_smem, score_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
@@ -194,26 +213,28 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
             def step(i, carry):
                 acc, m, l = carry
                 slot = lax.rem(i, stages)
-                start = block_at(i) * bk
+                start = block_at(parts * i) * block_kv
 
                 s = fa3.qk(q_smem, k_smem.at[slot], sched, bk)
                 plgpu.barrier_arrive(k_free.at[slot])
                 need = (start + bk - 1 > first_pos) | (start + bk > kv_len)
                 s = lax.cond(need, lambda x: mask(x, start), lambda x: x, s)
-                sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
+                sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype, parts=parts)
                 plgpu.barrier_arrive(sched)  # softmax done
-                # The block's score (natural log) for the producer's top-k, released with this step's V stage.
-                # Its sum is relative to the running max; a block so far below it that the sum underflows
+                # The blocks' scores (natural log) for the producer's top-k, released with this step's V stage.
+                # A sum is relative to the running max; a block so far below it that the sum underflows
                 # (> ~100 nats: no mass) scores its own max, a finite lower bound (the running statistics take
                 # no -inf).
-                under = sm.block_sum == 0.0
-                score = jnp.where(under, sm.block_max, sm.m_use + jnp.log2(jnp.where(under, 1.0, sm.block_sum))) * LN2
-                score_smem.at[lax.rem(i, score_slots), pl.ds(wg * WG_ROWS, WG_ROWS)][...] = score
+                for h in range(parts):
+                    under = sm.part_sum[h] == 0.0
+                    score = jnp.where(under, sm.part_max[h],
+                                      sm.m_use + jnp.log2(jnp.where(under, 1.0, sm.part_sum[h]))) * LN2
+                    score_smem.at[lax.rem(i, score_slots), h, pl.ds(wg * WG_ROWS, WG_ROWS)][...] = score
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_wait(sched)  # the tensor cores are ours
 
                 def wait_next_k():
-                    pl.when(i + 1 < n_blocks)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, stages)]))
+                    pl.when(i + 1 < n_steps)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, stages)]))
 
                 acc = fa3.pv(sm.acc, sm.p, v_smem.at[slot], wait_next_k)
                 plgpu.barrier_arrive(v_free.at[slot])  # also releases this step's scores to the producer
@@ -221,12 +242,12 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
 
             acc, m, l = fa3.init_rows(dp)
 
-            @pl.when(n_blocks > 0)
+            @pl.when(n_steps > 0)
             def _():
                 plgpu.barrier_wait(k_bar.at[0])
 
             pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
-            acc, m, l = lax.fori_loop(0, n_blocks, step, (acc, m, l))
+            acc, m, l = lax.fori_loop(0, n_steps, step, (acc, m, l))
             pl.when(wg == 0)(schedule)
 
             fa3.write_rows(acc, m, l, q_smem, l_smem, out_ref.at[batch, pl.ds(row0, WG_ROWS), head],
@@ -238,7 +259,7 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
             row0 = cta * TILE
             rows_v = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=PRODUCER_ROW)
             pos = (row0 + rows_v) * gamma + q_offset  # [128] positions of the rows
-            lo = jnp.maximum(pos - local, 0) // bk  # candidates: sink_blocks <= j < lo (common.py)
+            lo = jnp.maximum(pos - local, 0) // block_kv  # candidates: sink_blocks <= j < lo (common.py)
             sv_view = sv_ref.at[batch, head, pl.ds(row0, TILE)]
             si_view = si_ref.at[batch, head, pl.ds(row0, TILE)]
 
@@ -247,24 +268,27 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
                 plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(start, bk), kv_head], smem.at[slot], bar.at[slot])
 
             def offer(i, state):
-                """Step i's block scores (released by the consumers' v_free arrival) to the rows' top-k."""
-                score = load_rows(score_smem.at[lax.rem(i, score_slots)])
-                active = (i >= sink_blocks) & (i < lo)
-                state, (accept, sv, si, cnt) = topk_lib.estimated_step(
-                    state, score, block_at(i), active, lo - i, k=top_k, k_exact=k_exact, step=i)
-                scatter_rows([(sv_view, sv), (si_view, si)], cnt, accept)
+                """Step i's block scores (released by the consumers' v_free arrival) to the rows' top-k, in scan
+                position order."""
+                for h in range(parts):
+                    j = parts * i + h
+                    score = load_rows(score_smem.at[lax.rem(i, score_slots), h])
+                    active = (j >= sink_blocks) & (j < lo)
+                    state, (accept, sv, si, cnt) = topk_lib.estimated_step(
+                        state, score, block_at(j), active, lo - j, k=top_k, k_exact=k_exact, step=j)
+                    scatter_rows([(sv_view, sv), (si_view, si)], cnt, accept)
                 return state
 
             for i in range(stages):
-                @pl.when(i < n_blocks)
+                @pl.when(i < n_steps)
                 def _():
-                    start = block_at(i) * bk
+                    start = block_at(parts * i) * block_kv
                     fetch(k_ref, k_smem, k_bar, start, i)
                     fetch(v_ref, v_smem, v_bar, start, i)
 
             def fetch_and_offer(i, state):
                 slot = lax.rem(i, stages)
-                start = block_at(i) * bk
+                start = block_at(parts * i) * block_kv
                 plgpu.barrier_wait(k_free.at[slot])
                 fetch(k_ref, k_smem, k_bar, start, slot)
                 plgpu.barrier_wait(v_free.at[slot])  # the consumers are done with step i - stages
@@ -278,8 +302,8 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
             state = topk_lib.estimated_init(TILE, top_k, k_exact, buffers=False, quantile=quantile)
             state = jax.tree.map(lambda x: plgpu.layout_cast(x, PRODUCER_ROW if x.ndim == 1 else PRODUCER_TILE),
                                  state)
-            state = lax.fori_loop(stages, jnp.maximum(n_blocks, stages), fetch_and_offer, state)
-            state = lax.fori_loop(jnp.maximum(n_blocks - stages, 0), n_blocks, drain, state)
+            state = lax.fori_loop(stages, jnp.maximum(n_steps, stages), fetch_and_offer, state)
+            state = lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, state)
 
             (ev, ei), _ = topk_lib.estimated_result(state, k_exact)
             store_tile(ev_ref.at[batch, head, pl.ds(row0, TILE)], ev)
@@ -307,7 +331,7 @@ def _kernel(q_ref, k_ref, v_ref, scan_ref, out_ref, lse_ref, ev_ref, ei_ref, sv_
             plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
             plgpu.SMEM((stages, bk, dp), dtype, transforms=transforms),
             plgpu.SMEM((2, WG_ROWS), jnp.float32),
-            plgpu.SMEM((score_slots, TILE), jnp.float32),
+            plgpu.SMEM((score_slots, parts, TILE), jnp.float32),
         ),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
@@ -327,21 +351,23 @@ def qsa_topk_mosaic_gpu(q, k, v, *, gamma: int, block_kv: int, top_k: int, k_exa
     s, kh = k.shape[1], k.shape[2]
     tg = cdiv(t, gamma)
     ctas = cdiv(tg, TILE)
-    nk = cdiv(s, block_kv)
+    parts = tile_parts(scan, block_kv)
+    keys = cdiv(s, block_kv * parts) * block_kv * parts  # whole tiles
     dp = fa3.padded_head_dim(d)
     qg = _pad_to(_pad_to(q[:, ::gamma], 3, dp), 1, ctas * TILE)
-    k_in = _pad_to(_pad_to(k, 3, dp), 1, nk * block_kv)
-    v_in = _pad_to(_pad_to(v, 3, dp), 1, nk * block_kv)
+    k_in = _pad_to(_pad_to(k, 3, dp), 1, keys)
+    v_in = _pad_to(_pad_to(v, 3, dp), 1, keys)
     table = jnp.asarray(scan_table(t, s, gamma=gamma, block_kv=block_kv, local=local, sink_blocks=sink_blocks,
                                    rows=TILE, order=scan))
     tgp = ctas * TILE
-    stages = stages or default_stages(block_kv, dp)
+    stages = stages or default_stages(block_kv * parts, dp)
     ke = topk_lib.next_pow2(max(k_exact, 1))
     kest = topk_lib.next_pow2(max(top_k - k_exact, 1))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, gamma=gamma, block_kv=block_kv, stages=stages, groups=n // kh, kv_len=s,
-                          q_offset=s - t, tg=tg, top_k=top_k, k_exact=k_exact, sink_blocks=sink_blocks, local=local,
-                          sm_scale=sm_scale, golden=scan == "golden", quantile=quantile),
+        functools.partial(_kernel, gamma=gamma, block_kv=block_kv, parts=parts, stages=stages, groups=n // kh,
+                          kv_len=s, q_offset=s - t, tg=tg, top_k=top_k, k_exact=k_exact, sink_blocks=sink_blocks,
+                          local=local, sm_scale=sm_scale, unit=0 if scan == "natural" else scan_unit(scan),
+                          quantile=quantile),
         out_type=(jax.ShapeDtypeStruct(qg.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tgp), jnp.float32),
                   jax.ShapeDtypeStruct((b, n, tgp, ke), jnp.float32), jax.ShapeDtypeStruct((b, n, tgp, ke), jnp.int32),
                   jax.ShapeDtypeStruct((b, n, tgp, kest), jnp.float32),

@@ -25,6 +25,7 @@ from pallas_kernels.qsa_topk.common import (
     sampled_positions,
     scan_block_ids,
     scan_table,
+    scan_unit,
 )
 from pallas_kernels.tiling import cdiv
 
@@ -165,7 +166,7 @@ def qsa_topk_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, 
     if topk == "estimated" and scan != "natural":
         table = scan_table(t, s, gamma=gamma, block_kv=block_kv, local=local,
                            sink_blocks=sink_blocks, rows=rows, order=scan)
-        tiles = scan_block_ids(table, sink_blocks=sink_blocks, n_steps=nk)
+        tiles = scan_block_ids(table, sink_blocks=sink_blocks, n_steps=nk, unit=scan_unit(scan))
         # The barrier keeps XLA from constant-folding the [Tg, nk] gather indices (seconds).
         order = lax.optimization_barrier(jnp.asarray(tiles))[np.arange(cdiv(t, gamma)) // rows]  # [Tg, nk]
     vals, ids = select_blocks(scores, active, remaining, algorithm=topk, top_k=top_k,

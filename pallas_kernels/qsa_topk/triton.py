@@ -15,8 +15,8 @@ and offers ``S(j)`` to the row's top-k structure (`topk.py`: exact buffer, tourn
 or estimated hybrid), held in registers for the whole scan; the estimated hybrid keeps only
 its k_exact slots there and stores accepted items straight to the output. Only candidate
 blocks are offered (see `common.py`); the causal mask is computed only for tiles that need
-it. With ``scan="golden"`` (the "estimated" top-k only) step ``i`` loads block ``j(i)``, a
-permutation of the tile's first candidates (two scalar ops per step, from a per-tile (n, a)
+it. With ``scan="golden"`` or ``"golden_pairs"`` (the "estimated" top-k only) step ``i`` loads block
+``j(i)``, a permutation of the tile's first candidates (a few scalar ops per step, from a per-tile (n, a)
 table): the same blocks, the same work, another order. Non-finite inputs follow `pallas_kernels.nonfinite`: a block with a visible non-finite
 score has a NaN score (ranked first, see `topk.py`), a non-finite value row poisons the rows
 that see it (a per-key flag next to v, whose bad rows are zeroed once by the wrapper). The
@@ -61,7 +61,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.nonfinite import checked_if_nonfinite, finish, value_poison
 from pallas_kernels.online_softmax import masked_flag_tile, unmasked_flag_tile
 from pallas_kernels.qsa_topk import topk as topk_lib
-from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table
+from pallas_kernels.qsa_topk.common import QSATopKResult, scan_start, scan_table, scan_unit
 from pallas_kernels.tiling import LN2, LOG2E, cdiv
 from pallas_kernels.tiling import pad_to as _pad_to
 
@@ -74,12 +74,12 @@ def default_launch(rows: int, register_slots: int, d_pad: int) -> tuple[int, int
 
 
 def _kernel(q_ref, *refs, sm_scale, gamma, rows, block_kv, num_tiles,
-            tg, kv_len, q_offset, algorithm, top_k, k_exact, sink_blocks, local, golden, poison, quantile):
+            tg, kv_len, q_offset, algorithm, top_k, k_exact, sink_blocks, local, unit, poison, quantile):
     if poison:
         qp_ref, k_ref, v_ref, kp_ref, vp_ref, *refs = refs
     else:
         k_ref, v_ref, *refs = refs
-    if golden:
+    if unit:
         scan_ref, o_ref, lse_ref, *topk_refs = refs
     else:
         o_ref, lse_ref, *topk_refs = refs
@@ -95,18 +95,20 @@ def _kernel(q_ref, *refs, sm_scale, gamma, rows, block_kv, num_tiles,
     last_row = jnp.minimum((tile + 1) * rows, tg) - 1
     n_blocks = jnp.minimum(cdiv(kv_len, block_kv), (last_row * gamma + q_offset) // block_kv + 1)
 
-    if golden:
-        # Steps sink_blocks .. sink_blocks + span - 1 visit sink_blocks + r with r = (step -
-        # sink_blocks) * mult mod span, kept incrementally (no overflow); other steps j = i.
+    if unit:
+        # Steps first + u w + o (w < span, o < u) visit first + u r + o with r = w * mult mod span
+        # (`common.py`), r kept incrementally (no overflow); other steps j = i.
         span, mult = scan_ref[tile, 0], scan_ref[tile, 1]
+        first = scan_start(sink_blocks, unit)
 
     def body(i, carry):
         m, l, acc, state, r = carry
-        if golden:
-            permuted = (i >= sink_blocks) & (i < sink_blocks + span)
-            j = jnp.where(permuted, sink_blocks + r, i)
+        if unit:
+            o = lax.rem(jnp.maximum(i - first, 0), unit)
+            permuted = (i >= first) & (i < first + span * unit)
+            j = jnp.where(permuted, first + r * unit + o, i)
             r_next = r + mult
-            r = jnp.where(permuted, jnp.where(r_next >= span, r_next - span, r_next), r)
+            r = jnp.where(permuted & (o == unit - 1), jnp.where(r_next >= span, r_next - span, r_next), r)
         else:
             j = i
         start = j * block_kv
@@ -227,7 +229,7 @@ def qsa_topk_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, gamma: int, blo
     """See `api.qsa_topk`; inputs are assumed validated. ``rows``: sampled rows per program
     (a power of two >= 16). ``topk="none"`` (benchmarks only, not accepted by the API) runs
     the attention and block scores without any top-k structure and selects nothing.
-    ``scan="golden"`` changes the block order of the "estimated" scan only (a scalar
+    ``scan="golden"`` / ``"golden_pairs"`` change the block order of the "estimated" scan only (a scalar
     permutation of the loop index, the same blocks and work; `common.py`). ``poison``: None
     (default) runs the kernel without the non-finite flags when the sampled queries, k and v are all
     finite (`nonfinite.all_finite`, chosen on the device by ``lax.cond``) and with them otherwise;
@@ -260,7 +262,7 @@ def _qsa_topk(q, k, v, poison, *, gamma, block_kv, top_k, k_exact, topk, sink_bl
         v_in = _pad_to(_pad_to(v, 3, d_pad), 1, nk * block_kv)
     tgp = num_tiles * rows
     sizes = _part_sizes(topk, top_k, k_exact)
-    golden = topk == "estimated" and scan == "golden"
+    unit = scan_unit(scan) if topk == "estimated" and scan != "natural" else 0  # 0: id order
     # Grid (head, tile, batch), head fastest (see the module docstring).
     q_spec = pl.BlockSpec((None, rows, None, d_pad), lambda h, i, z: (z, num_tiles - 1 - i, h, 0))
     qp_spec = pl.BlockSpec((None, rows, None), lambda h, i, z: (z, num_tiles - 1 - i, h))
@@ -281,10 +283,10 @@ def _qsa_topk(q, k, v, poison, *, gamma, block_kv, top_k, k_exact, topk, sink_bl
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, gamma=gamma, rows=rows, block_kv=block_kv,
         num_tiles=num_tiles, tg=tg, kv_len=s, q_offset=s - t, algorithm=topk, top_k=top_k,
-        k_exact=k_exact, sink_blocks=sink_blocks, local=local, golden=golden, poison=poison, quantile=quantile,
+        k_exact=k_exact, sink_blocks=sink_blocks, local=local, unit=unit, poison=poison, quantile=quantile,
     )
     extra = []
-    if golden:
+    if unit:
         extra = [jnp.asarray(scan_table(t, s, gamma=gamma, block_kv=block_kv, local=local,
                                         sink_blocks=sink_blocks, rows=rows, order=scan))]
     out, lse, *parts = pl.pallas_call(

@@ -48,6 +48,7 @@ from mmjax.sparse.patterns.momo import Momo, assemble_layout, delta_correct, uni
 from mmjax.sparse.synthetic import GridVideo, mixed_video_text_qkv
 from mmjax.timing import device_name, time_fn
 from pallas_kernels import block_sparse_attention, qsa_topk
+from pallas_kernels.qsa_topk.common import SCAN_ORDERS
 from pallas_kernels.qsa_topk.topk import QUANTILES
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 
@@ -69,7 +70,7 @@ class MomoBenchConfig:
     local: int = 128
     algorithms: tuple[str, ...] = ("exact", "tournament", "estimated")
     timed_algorithm: str = "estimated"
-    timed_scan: str = "golden"  # scan order of the estimated top-k in the sweep, timing and fig4
+    timed_scan: str = "golden_pairs"  # scan order of the estimated top-k in the sweep, timing and fig4
     quantile: str = "histogram"  # threshold rule of the estimated top-k in the sweep, timing and fig4
     quantiles: tuple[str, ...] = ("histogram", "gaussian")  # threshold rules of the estimated top-k (mass)
     anchor: str = "cudnn"
@@ -84,7 +85,7 @@ class MomoBenchConfig:
     budget_s: float = 300.0
     mass_lens: tuple[int, ...] = (1048576, 131072, 524288)
     implementation: str = "triton"  # of the QSA and key-sparse kernels ("reference": pure JAX)
-    scans: tuple[str, ...] = ("golden", "natural")  # scan orders of the estimated top-k (mass)
+    scans: tuple[str, ...] = ("golden_pairs", "natural")  # scan orders of the estimated top-k (mass)
     inputs: tuple[str, ...] = ("video", "needle", "mixed")  # mass section inputs
     mass_only: bool = False  # only the captured-mass section (no tile sweep, timing, fig4)
     # (candidates factor, row stride) re-rank variants of the timed pattern (`Momo.rerank`), timed and in the mass
@@ -156,7 +157,7 @@ def mixed_like(cfg: MomoBenchConfig, s: int, seed: int):
 
 
 def _pattern(cfg: MomoBenchConfig, algorithm: str, k: int | None = None, trim_rule: str = "auto",
-             scan: str = "golden", quantile: str | None = None) -> Momo:
+             scan: str = "golden_pairs", quantile: str | None = None) -> Momo:
     """MOMO without re-rank (as published) with the bench's budget; the re-rank variants replace ``rerank``."""
     return Momo(gamma=cfg.gamma, block=cfg.block, k=cfg.k if k is None else k,
                 k_exact=min(cfg.k_exact, cfg.k if k is None else k), k_trim=cfg.k_trim,
@@ -386,7 +387,9 @@ class Runner:
                 for rule in ("mass", "mean"):
                     pattern = _pattern(cfg, alg, trim_rule=rule, scan=scan, quantile=quantile)
                     qsa, trim = _stages(cfg, pattern, tile)[:2]
-                    name = (f"{alg}{', natural scan' if alg == 'estimated' and scan == 'natural' else ''}"
+                    # the default order (golden_pairs) untagged; "golden" was the default before 2026-11-27
+                    scan_tag = {"natural": ", natural scan", "golden": ", golden scan"}.get(scan, "")
+                    name = (f"{alg}{scan_tag if alg == 'estimated' else ''}"
                             f"{', gaussian threshold' if alg == 'estimated' and quantile == 'gaussian' else ''}"
                             f" ({rule} trim)")
                     if (alg, scan, quantile, rule) == (default.topk, default.scan, default.quantile, default.rule):
@@ -553,8 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="top-k algorithms to run")
     p.add_argument("--timed-algorithm", choices=("exact", "tournament", "estimated"),
                    help="top-k algorithm of the timing section (default estimated)")
-    p.add_argument("--timed-scan", choices=("golden", "natural"),
-                   help="scan order of the estimated top-k in the sweep, timing and top-k sweep (default golden)")
+    p.add_argument("--timed-scan", choices=SCAN_ORDERS,
+                   help="scan order of the estimated top-k in the sweep, timing and top-k sweep (default golden_pairs)")
     p.add_argument("--mass-only", action="store_true",
                    help="only the captured-mass section at --mass-lens (no tile sweep, timing, top-k sweep)")
     p.add_argument("--full-config", action="store_true",
@@ -572,8 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rerank", type=positive_int, nargs=2, action="append", metavar=("C", "STRIDE"),
                    help="also run the default pattern with Momo(rerank=C, rerank_stride=STRIDE) in the timing and "
                         "mass sections (repeatable)")
-    p.add_argument("--scans", nargs="+", choices=("golden", "natural"),
-                   help="scan orders of the estimated top-k in the mass section (default both)")
+    p.add_argument("--scans", nargs="+", choices=SCAN_ORDERS,
+                   help="scan orders of the estimated top-k in the mass section (default golden_pairs natural)")
     p.add_argument("--quantile", choices=QUANTILES,
                    help="threshold rule of the estimated top-k in the sweep, timing and top-k sweep (default histogram)")
     p.add_argument("--quantiles", nargs="+", choices=QUANTILES,

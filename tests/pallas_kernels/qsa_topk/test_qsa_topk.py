@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import qsa_topk
 from pallas_kernels.qsa_topk import topk as topk_lib
-from pallas_kernels.qsa_topk.common import golden_multiplier, scan_block_ids, scan_table
+from pallas_kernels.qsa_topk.common import golden_multiplier, scan_block_ids, scan_table, scan_unit, scanned_block
 from pallas_kernels.qsa_topk.reference import (
     candidates,
     sampled_block_scores,
@@ -136,28 +136,39 @@ def test_estimated_keeps_the_exact_top_k_exact_slots():
         assert set(row_best[row_best >= 0]) <= set(row_ids)
 
 
+@pytest.mark.parametrize("order", ["golden", "golden_pairs"])
 @pytest.mark.parametrize("q_len,kv_len,gamma,block_kv,local,sink,rows", [
     (4096, 4096, 16, 64, 128, 1, 16), (3000, 9000, 4, 16, 40, 3, 32), (200, 300, 4, 16, 20, 1, 16)])
 def test_golden_scan_permutes_the_leading_candidates_of_each_tile(q_len, kv_len, gamma, block_kv, local,
-                                                                   sink, rows):
+                                                                   sink, rows, order):
+    unit = scan_unit(order)
+    start = -(-sink // unit) * unit  # sink rounded up to whole units
     table = scan_table(q_len, kv_len, gamma=gamma, block_kv=block_kv, local=local, sink_blocks=sink,
-                       rows=rows, order="golden")
+                       rows=rows, order=order)
     nk = -(-kv_len // block_kv)
-    ids = scan_block_ids(table, sink_blocks=sink, n_steps=nk)
+    ids = scan_block_ids(table, sink_blocks=sink, n_steps=nk, unit=unit)
     assert (table[:, 0] > 0).sum() >= 2, "the case permutes something"
-    for tile, ((n, a), order) in enumerate(zip(table, ids)):
-        assert sorted(order) == list(range(nk))  # a permutation of the steps ...
-        np.testing.assert_array_equal(order[:sink], np.arange(sink))  # ... leaving the sink,
-        np.testing.assert_array_equal(order[sink + n:], np.arange(sink + n, nk))  # and the tail
+    for tile, ((n, a), row) in enumerate(zip(table, ids)):
+        assert sorted(row) == list(range(nk))  # a permutation of the steps ...
+        np.testing.assert_array_equal(row[:start], np.arange(start))  # ... leaving the sink,
+        np.testing.assert_array_equal(row[start + n * unit:], np.arange(start + n * unit, nk))  # and the tail
         first = tile * rows * gamma + kv_len - q_len
-        n0 = max(0, first - local) // block_kv - sink  # the first row's candidates
+        n0 = (max(0, first - local) // block_kv - start) // unit  # the first row's candidate units
         assert n <= max(n0, 0) and (n == 0 or n0 - n < n0 / 8 + 1e-9), (n, n0)
         if n:
             assert np.gcd(a, n) == 1 and abs(a - 0.618 * n) < 0.1 * n + 2
+            units = row[start: start + n * unit].reshape(n, unit)
+            # a unit is `unit` neighbouring blocks, aligned to the start, in id order
+            np.testing.assert_array_equal(units - units[:, :1], np.broadcast_to(np.arange(unit), units.shape))
+            assert ((units[:, 0] - start) % unit == 0).all()
             # evenly spread: every eighth of the scan visits every half of the range
-            half = order[sink: sink + n] < sink + n // 2
+            half = units[:, 0] < start + n * unit // 2
             for part in np.array_split(half, 8):
                 assert len(part) < 4 or 0 < part.mean() < 1
+            # the kernels' closed form (`scanned_block`) gives the same blocks
+            steps = jnp.arange(nk, dtype=jnp.int32)
+            np.testing.assert_array_equal(np.asarray(scanned_block(steps, jnp.int32(n), jnp.int32(a),
+                                                                   sink_blocks=sink, unit=unit)), row)
     natural = scan_table(q_len, kv_len, gamma=gamma, block_kv=block_kv, local=local, sink_blocks=sink,
                          rows=rows, order="natural")
     assert (natural == 0).all()
@@ -265,7 +276,7 @@ def test_kernel_matches_reference_and_dense(case):
     tol = 2e-5 if dtype == jnp.float32 else 2e-2
     for algorithm, scan, quantile in (("exact", "natural", "histogram"), ("tournament", "natural", "histogram"),
                                       ("estimated", "natural", "histogram"), ("estimated", "golden", "histogram"),
-                                      ("estimated", "golden", "gaussian")):
+                                      ("estimated", "golden_pairs", "gaussian")):
         ref = qsa_topk(q, k, v, topk=algorithm, implementation="reference", rows=rows, scan=scan, quantile=quantile,
                        **kw)
         ker = qsa_topk(q, k, v, topk=algorithm, interpret=True, rows=rows, scan=scan, quantile=quantile, **kw)

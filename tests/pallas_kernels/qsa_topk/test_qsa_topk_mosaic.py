@@ -10,6 +10,7 @@ from tests.pallas_kernels.helpers import random_qkv
 
 
 @pytest.mark.parametrize("quantile,scan,block_kv,d", [("histogram", "golden", 64, 128),
+                                                       ("histogram", "golden_pairs", 64, 128),
                                                        ("gaussian", "natural", 128, 80)])
 def test_mosaic_qsa_topk_lowers_for_cuda(quantile, scan, block_kv, d):
     t, s = 3000, 5000
@@ -30,6 +31,7 @@ def test_mosaic_qsa_topk_lowers_for_cuda(quantile, scan, block_kv, d):
     ({"k_exact": 4}, r"k_exact: expected a positive multiple of 8"),
     ({"block_kv": 32}, r"block_kv: expected one of \(64, 128\)"),
     ({"rows": 64}, r"rows: expected 128"),
+    ({"scan": "golden_pairs", "block_kv": 128, "top_k": 8}, r"scan: 'golden_pairs' takes block_kv=64"),
     ({"interpret": True}, r"interpret: expected False"),
     ({"dtype": jnp.float32}, r"q: expected dtype bfloat16 or float16"),
 ])
