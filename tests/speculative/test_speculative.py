@@ -217,7 +217,8 @@ def test_compact_cache_moves_accepted_slots():
 
 
 # ----------------------------------------------------------------------------- generate
-@pytest.mark.parametrize("kind", ["video", "image", "text"])
+@pytest.mark.parametrize("kind", ["video", pytest.param("image", marks=pytest.mark.slow),
+                                  pytest.param("text", marks=pytest.mark.slow)])  # ~45 s each on 2 cores
 def test_greedy_speculative_equals_plain_greedy(target, prompts, kind):
     inputs = prompts[kind]
     plain = mmjax.generate(target, inputs, 14)
