@@ -7,7 +7,8 @@ permutation of `common.scan_table` with ``rows=128``, shared by the two consumer
 once); two consumer warpgroups own 64 sampled rows each. Per tile a consumer computes ``S = Q K^T`` with
 wgmma, masks it on positions where needed (row r of the CTA sits at ``(cta * 128 + r) * gamma + S - T``),
 updates the online softmax, writes the block score ``S(j) = logsumexp`` of the block's scaled logits (from the
-same ``P``: ``m + log2(sum P)``) to a shared-memory ring of ``stages + 1`` score rows, and issues ``O += P V``.
+same ``P``: ``m + log2(sum P)``) to a shared-memory ring of ``stages + 1`` slots (a score row per block of the
+tile), and issues ``O += P V``.
 
 The top-k runs on the producer warpgroup, one sampled row per thread (`PRODUCER_TILE`: a row's slots sit in
 its thread's registers, so `topk`'s row reductions need no shuffles): after it has issued the loads of step i
