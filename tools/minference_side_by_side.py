@@ -15,7 +15,8 @@ D=128, bf16, causal, as in the issue. Two indexes per length:
 * **vertical-slash**: 1000 verticals / 6096 slashes per head estimated from the last 64 queries
   (`VerticalSlash.estimate`). MInference computes 64-key windows along the slashes plus gathered
   columns; ours computes `VerticalSlash.layout_from_index` with no block cap (aligned 64-key blocks per
-  128- or 64-row query block, or 64- or 32-key windows with ``windows=True``), on Triton and Mosaic GPU.
+  128- or 64-row query block, or 64- or 32-key windows with ``windows=True``, with and without the short run
+  tails as single columns, ``window_tail``), on Triton and Mosaic GPU.
 
 Columns: ms (median of ``--reps`` samples, each ``--calls`` queued calls: CUDA events for torch, one
 ``block_until_ready`` for JAX), computed pairs / named pairs (named: the pairs the index names: causal
@@ -164,14 +165,19 @@ def run(args, torch, mi_block, mi_vs) -> list[dict]:
                "named_density": named / (HEADS * causal_pairs(s, s)),
                "minference_ms": mi, "minference_pairs_ratio": mi_pairs / named,
                "minference_tflops": flops(mi_pairs, mi), "ours": []}
-        for bq, bk, windows, impls in ((128, BLOCK, False, ("triton", "mosaic_gpu")), (128, BLOCK, True, ("triton",)),
-                                       (64, BLOCK, False, ("triton", "mosaic_gpu")), (64, BLOCK, True, ("triton",)),
-                                       (64, 32, True, ("triton",))):
+        tail = VerticalSlash.window_tail
+        for bq, bk, windows, impls, tail in ((128, BLOCK, False, ("triton", "mosaic_gpu"), 0),
+                                             (128, BLOCK, True, ("triton",), tail),
+                                             (64, BLOCK, False, ("triton", "mosaic_gpu"), 0),
+                                             (64, BLOCK, True, ("triton",), 0), (64, BLOCK, True, ("triton",), tail),
+                                             (64, 32, True, ("triton",), 0), (64, 32, True, ("triton",), tail)):
             pattern = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64,
-                                    max_blocks=2 * (s // bk) + args.slash, windows=windows, block_q=bq, block_k=bk)
+                                    max_blocks=2 * (s // bk) + args.slash, windows=windows, block_q=bq, block_k=bk,
+                                    window_tail=tail)
             lay = jax.jit(lambda c, o, sc, p=pattern: p.layout_from_index(c, o, sc, s, s))(cols, offs, score)
             for impl in impls:
                 what = f"{bq} rows, " + (f"{bk}-key windows" if windows else f"aligned {bk}-key blocks")
+                what += f", tails <= {tail} as columns" if windows and tail else ""
                 row["ours"].append(time_ours(q, k, v, lay, impl, what, named, mi, timing, flops))
         rows.append(report(row))
     return rows

@@ -10,6 +10,7 @@ import mmjax
 from mmjax.sparse.layouts import LayoutSet
 from mmjax.sparse.patterns import AShape, Dense, Grid, KernelOptions, SFFixed, SFStrided, TriShape, VerticalSlash
 from mmjax.sparse.patterns.vertical_slash import index_pairs
+from pallas_kernels import block_sparse_attention
 from pallas_kernels.block_sparse.layout import causal_pairs
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
@@ -230,3 +231,35 @@ def test_vertical_slash_windows_compute_about_the_named_pairs(t, s, bound):
         assert (mask >= ((np.isin(i - j, np.asarray(offsets)) | np.isin(j, np.asarray(cols))) & (j <= i))).all()
     assert named <= pairs[True] <= bound * named
     assert pairs[True] < pairs[False]
+
+
+def test_vertical_slash_window_tails_become_columns():
+    """A run of slash keys whose last window would hold at most ``window_tail`` keys computes them as single
+    columns: fewer pairs than whole windows, every named pair still computed, nothing twice, and the output
+    equals masked dense attention. Runs here (128-row blocks, 64-key windows; a run of n adjacent offsets spans
+    n + 127 relative keys): 5 offsets (4 tail keys), two lines 2 apart (2), two adjacent lines (1), one line
+    (none); the band of 70 (5) keeps its window."""
+    t = s = 1024
+    offsets = np.concatenate([np.arange(0, 5), [300, 302, 600, 601, 800], np.arange(850, 920)])
+    cols = np.array([3, 40, 700, 1020])  # 1020: a tail key of the 5-offset band in the last query block
+    q, k, v = random_qkv(3, 1, t, s, 1, 1, 16)
+    named = float(index_pairs(jnp.asarray(cols[None, None], jnp.int32), jnp.asarray(offsets[None, None], jnp.int32),
+                              t, s, 128)[0, 0])
+    pairs, layouts = {}, {}
+    for tail in (0, 4):
+        vs = VerticalSlash(vertical_size=len(cols), slash_size=len(offsets), block_q=128, block_k=64, windows=True,
+                           window_tail=tail, max_blocks=64)
+        lay = jax.jit(vs.layout_from_index, static_argnums=(3, 4))(
+            jnp.asarray(cols[None, None], jnp.int32), jnp.asarray(offsets[None, None], jnp.int32),
+            jnp.zeros((1, 1, s)), t, s)
+        check_layout_values(lay)  # columns distinct and in no listed window
+        mask = np.asarray(lay.to_dense_mask())[0, 0]
+        i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+        assert (mask >= ((np.isin(i - j, offsets) | np.isin(j, cols)) & (j <= i))).all()
+        pairs[tail], layouts[tail] = float(lay.density()[0, 0]) * causal_pairs(t, s), lay
+    # the last query block lists the tail keys of the three short runs (4 + 2 + 1) as columns
+    assert int(layouts[4].kv_column_count[0, 0, -1]) > int(layouts[0].kv_column_count[0, 0, -1])
+    assert named <= pairs[4] < pairs[0]
+    out, _ = block_sparse_attention(q, k, v, layouts[4], implementation="reference")
+    ref, _ = masked_dense_attention(q, k, v, layouts[4].to_dense_mask())
+    assert rel_err(out, ref) < 1e-5

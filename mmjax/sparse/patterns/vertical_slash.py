@@ -8,7 +8,10 @@ twice the pairs it names; windows start where the ranges start. Measured on one 
 (blocks 1.163x) but the Triton kernel runs them 3-4% slower per tile, so they were not faster at any
 length (at 128k / 512k both forms hit the same ``max_blocks`` cap); on video-like inputs under the
 cap the aligned blocks also keep more attention mass (their extra keys sit next to the slashes).
-Aligned blocks stay the default.
+Aligned blocks stay the default. A run's few keys past its last whole window (``window_tail``) are
+single columns rather than one more window: with 64-row blocks and 32-key windows, computed / named
+pairs 1.097 -> 1.067 at 32k and 1.101 -> 1.075 at 128k, 4% faster on Triton (one H100, 2026-11-26,
+`tools/minference_side_by_side.py`).
 
 Conversion to aligned blocks (the default; vectorised, per head): with ``block_q = r * block_k``, the key blocks a slash
 at offset o touches for query block i are ``i * r + u`` for u in a range that does not
@@ -52,12 +55,14 @@ def range_cover(lo: jax.Array, hi: jax.Array, size: int, weight: jax.Array | Non
 
 
 def compact_columns(cols: jax.Array, keep: jax.Array) -> jax.Array:
-    """cols int ``[B, N, vs]``, keep bool ``[B, N, nq, vs]`` -> int32 ``[B, N, nq, vs]``: each query block's kept
-    columns moved to the front in order (a prefix sum and one scatter, no sort); the rest 0."""
+    """cols int ``[B, N, vs]`` (or ``[B, N, nq, vs]``, per query block), keep bool ``[B, N, nq, vs]`` -> int32
+    ``[B, N, nq, vs]``: each query block's kept columns moved to the front in order (a prefix sum and one scatter,
+    no sort); the rest 0."""
     vs = cols.shape[-1]
     slot = jnp.where(keep, jnp.cumsum(keep, -1) - 1, vs)
     out = jnp.zeros(keep.shape[:-1] + (vs + 1,), jnp.int32)
-    return jnp.put_along_axis(out, slot, jnp.broadcast_to(cols[..., None, :], slot.shape).astype(jnp.int32),
+    values = cols if cols.ndim == keep.ndim else cols[..., None, :]
+    return jnp.put_along_axis(out, slot, jnp.broadcast_to(values, slot.shape).astype(jnp.int32),
                               axis=-1, inplace=False)[..., :vs]
 
 
@@ -72,7 +77,10 @@ class VerticalSlash(Pattern):
     slash mass are dropped. windows: slashes as ``block_k``-wide key windows at any start
     (`BlockLayout.kv_windows`: the diagonal ranges are computed, not the aligned blocks around
     them; not faster on an H100, module docstring); False (default) gives aligned key blocks
-    (Boundary wrappers always use aligned blocks in their packed key order).
+    (Boundary wrappers always use aligned blocks in their packed key order). window_tail: with
+    windows, a run of slash keys whose last window would hold at most this many keys computes
+    them as single columns instead (0: off); window_tail_cap: at most this many such keys per
+    head (a static size: the query blocks' column lists grow by it).
     """
 
     vertical_size: int = 1000
@@ -84,12 +92,16 @@ class VerticalSlash(Pattern):
     block_q: int = 128
     block_k: int = 64
     windows: bool = False
+    window_tail: int = 4
+    window_tail_cap: int = 256
 
     def validate(self) -> None:
         for name in ("vertical_size", "slash_size", "last_q"):
             check_int(name, getattr(self, name), 1)
         check_int("keep_first", self.keep_first, 0)
         check_int("keep_local", self.keep_local, 0)
+        check_int("window_tail", self.window_tail, 0)
+        check_int("window_tail_cap", self.window_tail_cap, 1)
         if self.max_blocks is not None:
             check_int("max_blocks", self.max_blocks, 1)
         if self.block_q % self.block_k:
@@ -180,10 +192,12 @@ class VerticalSlash(Pattern):
         """The slashes as key windows (``BlockLayout.kv_windows``). For query block i the keys of
         offset o are ``base_i + x`` with ``x`` in ``[-o, block_q - 1 - o]`` and ``base_i = i * block_q + S - T``:
         one set X of relative keys per head (the union over the offsets), tiled into ``block_k``-wide
-        windows from the start of each of its runs. Past ``max_blocks`` windows, those with the least
-        slash mass are dropped. Query block i lists ``base_i + x_j`` for the windows that reach keys
-        ``>= 0`` and start at or before its last causal key; verticals in no listed window are its columns.
-        Arrays of ``S + block_q`` relative keys per head; no sort over them."""
+        windows from the start of each of its runs; the last ``W mod block_k <= window_tail`` keys of a run of
+        W keys become single columns instead of one more window (at most ``window_tail_cap`` per head, runs
+        in key order; keys some kept window covers stay there). Past ``max_blocks`` windows, those with
+        the least slash mass are dropped. Query block i lists ``base_i + x_j`` for the windows that reach keys
+        ``>= 0`` and start at or before its last causal key; its columns are the verticals in no listed window
+        or tail and the causal tail keys. Arrays of ``S + block_q`` relative keys per head; no sort over them."""
         bq, bk = self.block_q, self.block_k
         r = bq // bk
         nq = cdiv(t, bq)
@@ -200,13 +214,22 @@ class VerticalSlash(Pattern):
         x = jnp.arange(span, dtype=jnp.int32)
         run_start = covered & ~jnp.concatenate([jnp.zeros(lead + (1,), bool), covered[..., :-1]], -1)
         run_first = jax.lax.cummax(jnp.where(run_start, x, -1), axis=2)
-        is_start = covered & ((x - run_first) % bk == 0)
+        # Tails: a run's keys past its last whole window, where they are few (window_tail).
+        run_stop = covered & ~jnp.concatenate([covered[..., 1:], jnp.zeros(lead + (1,), bool)], -1)
+        run_end = jax.lax.cummin(jnp.where(run_stop, x + 1, span), axis=2, reverse=True)  # one past the run
+        width = run_end - run_first
+        tail = covered & (x - run_first >= width // bk * bk) & (width % bk <= self.window_tail)
+        # Whole run tails in key order while they fit the cap (a tail's keys are contiguous: its last key's
+        # prefix count decides).
+        seen = jnp.cumsum(tail, -1)
+        tail = tail & (jnp.take_along_axis(seen, jnp.clip(run_end - 1, 0, span - 1), -1) <= self.window_tail_cap)
+        is_start = covered & ~tail & ((x - run_first) % bk == 0)
         n_max = min(span, self.slash_size * (r + 1))
         slot = jnp.where(is_start, jnp.cumsum(is_start, -1) - 1, n_max)
         win_id = jnp.where(covered, jnp.cumsum(is_start, -1) - 1, n_max)
         put = jax.vmap(jax.vmap(lambda i, w: jnp.zeros((n_max + 1,), w.dtype).at[i].add(w)))
         starts = put(slot, jnp.where(is_start, x, 0))[..., :n_max]
-        mass = put(win_id, jnp.where(covered, density, 0.0))[..., :n_max]
+        mass = put(win_id, jnp.where(covered & ~tail, density, 0.0))[..., :n_max]
         n_win = is_start.sum(-1)  # [B, N]
         cap = min(n_max, self.max_blocks or default_max_blocks(self.slash_size, bk, r))
         listed = jnp.arange(n_max) < n_win[..., None]
@@ -224,13 +247,23 @@ class VerticalSlash(Pattern):
         count = ok.sum(-1).astype(jnp.int32)
         idx = jnp.minimum(jnp.arange(cap) + first, cap - 1)
         blocks = jnp.where(jnp.arange(cap) < count[..., None], jnp.take_along_axis(absolute, idx, -1), 0)
-        # Verticals: causal and in no kept window (relative key c - base_i outside their union).
+        # Tail keys no kept window covers, then the verticals: causal and in no kept window or tail (relative
+        # key c - base_i outside their union).
         inside = range_cover(jnp.where(kept, rel + s - 1, span + bk), jnp.where(kept, rel + s - 1 + bk, span + bk),
                              span + bk + 1) > 0  # [B, N, span + bk + 1]
+        tail = tail & ~inside[..., :span]
+        cap_t = min(self.window_tail_cap, span)
+        put_t = jax.vmap(jax.vmap(lambda i, w: jnp.zeros((cap_t + 1,), w.dtype).at[i].set(w)))
+        tail_rel = put_t(jnp.where(tail, jnp.cumsum(tail, -1) - 1, cap_t),
+                         jnp.broadcast_to(x, tail.shape))[..., :cap_t] - (s - 1)  # [B, N, cap_t]
+        t_abs = base[:, None] + tail_rel[..., None, :]  # [B, N, nq, cap_t]
+        t_ok = (jnp.arange(cap_t) < tail.sum(-1)[..., None, None]) & (t_abs >= 0) & (t_abs <= qe[:, None])
+        taken = inside.at[..., :span].set(inside[..., :span] | tail)
         c_rel = cols[..., None, :] - base[:, None] + s - 1  # [B, N, nq, vs]
-        in_win = jnp.take_along_axis(inside[..., None, :], jnp.clip(c_rel, 0, span + bk), -1) & (c_rel >= 0)
-        col_ok = (cols[..., None, :] <= qe[:, None]) & ~in_win
-        kv_cols = compact_columns(cols, col_ok)
+        in_win = jnp.take_along_axis(taken[..., None, :], jnp.clip(c_rel, 0, span + bk), -1) & (c_rel >= 0)
+        col_ok = jnp.concatenate([(cols[..., None, :] <= qe[:, None]) & ~in_win, t_ok], -1)
+        all_cols = jnp.concatenate([jnp.broadcast_to(cols[..., None, :], c_rel.shape), t_abs], -1)
+        kv_cols = compact_columns(all_cols, col_ok)
         return BlockLayout(kv_blocks=blocks.astype(jnp.int32), kv_block_count=count, kv_columns=kv_cols,
                            kv_column_count=col_ok.sum(-1).astype(jnp.int32), block_q=bq, block_k=bk, q_len=t,
                            kv_len=s, kv_windows=True)
