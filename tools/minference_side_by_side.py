@@ -165,12 +165,12 @@ def run(args, torch, mi_block, mi_vs) -> list[dict]:
                "named_density": named / (HEADS * causal_pairs(s, s)),
                "minference_ms": mi, "minference_pairs_ratio": mi_pairs / named,
                "minference_tflops": flops(mi_pairs, mi), "ours": []}
-        tail = VerticalSlash.window_tail
+        dt = VerticalSlash.window_tail  # the default: run tails as single columns
         for bq, bk, windows, impls, tail in ((128, BLOCK, False, ("triton", "mosaic_gpu"), 0),
-                                             (128, BLOCK, True, ("triton",), tail),
+                                             (128, BLOCK, True, ("triton",), dt),
                                              (64, BLOCK, False, ("triton", "mosaic_gpu"), 0),
-                                             (64, BLOCK, True, ("triton",), 0), (64, BLOCK, True, ("triton",), tail),
-                                             (64, 32, True, ("triton",), 0), (64, 32, True, ("triton",), tail)):
+                                             (64, BLOCK, True, ("triton",), 0), (64, BLOCK, True, ("triton",), dt),
+                                             (64, 32, True, ("triton",), 0), (64, 32, True, ("triton",), dt)):
             pattern = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64,
                                     max_blocks=2 * (s // bk) + args.slash, windows=windows, block_q=bq, block_k=bk,
                                     window_tail=tail)

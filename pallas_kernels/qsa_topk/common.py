@@ -87,8 +87,9 @@ def golden_multiplier(n: int) -> int:
 
 
 def scan_unit(order: str) -> int:
-    """Blocks per permuted unit of a scan order (module docstring): 2 for "golden_pairs", else 1."""
-    return 2 if order == "golden_pairs" else 1
+    """Blocks per permuted unit of a scan order (module docstring): 2 for "golden_pairs", 1 for "golden", 0 for
+    "natural" (nothing permuted)."""
+    return {"golden_pairs": 2, "golden": 1}.get(order, 0)
 
 
 def scan_start(sink_blocks: int, unit: int) -> int:

@@ -367,7 +367,7 @@ def qsa_topk_mosaic_gpu(q, k, v, *, gamma: int, block_kv: int, top_k: int, k_exa
     kernel = plgpu.kernel(
         functools.partial(_kernel, gamma=gamma, block_kv=block_kv, parts=parts, stages=stages, groups=n // kh,
                           kv_len=s, q_offset=s - t, tg=tg, top_k=top_k, k_exact=k_exact, sink_blocks=sink_blocks,
-                          local=local, sm_scale=sm_scale, unit=0 if scan == "natural" else scan_unit(scan),
+                          local=local, sm_scale=sm_scale, unit=scan_unit(scan),
                           quantile=quantile),
         out_type=(jax.ShapeDtypeStruct(qg.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tgp), jnp.float32),
                   jax.ShapeDtypeStruct((b, n, tgp, ke), jnp.float32), jax.ShapeDtypeStruct((b, n, tgp, ke), jnp.int32),

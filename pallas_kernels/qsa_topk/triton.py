@@ -262,7 +262,7 @@ def _qsa_topk(q, k, v, poison, *, gamma, block_kv, top_k, k_exact, topk, sink_bl
         v_in = _pad_to(_pad_to(v, 3, d_pad), 1, nk * block_kv)
     tgp = num_tiles * rows
     sizes = _part_sizes(topk, top_k, k_exact)
-    unit = scan_unit(scan) if topk == "estimated" and scan != "natural" else 0  # 0: id order
+    unit = scan_unit(scan) if topk == "estimated" else 0  # 0: id order
     # Grid (head, tile, batch), head fastest (see the module docstring).
     q_spec = pl.BlockSpec((None, rows, None, d_pad), lambda h, i, z: (z, num_tiles - 1 - i, h, 0))
     qp_spec = pl.BlockSpec((None, rows, None), lambda h, i, z: (z, num_tiles - 1 - i, h))
