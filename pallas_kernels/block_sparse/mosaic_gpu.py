@@ -67,8 +67,10 @@ BLOCK_Q = 128  # two consumer warpgroups of 64 rows
 WG_ROWS = fa3.WG_ROWS
 BLOCK_QS = (WG_ROWS, BLOCK_Q)
 BLOCK_KS = (64, 128)
-# Shared memory per CTA on sm90 is 227 KB; the Q/O tiles and the K/V ring must fit.
-_SMEM_BUDGET = 220 * 1024
+# Shared memory per CTA on sm90 (the opt-in maximum); `_smem_bytes` counts what the kernel asks for.
+_SMEM_LIMIT = 227 * 1024
+_SMEM_ALIGN = 1024  # Mosaic GPU pads every shared-memory buffer to this
+_BARRIER_BYTES = 8
 _MAX_STAGES = 4
 
 
@@ -119,15 +121,37 @@ def _rings(block_q: int) -> int:
     return 2 if block_q == WG_ROWS else 1
 
 
+def _align(x: int) -> int:
+    return -(-x // _SMEM_ALIGN) * _SMEM_ALIGN
+
+
 def _smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q) -> int:
-    """Shared memory of the two Q/O tiles and ``stages`` K/V stages per ring (2-byte elements)."""
-    return 2 * WG_ROWS * head_dim * 2 + _rings(block_q) * stages * 2 * block_k * head_dim * 2
+    """Shared memory the kernel requests with ``stages`` K/V stages per ring and original positions (the larger
+    case): the two Q/O tiles, the K and V rings, the lse / positions buffer, and the barriers, counted as Mosaic
+    GPU does (matches its byte count on every configuration we compiled, e.g. 298,344 for 64-row query blocks,
+    64-key tiles, D 128, 4 stages)."""
+    slots = _rings(block_q) * stages
+    tiles = _align(2 * WG_ROWS * head_dim * 2) + 2 * _align(slots * block_k * head_dim * 2)
+    positions = _align(max(2 * WG_ROWS * 4, (2 * WG_ROWS + slots * block_k) * 4))
+    barriers = 5 * slots + 5  # K, V, key positions, K free, V free per slot; Q tiles and positions; schedule
+    return tiles + positions + barriers * _BARRIER_BYTES
+
+
+def max_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q) -> int:
+    """Most K/V stages per ring (at most 4) that fit in shared memory; 0 when two do not fit."""
+    fit = [st for st in range(2, _MAX_STAGES + 1) if _smem_bytes(block_k, head_dim, st, block_q) <= _SMEM_LIMIT]
+    return max(fit, default=0)
 
 
 def default_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q) -> int:
-    """K/V stages that fit next to the two Q/O tiles, in [2, 4] (per consumer ring with ``block_q`` 64)."""
-    stage_bytes = _smem_bytes(block_k, head_dim, 1, block_q) - _smem_bytes(block_k, head_dim, 0)
-    return max(2, min(_MAX_STAGES, (_SMEM_BUDGET - _smem_bytes(block_k, head_dim, 0)) // stage_bytes))
+    """K/V stages per ring (per consumer with ``block_q`` 64): as many as fit 220 KiB next to the two Q/O tiles,
+    in [2, 4] (4 for 64-key tiles, 2 for 128-key tiles and for 64-row query blocks at D 128). One H100,
+    2026-11-27 (``tools/mosaic_stages_bench.py``, ``bench/results/mosaic-stages-fit_*``): the third stage that
+    `max_stages` allows there runs slower, 1.72 -> 1.79 / 7.31 -> 7.62 / 32.1 -> 32.8 ms on MInference's top-100
+    mask (64x64) at 32k / 128k / 512k and 13.2 -> 13.3 / 209 -> 213 ms dense (128x128) at 32k / 128k."""
+    tiles = 2 * WG_ROWS * head_dim * 2
+    stage_bytes = _rings(block_q) * 2 * block_k * head_dim * 2
+    return max(2, min(_MAX_STAGES, (220 * 1024 - tiles) // stage_bytes))
 
 
 def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> None:
@@ -145,15 +169,14 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> No
                          "(use 'triton'); received a layout with kv_windows=True")
     d = q.shape[-1]
     d_pad = fa3.padded_head_dim(d)
-    need = _smem_bytes(layout.block_k, d_pad, 2, layout.block_q)
-    if need > _SMEM_BUDGET:
+    fit = max_stages(layout.block_k, d_pad, layout.block_q)
+    if not fit:
         raise ValueError(f"layout.block_k: block_q={layout.block_q} with block_k={layout.block_k} and D={d_pad} needs "
-                         f"{need} bytes of shared memory for two K/V stages "
-                         f"per consumer (at most {_SMEM_BUDGET}); use block_k=64 or block_q=128")
+                         f"{_smem_bytes(layout.block_k, d_pad, 2, layout.block_q)} bytes of shared memory for two "
+                         f"K/V stages per consumer (at most {_SMEM_LIMIT}); use block_k=64 or block_q=128")
     if stages is not None:
-        fit = default_stages(layout.block_k, d_pad, layout.block_q)
-        if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= max(2, fit):
-            raise ValueError(f"num_stages: expected an int in [2, {max(2, fit)}] (K/V stages in shared "
+        if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= fit:
+            raise ValueError(f"num_stages: expected an int in [2, {fit}] (K/V stages in shared "
                              f"memory for block_q={layout.block_q}, block_k={layout.block_k}, D={d_pad}); "
                              f"received {stages!r}")
 
@@ -225,8 +248,14 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             return jnp.where(ok, raw, 0) * bk, ok
 
     def body(scoped):
-        (qo_smem, k_smem, v_smem, lse_smem, qp_smem, kp_smem), (k_bar, v_bar, q_bar, p_bar), \
-            (k_free, v_free), sched = scoped
+        (qo_smem, k_smem, v_smem, lse_pos), (k_bar, v_bar, q_bar, p_bar), (k_free, v_free), sched = scoped
+        lse_smem, pos_smem = lse_pos if cfg.has_pos else (lse_pos, None)
+
+        def q_pos_smem(wg):
+            return pos_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)]
+
+        def k_pos_smem(slot):
+            return pos_smem.at[pl.ds(2 * WG_ROWS + slot * bk, bk)]
         schedule = functools.partial(fa3.schedule, sched)
 
         def consumer(wg):
@@ -245,9 +274,9 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 q_vec = None
                 if cfg.has_pos:  # the rows' original positions, through shared memory
                     plgpu.copy_gmem_to_smem(qpos_ref.at[*it.lead("q_pos", 0)[:2], pl.ds(row0, WG_ROWS)],
-                                            qp_smem.at[wg], q_bar.at[wg + 2])
+                                            q_pos_smem(wg), q_bar.at[wg + 2])
                     plgpu.barrier_wait(q_bar.at[wg + 2])
-                    q_vec = plgpu.load(qp_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                    q_vec = plgpu.load(q_pos_smem(wg), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                 plgpu.barrier_wait(q_bar.at[wg])
                 q_first = row0 + cfg.q_offset
 
@@ -265,7 +294,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
                 def mask_by_position(s, slot, limit):
                     plgpu.barrier_wait(p_bar.at[slot])
-                    k_vec = plgpu.load(kp_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                    k_vec = plgpu.load(k_pos_smem(slot), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                     kp = lax.broadcast_in_dim(k_vec, s.shape, [1])
                     qp = lax.broadcast_in_dim(q_vec, s.shape, [0])
                     ok = kp < limit
@@ -345,7 +374,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                                         v_bar.at[slot])
                 if cfg.has_pos:
                     plgpu.copy_gmem_to_smem(kpos_ref.at[*it.lead("k_pos", 0)[:2], pl.ds(start, bk)],
-                                            kp_smem.at[slot], p_bar.at[slot])
+                                            k_pos_smem(slot), p_bar.at[slot])
 
             def run_item(t, done):
                 """Item t's K / V tiles into the rings; ``done``: tiles each ring took for earlier items (a
@@ -380,9 +409,12 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             plgpu.SMEM((2, WG_ROWS, dp), dtype, transforms=transforms),
             plgpu.SMEM((n_slots, bk, dp), dtype, transforms=transforms),
             plgpu.SMEM((n_slots, bk, dp), dtype, transforms=transforms),
-            plgpu.SMEM((2, WG_ROWS), jnp.float32),
-            plgpu.SMEM((2, WG_ROWS), jnp.int32) if cfg.has_pos else None,
-            plgpu.SMEM((n_slots, bk), jnp.int32) if cfg.has_pos else None,
+            # Each consumer's lse row (written after its last step) shares memory with its query rows' positions
+            # (read into registers before its first step). The positions: both consumers' query rows, then the
+            # keys of each K/V slot, in one buffer (every shared-memory buffer is padded to 1 KiB).
+            plgpu.RefUnion(plgpu.SMEM((2, WG_ROWS), jnp.float32),
+                           plgpu.SMEM((2 * WG_ROWS + n_slots * bk,), jnp.int32))
+            if cfg.has_pos else plgpu.SMEM((2, WG_ROWS), jnp.float32),
         ),
         (
             plgpu.Barrier(num_barriers=n_slots),
@@ -442,7 +474,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         grid_names=("items",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # the row max / sum reduce inside each warp (no cross-warp scratch to reserve)
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
     return kernel(*operands)
 

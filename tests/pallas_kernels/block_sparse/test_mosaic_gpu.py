@@ -2,14 +2,21 @@
 GPU module for CUDA (catches Pallas / Mosaic lowering errors in CI). Running it needs an sm90
 GPU: Mosaic GPU's interpret mode cannot run it (tests in test_mosaic_gpu_gpu.py)."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels import BlockLayout, block_sparse_attention
-from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu, default_stages
+from pallas_kernels.block_sparse.mosaic_gpu import (
+    _smem_bytes,
+    block_sparse_attention_mosaic_gpu,
+    default_stages,
+    max_stages,
+)
 from tests.pallas_kernels.helpers import random_qkv
 
 
@@ -75,12 +82,26 @@ def test_mosaic_rejects_unsupported_input_before_launch(change, kw, match):
 
 def test_default_stages_fit_shared_memory():
     assert default_stages(64, 128) == 4 and default_stages(128, 128) == 2 and default_stages(64, 128, 64) == 2
-    for bq, rings in ((128, 1), (64, 2)):  # 64-row query blocks: one ring of stages per consumer
-        for bk, d in ((64, 64), (64, 128), (128, 64), (128, 128)):
-            if (bq, bk, d) == (64, 128, 128):  # does not fit: rejected (test above)
-                continue
-            st = default_stages(bk, d, bq)
-            assert 2 <= st <= 4 and 2 * 64 * d * 2 + rings * st * 2 * bk * d * 2 <= 227 * 1024, (bq, bk, d)
+    for bq, bk, d in ((128, 64, 64), (128, 64, 128), (128, 128, 64), (128, 128, 128), (64, 64, 64), (64, 64, 128),
+                      (64, 128, 64)):
+        st = default_stages(bk, d, bq)
+        assert 2 <= st <= max_stages(bk, d, bq) <= 4 and _smem_bytes(bk, d, st, bq) <= 227 * 1024, (bq, bk, d)
+
+
+@pytest.mark.parametrize("bq,perm", [(64, False), (64, True), (128, True)])
+def test_most_stages_that_fit_lower_for_cuda(bq, perm):
+    """The largest stage count `check_supported` accepts compiles within the 227 KiB of shared memory (Mosaic GPU
+    counts the bytes while lowering), with and without original positions, and one more is rejected up front."""
+    bk = 128 if bq == 128 else 64
+    layout = BlockLayout.dense_causal(1000, 1000, block_q=bq, block_k=bk)
+    if perm:
+        p = jnp.asarray(np.random.default_rng(0).permutation(1000), jnp.int32)[None, None]
+        layout = dataclasses.replace(layout, q_perm=p, kv_perm=p)
+    st = max_stages(bk, 128, bq)
+    assert st == 3
+    _lower((1, 1000, 8, 128), (1, 1000, 8, 128), jnp.bfloat16, layout, num_stages=st)
+    with pytest.raises(ValueError, match="num_stages"):
+        _lower((1, 1000, 8, 128), (1, 1000, 8, 128), jnp.bfloat16, layout, num_stages=st + 1)
 
 
 @pytest.mark.parametrize("bq", [128, 64])
