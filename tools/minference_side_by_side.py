@@ -16,7 +16,8 @@ D=128, bf16, causal, as in the issue. Two indexes per length:
   (`VerticalSlash.estimate`). MInference computes 64-key windows along the slashes plus gathered
   columns; ours computes `VerticalSlash.layout_from_index` with no block cap (aligned 64-key blocks per
   128- or 64-row query block, or 64- or 32-key windows with ``windows=True``, with and without the short run
-  tails as single columns, ``window_tail``), on Triton and Mosaic GPU.
+  tails as single columns, ``window_tail``, and windows from multiples of 8, ``window_align``), on Triton and
+  Mosaic GPU (``mosaic_gpu+triton``: the Mosaic kernel with the single columns in a Triton pass).
 
 Columns: ms (median of ``--reps`` samples, each ``--calls`` queued calls: CUDA events for torch, one
 ``block_until_ready`` for JAX), computed pairs / named pairs (named: the pairs the index names: causal
@@ -59,6 +60,7 @@ from mmjax.sparse.patterns.vertical_slash import index_pairs  # noqa: E402
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
 from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
 from pallas_kernels.block_sparse.layout import causal_pairs  # noqa: E402
+from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu  # noqa: E402
 
 HEADS, D, BLOCK = 8, 128, 64
 matplotlib.use("Agg")
@@ -125,66 +127,101 @@ def run(args, torch, mi_block, mi_vs) -> list[dict]:
         flops = lambda pairs, ms: 4 * D * pairs / (ms / 1e3) / 1e12  # noqa: E731
         timing = dict(calls=args.calls, reps=args.reps)
 
-        # ---- block index: pooled top-k
-        idx = jax.jit(pooled_block_index, static_argnums=2)(q, k, args.top_k)
-        count = block_index_counts(idx)
-        named = block_named_pairs(idx, count)
-        idx_t = torch.from_dlpack(idx)
-        mi_fn = lambda: mi_block(qt, kt, vt, seqlens, idx_t, scale, BLOCK, BLOCK)  # noqa: E731
-        mi_out = mi_fn()
-        mi = torch_ms(torch, mi_fn, **timing)
-        mi_pairs = float(jnp.sum(block_index_pairs(count)))
-        row = {"tokens": s, "index": f"block top-{args.top_k}", "named_pairs": named,
-               "named_density": named / (HEADS * causal_pairs(s, s)),
-               "minference_ms": mi, "minference_pairs_ratio": mi_pairs / named,
-               "minference_tflops": flops(mi_pairs, mi), "ours": []}
-        lay64 = BlockLayout(kv_blocks=idx, kv_block_count=count, block_q=BLOCK, block_k=BLOCK, q_len=s, kv_len=s)
-        ids128, count128 = merge_row_pairs(idx, count)
-        lay128 = BlockLayout(kv_blocks=ids128, kv_block_count=count128, block_q=128, block_k=BLOCK, q_len=s,
-                             kv_len=s)
-        for impl, lay, what in (("triton", lay64, "same 64x64 mask"), ("mosaic_gpu", lay64, "same 64x64 mask"),
-                                ("mosaic_gpu", lay128, "128-row union of the 64-row lists")):
-            row["ours"].append(time_ours(q, k, v, lay, impl, what, named, mi, timing, flops))
-        if i == 0:
-            ours = block_sparse_attention(q, k, v, lay64, implementation="triton")[0]
-            row["rel_err_minference_vs_ours_same_mask"] = rel_err(
-                jnp.einsum("bnsd->bsnd", jnp.from_dlpack(mi_out)).astype(jnp.float32), ours.astype(jnp.float32))
-        rows.append(report(row))
-
-        # ---- vertical-slash index
-        base = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64)
-        cols, offs, score = jax.jit(base.estimate)(q, k)
-        named = float(jnp.sum(index_pairs(cols, offs, s, s, BLOCK)))
-        bc, bo, cc, ci = jax.jit(vertical_slash_index, static_argnums=2)(cols, offs, s)
-        mi_args = [torch.from_dlpack(x) for x in (bc, bo, cc, ci)]
-        mi_fn = lambda: mi_vs(qt, kt, vt, seqlens, *mi_args, scale, BLOCK, BLOCK)  # noqa: E731
-        mi_fn()
-        mi = torch_ms(torch, mi_fn, **timing)
-        mi_pairs = float(jnp.sum(vertical_slash_pairs(bc, cc)))
-        row = {"tokens": s, "index": f"vertical {args.vertical} / slash {args.slash}", "named_pairs": named,
-               "named_density": named / (HEADS * causal_pairs(s, s)),
-               "minference_ms": mi, "minference_pairs_ratio": mi_pairs / named,
-               "minference_tflops": flops(mi_pairs, mi), "ours": []}
-        dt = VerticalSlash.window_tail  # the default: run tails as single columns
-        for bq, bk, windows, impls, tail in ((128, BLOCK, False, ("triton", "mosaic_gpu"), 0),
-                                             (128, BLOCK, True, ("triton",), dt),
-                                             (64, BLOCK, False, ("triton", "mosaic_gpu"), 0),
-                                             (64, BLOCK, True, ("triton",), 0), (64, BLOCK, True, ("triton",), dt),
-                                             (64, 32, True, ("triton",), 0), (64, 32, True, ("triton",), dt)):
-            pattern = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64,
-                                    max_blocks=2 * (s // bk) + args.slash, windows=windows, block_q=bq, block_k=bk,
-                                    window_tail=tail)
-            lay = jax.jit(lambda c, o, sc, p=pattern: p.layout_from_index(c, o, sc, s, s))(cols, offs, score)
-            for impl in impls:
-                what = f"{bq} rows, " + (f"{bk}-key windows" if windows else f"aligned {bk}-key blocks")
-                what += f", tails <= {tail} as columns" if windows and tail else ""
-                row["ours"].append(time_ours(q, k, v, lay, impl, what, named, mi, timing, flops))
-        rows.append(report(row))
+        if "block" in args.indexes:  # pooled top-k blocks
+            rows.append(block_row(args, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing, flops, i))
+        if "vs" in args.indexes:  # vertical-slash
+            rows.append(vs_row(args, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flops))
     return rows
 
 
+def block_row(args, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing, flops, i) -> dict:
+    """MInference's pooled top-k block index: its kernel and ours on the same mask."""
+    import torch
+
+    s = q.shape[1]
+    idx = jax.jit(pooled_block_index, static_argnums=2)(q, k, args.top_k)
+    count = block_index_counts(idx)
+    named = block_named_pairs(idx, count)
+    idx_t = torch.from_dlpack(idx)
+    mi_fn = lambda: mi_block(qt, kt, vt, seqlens, idx_t, scale, BLOCK, BLOCK)  # noqa: E731
+    mi_out = mi_fn()
+    mi = torch_ms(torch, mi_fn, **timing)
+    mi_pairs = float(jnp.sum(block_index_pairs(count)))
+    row = {"tokens": s, "index": f"block top-{args.top_k}", "named_pairs": named,
+           "named_density": named / (HEADS * causal_pairs(s, s)),
+           "minference_ms": mi, "minference_pairs_ratio": mi_pairs / named,
+           "minference_tflops": flops(mi_pairs, mi), "ours": []}
+    lay64 = BlockLayout(kv_blocks=idx, kv_block_count=count, block_q=BLOCK, block_k=BLOCK, q_len=s, kv_len=s)
+    ids128, count128 = merge_row_pairs(idx, count)
+    lay128 = BlockLayout(kv_blocks=ids128, kv_block_count=count128, block_q=128, block_k=BLOCK, q_len=s,
+                         kv_len=s)
+    for impl, lay, what in (("triton", lay64, "same 64x64 mask"), ("mosaic_gpu", lay64, "same 64x64 mask"),
+                            ("mosaic_gpu", lay128, "128-row union of the 64-row lists")):
+        if selected(args, impl, what):
+            row["ours"].append(time_ours(q, k, v, lay, impl, what, named, mi, timing, flops))
+    if i == 0:
+        ours = block_sparse_attention(q, k, v, lay64, implementation="triton")[0]
+        row["rel_err_minference_vs_ours_same_mask"] = rel_err(
+            jnp.einsum("bnsd->bsnd", jnp.from_dlpack(mi_out)).astype(jnp.float32), ours.astype(jnp.float32))
+    return report(row)
+
+
+def vs_row(args, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flops) -> dict:
+    """MInference's Vertical-Slash index: its kernel and our layouts of the same index."""
+    import torch
+
+    s = q.shape[1]
+    base = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64)
+    cols, offs, score = jax.jit(base.estimate)(q, k)
+    named = float(jnp.sum(index_pairs(cols, offs, s, s, BLOCK)))
+    bc, bo, cc, ci = jax.jit(vertical_slash_index, static_argnums=2)(cols, offs, s)
+    mi_args = [torch.from_dlpack(x) for x in (bc, bo, cc, ci)]
+    mi_fn = lambda: mi_vs(qt, kt, vt, seqlens, *mi_args, scale, BLOCK, BLOCK)  # noqa: E731
+    mi_fn()
+    mi = torch_ms(torch, mi_fn, **timing)
+    mi_pairs = float(jnp.sum(vertical_slash_pairs(bc, cc)))
+    row = {"tokens": s, "index": f"vertical {args.vertical} / slash {args.slash}", "named_pairs": named,
+           "named_density": named / (HEADS * causal_pairs(s, s)),
+           "minference_ms": mi, "minference_pairs_ratio": mi_pairs / named,
+           "minference_tflops": flops(mi_pairs, mi), "ours": []}
+    dt = VerticalSlash.window_tail  # the default: run tails as single columns
+    mosaic = ("mosaic_gpu", "mosaic_gpu+triton")  # columns gathered by the Mosaic kernel / by Triton
+    for bq, bk, windows, impls, tail, align in ((128, BLOCK, False, ("triton", "mosaic_gpu"), 0, 1),
+                                                (128, BLOCK, True, ("triton",), dt, 1),
+                                                (128, BLOCK, True, ("mosaic_gpu+triton",), dt, 8),
+                                                (64, BLOCK, False, ("triton", "mosaic_gpu"), 0, 1),
+                                                (64, BLOCK, True, ("triton",), 0, 1),
+                                                (64, BLOCK, True, ("triton",), dt, 1),
+                                                (64, BLOCK, True, ("triton",) + mosaic, dt, 8),
+                                                (64, 32, True, ("triton",), 0, 1), (64, 32, True, ("triton",), dt, 1)):
+        pattern = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64,
+                                max_blocks=2 * (s // bk) + args.slash, windows=windows, block_q=bq, block_k=bk,
+                                window_tail=tail, window_align=align)
+        what = f"{bq} rows, " + (f"{bk}-key windows" if windows else f"aligned {bk}-key blocks")
+        what += f" from multiples of {align}" if align > 1 else ""
+        what += f", tails <= {tail} as columns" if windows and tail else ""
+        impls = [impl for impl in impls if selected(args, impl, what)]
+        if not impls:
+            continue
+        lay = jax.jit(lambda c, o, sc, p=pattern: p.layout_from_index(c, o, sc, s, s))(cols, offs, score)
+        for impl in impls:
+            row["ours"].append(time_ours(q, k, v, lay, impl, what, named, mi, timing, flops))
+    return report(row)
+
+
+def selected(args, impl: str, what: str) -> bool:
+    """The variant matches one of ``--select`` (substrings of "impl: layout"), or there is no selection."""
+    return not args.select or any(x in f"{impl}: {what}" for x in args.select)
+
+
 def time_ours(q, k, v, lay, impl, what, named, mi_ms, timing, flops) -> dict:
-    fn = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation=impl)[0])
+    """``impl``: an implementation of `block_sparse_attention`, or "mosaic_gpu+triton" (the Mosaic GPU kernel with
+    the layout's single columns in a Triton pass, ``column_pass="triton"``)."""
+    if impl == "mosaic_gpu+triton":
+        fn = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
+                                                                             column_pass="triton")[0])
+    else:
+        fn = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation=impl)[0])
     try:
         ms = queued_median_ms(lambda: fn(q, k, v, lay), **timing)
     except Exception as e:  # noqa: BLE001 -- one failing variant must not hide the others
@@ -240,6 +277,10 @@ def main(argv=None) -> int:
     ap.add_argument("--slash", type=int, default=6096)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--indexes", type=lambda x: x.split(","), default=["block", "vs"],
+                    help="which indexes to run: block (pooled top-k), vs (vertical-slash)")
+    ap.add_argument("--select", type=lambda x: x.split(","), default=[],
+                    help="only our variants whose 'impl: layout' contains one of these substrings")
     args = ap.parse_args(argv)
     import torch
 

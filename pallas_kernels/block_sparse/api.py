@@ -46,13 +46,13 @@ def block_sparse_attention(
         ``layout.window``, keys too near / too far; those need ``causal=True``).
       implementation: ``"reference"`` (pure JAX), ``"triton"`` (Pallas Triton) or
         ``"mosaic_gpu"`` (Pallas Mosaic GPU, Hopper only: bf16 / fp16, ``block_q`` 64 or 128,
-        ``block_k`` 64 or 128 (64 with ``block_q`` 64 and D > 64), D <= 128, no key windows); None picks mosaic_gpu on an sm90 GPU where it
-        supports the inputs and the layout has no single key columns (and no Triton launch
-        parameter is given), triton on other GPUs, reference on CPU unless ``interpret``.
+        ``block_k`` 64 or 128 (64 with ``block_q`` 64 and D > 64), D <= 128); None picks mosaic_gpu on an sm90
+        GPU where it supports the inputs and the layout has neither single key columns nor key windows (and no
+        Triton launch parameter is given), triton on other GPUs, reference on CPU unless ``interpret``.
       interpret: run the Pallas Triton kernel in interpret mode (CPU); not for mosaic_gpu.
       num_warps, num_stages: Triton launch parameters (defaults by head dim); for mosaic_gpu
-        ``num_stages`` is the K/V shared-memory stages (default: as many as fit, <= 4) and
-        ``num_warps`` must be None.
+        ``num_stages`` is the K/V shared-memory stages (default `mosaic_gpu.default_stages`, at most
+        `mosaic_gpu.max_stages`) and ``num_warps`` must be None.
       check_finite: raise `NonFiniteError` (or, under ``jax.jit``, a ``checkify`` error) when
         q, k or v holds a NaN or an inf, instead of propagating it.
 

@@ -58,6 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import mosaic_fa3 as fa3
 from pallas_kernels.block_sparse.layout import BlockLayout
 from pallas_kernels.block_sparse.merge import merge_attention
+from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
 from pallas_kernels.nonfinite import poison_keys
 from pallas_kernels.platform import num_cores
 from pallas_kernels.tiling import LOG2E, inverse_permutation
@@ -72,6 +73,7 @@ _SMEM_LIMIT = 227 * 1024
 _SMEM_ALIGN = 1024  # Mosaic GPU pads every shared-memory buffer to this
 _BARRIER_BYTES = 8
 _MAX_STAGES = 4
+COLUMN_PASSES = ("mosaic", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,8 @@ class MosaicConfig:
       grid: CTAs launched; each runs the work items (128 query rows, head, batch) ``pid, pid + grid, ...``
         (`launch`: one per item, or with ``persistent`` one per multiprocessor, so a CTA's next item loads its
         first K / V tiles while the consumers finish the last one).
+      windows: the lists hold tile starts (multiples of 8) of key windows (`_window_tiles`), each with its own
+        key range ``[lo, hi)`` (``kv_lo`` / ``kv_hi`` operands); the rest of the tile is masked.
     """
 
     block_k: int
@@ -114,6 +118,7 @@ class MosaicConfig:
     block_q: int = BLOCK_Q
     num_q_blocks: int = 1
     grid: int = 1
+    windows: bool = False
 
 
 def _rings(block_q: int) -> int:
@@ -164,9 +169,6 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> No
     if layout.block_k not in BLOCK_KS:
         raise ValueError(f"layout.block_k: expected one of {BLOCK_KS} for implementation='mosaic_gpu'; "
                          f"received {layout.block_k}")
-    if layout.kv_windows:
-        raise ValueError("layout.kv_windows: key windows are not supported by implementation='mosaic_gpu' "
-                         "(use 'triton'); received a layout with kv_windows=True")
     d = q.shape[-1]
     d_pad = fa3.padded_head_dim(d)
     fit = max_stages(layout.block_k, d_pad, layout.block_q)
@@ -193,7 +195,7 @@ def preferred(q: jax.Array, layout: BlockLayout) -> bool:
         check_supported(q, layout, None)
     except ValueError:
         return False
-    return layout.kv_columns is None
+    return layout.kv_columns is None and not layout.kv_windows
 
 
 def _round_up(x: int, m: int) -> int:
@@ -202,6 +204,7 @@ def _round_up(x: int, m: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig):
     refs = list(refs)
+    lo_ref, hi_ref = (refs.pop(0), refs.pop(0)) if cfg.windows else (None, None)
     qpos_ref, kpos_ref = (refs.pop(0), refs.pop(0)) if cfg.has_pos else (None, None)
     out_ref, lse_ref = refs
     leads = dict(cfg.leads)
@@ -242,10 +245,17 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             return jnp.where(self.cta * 2 + w < cfg.num_q_blocks, c, 0) if split else c
 
         def tile(self, j, w):
-            """(first key row, entry in range) of entry j of consumer w's list."""
+            """(first key row of the tile loaded, entry in range) of entry j of consumer w's list."""
             raw = blocks_ref[*self.lead("kv_blocks", self.query_block(w)), j]
+            if cfg.windows:  # prepared by `_window_tiles`: inside k / v, a multiple of 8
+                return pl.multiple_of(jnp.clip(raw, 0, cfg.num_kv_blocks * bk - bk) // 8 * 8, 8), True
             ok = (raw >= 0) & (raw < cfg.num_kv_blocks)
             return jnp.where(ok, raw, 0) * bk, ok
+
+        def window(self, j, w):
+            """Keys ``[lo, hi)`` entry j of a window list computes."""
+            at = (*self.lead("kv_lo", self.query_block(w)), j)
+            return lo_ref[at], hi_ref[at]
 
     def body(scoped):
         (qo_smem, k_smem, v_smem, lse_pos), (k_bar, v_bar, q_bar, p_bar), (k_free, v_free), sched = scoped
@@ -280,11 +290,18 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 plgpu.barrier_wait(q_bar.at[wg])
                 q_first = row0 + cfg.q_offset
 
-                def mask_by_index(s, start, limit):
+                def in_window(ok, cols, start, keys):
+                    """Only the keys ``[lo, hi)`` of a window entry (column c is key start + c)."""
+                    if keys is None:
+                        return ok
+                    lo, hi = keys
+                    return ok & (cols >= lo - start) & (cols < hi - start)
+
+                def mask_by_index(s, start, limit, keys):
                     """Positions are indices: row r at q_first + r, key c at start + c."""
                     rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                    ok = cols < limit - start
+                    ok = in_window(cols < limit - start, cols, start, keys)
                     if cfg.causal:
                         rel = cols - rows  # key pos - query pos = rel + start - q_first
                         ok = ok & (rel <= q_first - start - cfg.gap)
@@ -292,12 +309,13 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                             ok = ok & (rel > q_first - start - cfg.window)
                     return jnp.where(ok, s, -jnp.inf)
 
-                def mask_by_position(s, slot, limit):
+                def mask_by_position(s, slot, start, limit, keys):
                     plgpu.barrier_wait(p_bar.at[slot])
                     k_vec = plgpu.load(k_pos_smem(slot), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                     kp = lax.broadcast_in_dim(k_vec, s.shape, [1])
                     qp = lax.broadcast_in_dim(q_vec, s.shape, [0])
-                    ok = kp < limit
+                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    ok = in_window(kp < limit, cols, start, keys)
                     if cfg.causal:
                         ok = ok & (kp + cfg.gap <= qp)
                         if cfg.window:
@@ -312,18 +330,21 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     slot = stage(j)
                     start, in_range = it.tile(j, wg)
                     limit = jnp.where(in_range, cfg.kv_len, 0)  # an entry out of range shows nothing
+                    keys = it.window(j, wg) if cfg.windows else None
 
                     s = fa3.qk(q_smem, k_smem.at[slot], sched, bk)
                     plgpu.barrier_arrive(k_free.at[slot])
                     if cfg.has_pos:
-                        s = mask_by_position(s, slot, limit)
+                        s = mask_by_position(s, slot, start, limit, keys)
                     else:
                         need = (start + bk > limit)
+                        if keys is not None:
+                            need = need | (keys[0] != start) | (keys[1] != start + bk)
                         if cfg.causal:
                             need = need | (start + bk - 1 + cfg.gap > q_first)
                             if cfg.window:
                                 need = need | (start + cfg.window <= q_first + WG_ROWS - 1)
-                        s = lax.cond(need, lambda x: mask_by_index(x, start, limit), lambda x: x, s)
+                        s = lax.cond(need, lambda x: mask_by_index(x, start, limit, keys), lambda x: x, s)
                     sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
                     plgpu.barrier_arrive(sched)  # softmax done
                     plgpu.barrier_wait(v_bar.at[slot])
@@ -436,17 +457,20 @@ def _lead_flags(x: jax.Array) -> tuple[bool, bool, bool]:
 def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv_blocks: int,
            kv_len: int, q_offset: int, block_k: int, causal: bool, gap: int, window: int,
            sm_scale: float, stages: int, block_q: int = BLOCK_Q,
-           persistent: bool = False) -> tuple[jax.Array, jax.Array]:
+           persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
+           ) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`).
 
     Args:
       q_in: ``[B, Tp, N, Dp]`` (Tp a multiple of 128, Dp of 64), rows in the layout's order.
       k_in, v_in: ``[B, Sp, H, Dp]`` with N == H * groups, Sp >= num_kv_blocks * block_k.
-      blocks: int32 ``[B|1, N|1, nq|1, max_blocks]`` block ids; count: int32 ``[B|1, N|1, nq]`` in
-        ``[0, max_blocks]``; ``nq`` query blocks of ``block_q`` rows.
+      blocks: int32 ``[B|1, N|1, nq|1, max_blocks]`` block ids (``windows``: key-window starts); count: int32
+        ``[B|1, N|1, nq]`` in ``[0, max_blocks]``; ``nq`` query blocks of ``block_q`` rows.
       q_pos, k_pos: None, or int32 ``[B|1, N|1, Tp]`` / ``[B|1, N|1, Sp]`` original positions
         (keys at positions >= kv_len are never visible).
+      ranges: None, or (lo, hi) int32 shaped like blocks: ``blocks`` then holds tile starts (multiples of 8 in
+        ``[0, Sp - block_k]``) and entry j computes only the keys ``[lo_j, hi_j)`` of its tile (`_window_tiles`).
 
     Returns:
       out ``[B, Tp, N, Dp]`` in q's dtype and lse ``[B, N, Tp]`` float32, in row order of q_in.
@@ -454,6 +478,9 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
     b, tp, n, dp = q_in.shape
     names = {"kv_blocks": blocks, "kv_block_count": count[..., None]}
     operands = [q_in, k_in, v_in, blocks, count]
+    if ranges is not None:
+        names["kv_lo"] = ranges[0]
+        operands += list(ranges)
     has_pos = q_pos is not None
     if has_pos:
         names.update(q_pos=q_pos[..., None], k_pos=k_pos[..., None])
@@ -462,7 +489,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         block_k=block_k, head_dim=dp, stages=stages, groups=groups, num_kv_blocks=num_kv_blocks,
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
-        block_q=block_q, num_q_blocks=count.shape[2],
+        block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
     )
     items = (tp // BLOCK_Q) * n * b
     cfg = dataclasses.replace(cfg, grid=min(items, num_cores()) if persistent else items)
@@ -505,6 +532,38 @@ def _expand_heads(x: jax.Array, groups: int) -> jax.Array:
     return jnp.repeat(x, groups, axis=2) if groups > 1 else x
 
 
+def _window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int, s_pad: int):
+    """Key windows as the kernel's tiles: TMA copies a tile from a key row that is a multiple of 8.
+
+    starts int32 ``[B|1, N|1, nq|1, M]`` (window starts, ascending), count int32 ``[B|1, N|1, nq]`` ->
+    (tile starts, lo, hi) int32 ``[B|1, N|1, nq|1, 2M]`` and counts ``[B|1, N|1, nq]``. Window j computes the keys
+    ``[lo, hi)`` with ``lo = max(a_j, a_{j-1} + block_k, 0)`` and ``hi = min(a_j + block_k, kv_len)`` (the layout's
+    rule); they lie in the tile from ``t = min(8 * floor(lo / 8), s_pad - block_k)`` or, when the window does not
+    start on a multiple of 8, in that tile and the next one (its keys from ``t + block_k`` on). Windows with
+    nothing to compute give no tile; the tiles keep the windows' order."""
+    m = starts.shape[-1]
+    prev_end = jnp.concatenate([jnp.full(starts.shape[:-1] + (1,), -(2 ** 30), jnp.int32), starts[..., :-1] + block_k],
+                               -1)
+    lo = jnp.maximum(jnp.maximum(starts, prev_end), 0)
+    hi = jnp.minimum(starts + block_k, kv_len)
+    ok = lo < hi
+    t0 = jnp.minimum(lo // 8 * 8, s_pad - block_k)
+    two = ok & (hi > t0 + block_k)
+    n = ok.astype(jnp.int32) + two
+    first = jnp.cumsum(n, -1) - n  # the entry's first tile
+    dump = 2 * m  # tiles of entries with nothing to compute land past the end
+    put = functools.partial(jnp.put_along_axis, axis=-1, inplace=False)
+    out = jnp.zeros(starts.shape[:-1] + (2 * m + 1,), jnp.int32)
+    at1, at2 = jnp.where(ok, first, dump), jnp.where(two, first + 1, dump)
+    tiles = put(put(out, at1, t0), at2, jnp.minimum(t0 + block_k, s_pad - block_k))[..., :dump]
+    lo_t = put(put(out, at1, lo), at2, t0 + block_k)[..., :dump]
+    hi_t = put(put(out, at1, jnp.minimum(hi, t0 + block_k)), at2, hi)[..., :dump]
+    lead = jnp.broadcast_shapes(starts.shape[:-1], count.shape)
+    cum, count = jnp.broadcast_to(jnp.cumsum(n, -1), lead + (m,)), jnp.broadcast_to(count, lead)
+    new_count = jnp.where(count > 0, jnp.take_along_axis(cum, jnp.clip(count - 1, 0, m - 1)[..., None], -1)[..., 0], 0)
+    return tiles, lo_t, hi_t, new_count.astype(jnp.int32)
+
+
 def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent):
     """The layout's key blocks; q_in is padded and in the layout's row order."""
     s, kh = k.shape[1], k.shape[2]
@@ -525,10 +584,14 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
         q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
         k_pos = _positions_or_iota(layout.kv_perm, s, s_pad, 0)
     count = jnp.clip(layout.kv_block_count, 0, layout.max_blocks)
-    return launch(q_in, k_in, v_in, layout.kv_blocks, count, q_pos, k_pos, groups=groups,
+    blocks, ranges = layout.kv_blocks, None
+    if layout.kv_windows:
+        blocks, lo, hi, count = _window_tiles(blocks, count, bk, layout.kv_len, s_pad)
+        ranges = (lo, hi)
+    return launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups,
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
-                  block_q=layout.block_q, persistent=persistent)
+                  block_q=layout.block_q, persistent=persistent, ranges=ranges)
 
 
 def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent):
@@ -564,7 +627,7 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
                   persistent=persistent)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -575,6 +638,7 @@ def block_sparse_attention_mosaic_gpu(
     causal: bool = True,
     num_stages: int | None = None,
     persistent: bool = False,
+    column_pass: str = "mosaic",
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
@@ -585,15 +649,23 @@ def block_sparse_attention_mosaic_gpu(
     elsewhere (dense 0.89 / 0.92 / 0.95x cuDNN at 32k / 128k / 512k against 0.97 / 1.04 / 1.15x; random 10% at
     512k 0.92 against 1.09): its static round-robin of items balances worse than the hardware's CTA scheduler.
 
+    ``column_pass``: how the layout's single key columns are computed: ``"mosaic"`` gathers them into key tiles
+    per query block and runs this kernel over them (`_column_pass`; ``nq * max_cols`` gathered keys per head);
+    ``"triton"`` runs the Pallas Triton kernel on the columns alone (it gathers them inside the kernel). Either
+    pass is merged with the block pass by `merge_attention`.
+
     Inputs are assumed validated (see `api.block_sparse_attention` and `check_supported`).
     Traced layouts cannot make the kernel read out of bounds: ids out of range are loaded
     as block 0 and masked entirely, counts and permutation entries are clamped, columns out
     of range contribute nothing.
     """
+    if column_pass not in COLUMN_PASSES:
+        raise ValueError(f"column_pass: expected one of {COLUMN_PASSES}; received {column_pass!r}")
     t, d = q.shape[1], q.shape[3]
     d_pad = fa3.padded_head_dim(d)
     stages = num_stages or default_stages(layout.block_k, d_pad, layout.block_q)
     t_pad = _round_up(layout.num_q_blocks * layout.block_q, BLOCK_Q)
+    q_orig, k_orig, v_orig = q, k, v
     k, v = poison_keys(k, v)  # a non-finite value row becomes a NaN key
     if layout.q_perm is not None:
         q_perm = jnp.clip(layout.q_perm, 0, t - 1)
@@ -603,12 +675,16 @@ def block_sparse_attention_mosaic_gpu(
           "persistent": persistent}
     out, lse = _block_pass(q_in, k, v, layout, **kw)
     out, lse = out[:, :t, :, :d], lse[:, :, :t]
-    if layout.kv_columns is not None:
+    if layout.kv_columns is not None and column_pass == "mosaic":
         out_c, lse_c = _column_pass(q_in, k, v, layout, **kw)
         out, lse = merge_attention(out, lse, out_c[:, :t, :, :d], lse_c[:, :, :t])
     if layout.q_perm is not None:
         inv = inverse_permutation(jnp.clip(layout.q_perm, 0, t - 1))  # [B|1, N|1, T]
         out = _gather_rows(out, inv)
         lse = jnp.take_along_axis(lse, jnp.broadcast_to(inv, lse.shape), axis=2)
+    if layout.kv_columns is not None and column_pass == "triton":  # rows in the original order on both sides
+        columns_only = layout.replace(kv_block_count=jnp.zeros_like(layout.kv_block_count))
+        out_c, lse_c = block_sparse_attention_triton(q_orig, k_orig, v_orig, columns_only, sm_scale=sm_scale,
+                                                     causal=causal)
+        out, lse = merge_attention(out, lse, out_c, lse_c)
     return out, lse
-

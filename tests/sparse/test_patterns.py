@@ -263,3 +263,38 @@ def test_vertical_slash_window_tails_become_columns():
     out, _ = block_sparse_attention(q, k, v, layouts[4], implementation="reference")
     ref, _ = masked_dense_attention(q, k, v, layouts[4].to_dense_mask())
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("t,s", [(1024, 1024), (1000, 1037)])
+def test_vertical_slash_aligned_windows_start_on_multiples_of_8(t, s):
+    """``window_align=8``: every window of a run starts on a key position that is a multiple of 8 (reaching back
+    from the run's first key), windows of neighbouring runs stay strictly ascending, every named pair is still
+    computed, columns stay outside the windows, and the computed pairs grow little."""
+    rng = np.random.default_rng(t + s)
+    offsets = np.unique(np.concatenate([np.arange(0, 9), rng.choice(np.arange(9, t), 60, replace=False),
+                                        np.arange(500, 530), [531, 533]]))  # runs 1 and 2 keys apart
+    cols = np.sort(rng.choice(s, 12, replace=False))
+    q, k, v = random_qkv(5, 1, t, s, 1, 1, 16)
+    lays = {}
+    for align in (1, 8):
+        vs = VerticalSlash(vertical_size=len(cols), slash_size=len(offsets), block_q=64, block_k=64, windows=True,
+                           max_blocks=128, window_align=align)
+        lay = jax.jit(vs.layout_from_index, static_argnums=(3, 4))(
+            jnp.asarray(cols[None, None], jnp.int32), jnp.asarray(offsets[None, None], jnp.int32),
+            jnp.zeros((1, 1, s)), t, s)
+        check_layout_values(lay)
+        mask = np.asarray(lay.to_dense_mask())[0, 0]
+        i, j = np.arange(t)[:, None] + s - t, np.arange(s)[None, :]
+        assert (mask >= ((np.isin(i - j, offsets) | np.isin(j, cols)) & (j <= i))).all()
+        lays[align] = lay
+    starts, count = np.asarray(lays[8].kv_blocks)[0, 0], np.asarray(lays[8].kv_block_count)[0, 0]
+    listed = np.concatenate([row[:c] for row, c in zip(starts, count)])
+    assert listed.size and (listed[listed > 0] % 8 == 0).all()
+    assert not (np.asarray(lays[1].kv_blocks)[0, 0][np.arange(starts.shape[1]) < count[:, None]] % 8 == 0).all()
+    p1, p8 = (float(lays[a].density()[0, 0]) for a in (1, 8))
+    assert p8 <= p1 * 1.2  # whole windows the kernel multiplies (neighbouring runs may share one)
+    out, _ = block_sparse_attention(q, k, v, lays[8], implementation="reference")
+    ref, _ = masked_dense_attention(q, k, v, lays[8].to_dense_mask())
+    assert rel_err(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="window_align: expected a divisor of block_q=64"):
+        VerticalSlash(windows=True, block_q=64, window_align=48).validate()

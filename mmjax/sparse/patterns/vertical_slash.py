@@ -80,7 +80,10 @@ class VerticalSlash(Pattern):
     (Boundary wrappers always use aligned blocks in their packed key order). window_tail: with
     windows, a run of slash keys whose last window would hold at most this many keys computes
     them as single columns instead (0: off); window_tail_cap: at most this many such keys per
-    head (a static size: the query blocks' column lists grow by it).
+    head (a static size: the query blocks' column lists grow by it). window_align: with windows, each run's
+    windows start at key positions that are multiples of this (the run's first window reaches back to the
+    multiple below its first key; 1: windows start at the run's first key). The Mosaic GPU kernel loads a window
+    with one TMA copy only where its start is a multiple of 8 (else two tiles).
     """
 
     vertical_size: int = 1000
@@ -94,6 +97,7 @@ class VerticalSlash(Pattern):
     windows: bool = False
     window_tail: int = 4
     window_tail_cap: int = 256
+    window_align: int = 1
 
     def validate(self) -> None:
         for name in ("vertical_size", "slash_size", "last_q"):
@@ -102,6 +106,10 @@ class VerticalSlash(Pattern):
         check_int("keep_local", self.keep_local, 0)
         check_int("window_tail", self.window_tail, 0)
         check_int("window_tail_cap", self.window_tail_cap, 1)
+        check_int("window_align", self.window_align, 1)
+        if self.windows and self.block_q % self.window_align:
+            raise ValueError(f"window_align: expected a divisor of block_q={self.block_q}; "
+                             f"received {self.window_align}")
         if self.max_blocks is not None:
             check_int("max_blocks", self.max_blocks, 1)
         if self.block_q % self.block_k:
@@ -214,6 +222,9 @@ class VerticalSlash(Pattern):
         x = jnp.arange(span, dtype=jnp.int32)
         run_start = covered & ~jnp.concatenate([jnp.zeros(lead + (1,), bool), covered[..., :-1]], -1)
         run_first = jax.lax.cummax(jnp.where(run_start, x, -1), axis=2)
+        # windows tile a run from the multiple of window_align at or below its first key (absolute key of
+        # relative index x in query block i: i * bq + off + x - (s - 1); bq is a multiple of window_align)
+        run_first = run_first - (run_first + off - (s - 1)) % self.window_align
         # Tails: a run's keys past its last whole window, where they are few (window_tail).
         run_stop = covered & ~jnp.concatenate([covered[..., 1:], jnp.zeros(lead + (1,), bool)], -1)
         run_end = jax.lax.cummin(jnp.where(run_stop, x + 1, span), axis=2, reverse=True)  # one past the run
@@ -223,18 +234,22 @@ class VerticalSlash(Pattern):
         # prefix count decides).
         seen = jnp.cumsum(tail, -1)
         tail = tail & (jnp.take_along_axis(seen, jnp.clip(run_end - 1, 0, span - 1), -1) <= self.window_tail_cap)
-        is_start = covered & ~tail & ((x - run_first) % bk == 0)
+        is_start = covered & ~tail & (((x - run_first) % bk == 0) | run_start)
+        win_start = jnp.maximum(x - (x - run_first) % bk, 0)  # start of the window holding relative key x
         n_max = min(span, self.slash_size * (r + 1))
         slot = jnp.where(is_start, jnp.cumsum(is_start, -1) - 1, n_max)
         win_id = jnp.where(covered, jnp.cumsum(is_start, -1) - 1, n_max)
         put = jax.vmap(jax.vmap(lambda i, w: jnp.zeros((n_max + 1,), w.dtype).at[i].add(w)))
-        starts = put(slot, jnp.where(is_start, x, 0))[..., :n_max]
+        starts = put(slot, jnp.where(is_start, win_start, 0))[..., :n_max]
         mass = put(win_id, jnp.where(covered & ~tail, density, 0.0))[..., :n_max]
         n_win = is_start.sum(-1)  # [B, N]
         cap = min(n_max, self.max_blocks or default_max_blocks(self.slash_size, bk, r))
         listed = jnp.arange(n_max) < n_win[..., None]
         top, pick = jax.lax.top_k(jnp.where(listed, mass + 1.0, -1.0), cap)
         rel = jnp.sort(jnp.where(top >= 0, jnp.take_along_axis(starts, pick, -1), span), -1)  # [B, N, cap]
+        if self.window_align > 1:  # a run's first window may reach back to the last window of the run before
+            same = jnp.concatenate([jnp.zeros(lead + (1,), bool), rel[..., 1:] == rel[..., :-1]], -1)
+            rel = jnp.sort(jnp.where(same, span, rel), -1)
         kept = rel < span
         rel = rel - (s - 1)
         # Per query block: absolute starts, the run that reaches keys >= 0 and starts by the causal end.

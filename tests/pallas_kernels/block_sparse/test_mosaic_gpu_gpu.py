@@ -180,3 +180,20 @@ def test_mosaic_persistent_grid_runs_many_items_per_cta(block_q, perm, columns):
     np.testing.assert_array_equal(np.asarray(per_item[0]), np.asarray(out))
     for a, c in zip(persistent, per_item, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+@needs_hopper
+@pytest.mark.parametrize("bq,bk,perm,columns,column_pass", [
+    (128, 64, False, 0, "mosaic"), (64, 64, False, 24, "triton"), (64, 64, True, 24, "mosaic"),
+    (128, 128, True, 0, "mosaic"), (64, 64, False, 24, "mosaic")])
+def test_mosaic_key_windows_match_dense(bq, bk, perm, columns, column_pass):
+    """Key windows at any start (`BlockLayout.kv_windows`, overlapping ones trimmed), ragged suffix queries, GQA,
+    an empty query block; single columns through either column pass."""
+    from tests.pallas_kernels.block_sparse.test_windows import random_window_layout
+
+    b, t, s, n, kh, d = 1, 700, 1000, 8, 2, 128
+    rng = np.random.default_rng(bq + bk + perm + columns)
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)
+    layout = random_window_layout(rng, b, n, t, s, bq, bk, columns=columns, perm=perm, max_windows=12)
+    out, lse = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5, column_pass=column_pass)
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)

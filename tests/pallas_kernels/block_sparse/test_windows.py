@@ -9,7 +9,7 @@ import pytest
 from jax.experimental import checkify
 
 from pallas_kernels import BlockLayout, block_sparse_attention
-from pallas_kernels.block_sparse.mosaic_gpu import check_supported, preferred
+from pallas_kernels.block_sparse.mosaic_gpu import _window_tiles, check_supported, preferred
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
 
@@ -156,10 +156,37 @@ def test_checkify_contract_check_knows_windows():
         err.throw()
 
 
-def test_mosaic_gpu_refuses_windows():
-    lay = BlockLayout(kv_blocks=jnp.asarray([[[[0]]]], jnp.int32), kv_block_count=jnp.ones((1, 1, 1), jnp.int32),
-                      block_q=128, block_k=64, q_len=128, kv_len=128, kv_windows=True)
-    q = jnp.ones((1, 128, 1, 64), jnp.bfloat16)
+@pytest.mark.parametrize("bq,perm,columns", [(128, False, 0), (64, False, 5), (64, True, 0)])
+def test_mosaic_gpu_window_layouts_lower_for_cuda(bq, perm, columns):
+    """The Mosaic GPU kernel takes key windows (run on the GPU: test_mosaic_gpu_gpu.py); it is not the default
+    for them on sm90 (measured first: `tools/minference_side_by_side.py`)."""
+    lay = random_window_layout(np.random.default_rng(bq + perm), 1, 2, 300, 340, bq, 64, columns=columns, perm=perm)
+    q = jnp.ones((1, 300, 2, 128), jnp.bfloat16)
+    check_supported(q, lay, None)
     assert not preferred(q, lay)
-    with pytest.raises(ValueError, match="kv_windows"):
-        check_supported(q, lay, None)
+    f = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation="mosaic_gpu"))
+    kv = jax.ShapeDtypeStruct((1, 340, 1, 128), jnp.bfloat16)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lay)
+    lowered = f.trace(jax.ShapeDtypeStruct(q.shape, q.dtype), kv, kv, abstract).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("bk,s", [(64, 300), (128, 1000)])
+def test_mosaic_window_tiles_cover_each_windows_keys_once(bk, s):
+    """`_window_tiles` (the Mosaic GPU kernel's form of a window list): tile starts are multiples of 8 inside the
+    padded keys, each tile's range lies inside it, and per query block the ranges cover exactly the keys the
+    layout's rule names (`_trimmed_mask`), each once; a window on a multiple of 8 takes one tile."""
+    rng = np.random.default_rng(bk + s)
+    lay = random_window_layout(rng, 2, 3, 200, s, 64, bk, max_windows=9)
+    s_pad = -(-s // bk) * bk
+    tiles, lo, hi, count = (np.asarray(x) for x in _window_tiles(lay.kv_blocks, lay.kv_block_count, bk, s, s_pad))
+    want = _trimmed_mask(lay)
+    for idx in np.ndindex(count.shape):
+        got = np.zeros(s, int)
+        for t, a, z in zip(tiles[idx][:count[idx]], lo[idx][:count[idx]], hi[idx][:count[idx]]):
+            assert t % 8 == 0 and 0 <= t <= s_pad - bk and t <= a < z <= t + bk, (t, a, z)
+            got[a:z] += 1
+        np.testing.assert_array_equal(got, want[idx].astype(int))
+    aligned = jnp.asarray([[[[-64, 0, 40, 200]]]], jnp.int32)
+    _, _, _, n = _window_tiles(aligned, jnp.full((1, 1, 1), 4, jnp.int32), 64, 300, 320)
+    assert int(n[0, 0, 0]) == 3  # -64 computes nothing; 0, 40 and 200 one tile each
