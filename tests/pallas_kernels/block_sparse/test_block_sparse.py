@@ -46,7 +46,7 @@ def cases(draw):
     )
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # ~10 s an example
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # ~10 s an example
 @given(cases())
 def test_kernel_matches_reference_and_dense(c):
     rng = np.random.default_rng(c["seed"])

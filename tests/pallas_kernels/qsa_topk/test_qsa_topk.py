@@ -266,43 +266,51 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_reference_and_dense(case):
+# top-k algorithm, scan order, quantile. `make test` runs each case with two of them (each one on two cases, at
+# about 10 s a kernel run in interpret mode); the other pairs are marked slow (`make test SLOW=1`).
+VARIANTS = [("exact", "natural", "histogram"), ("tournament", "natural", "histogram"),
+            ("estimated", "natural", "histogram"), ("estimated", "golden", "histogram"),
+            ("estimated", "golden_pairs", "gaussian")]
+
+
+@pytest.mark.parametrize("case,variant", [
+    pytest.param(c, v, marks=() if j in (i % len(VARIANTS), (i + 2) % len(VARIANTS)) else pytest.mark.slow,
+                 id=f"case{i}-{'-'.join(v)}")
+    for i, c in enumerate(CASES) for j, v in enumerate(VARIANTS)])
+def test_kernel_matches_reference_and_dense(case, variant):
     b, t, s, n, kh, d, gamma, bk, top_k, k_exact, sink, local, rows, dtype = case
     q, k, v = random_qkv(t * 7 + s, b, t, s, n, kh, d, dtype)
     dense_out, dense_lse = _dense_sampled(q, k, v, gamma)
     kw = dict(gamma=gamma, block_kv=bk, top_k=top_k, k_exact=k_exact, sink_blocks=sink, local=local)
     _, _, all_scores = sampled_block_scores(q, k, None, gamma=gamma, block_kv=bk, sm_scale=d ** -0.5)
     tol = 2e-5 if dtype == jnp.float32 else 2e-2
-    for algorithm, scan, quantile in (("exact", "natural", "histogram"), ("tournament", "natural", "histogram"),
-                                      ("estimated", "natural", "histogram"), ("estimated", "golden", "histogram"),
-                                      ("estimated", "golden_pairs", "gaussian")):
-        ref = qsa_topk(q, k, v, topk=algorithm, implementation="reference", rows=rows, scan=scan, quantile=quantile,
-                       **kw)
-        ker = qsa_topk(q, k, v, topk=algorithm, interpret=True, rows=rows, scan=scan, quantile=quantile, **kw)
-        tg = -(-t // gamma)
-        assert ker.out_gamma.shape == (b, tg, n, d) and ker.out_gamma.dtype == dtype
-        assert ker.block_idx.shape == (b, n, tg, top_k) and ker.block_idx.dtype == jnp.int32
-        for res in (ref, ker):
-            assert rel_err(res.out_gamma, dense_out) < tol
-            np.testing.assert_allclose(np.asarray(res.lse_gamma), np.asarray(dense_lse),
-                                       atol=1e-4 if dtype == jnp.float32 else 2e-2)
-        ids, kids = np.asarray(ref.block_idx), np.asarray(ker.block_idx)
-        # Reported scores are the scores of the reported blocks.
-        gathered = np.take_along_axis(np.asarray(all_scores), np.maximum(kids, 0), -1)
-        np.testing.assert_allclose(np.asarray(ker.block_score)[kids >= 0], gathered[kids >= 0],
+    algorithm, scan, quantile = variant
+    ref = qsa_topk(q, k, v, topk=algorithm, implementation="reference", rows=rows, scan=scan, quantile=quantile,
+                   **kw)
+    ker = qsa_topk(q, k, v, topk=algorithm, interpret=True, rows=rows, scan=scan, quantile=quantile, **kw)
+    tg = -(-t // gamma)
+    assert ker.out_gamma.shape == (b, tg, n, d) and ker.out_gamma.dtype == dtype
+    assert ker.block_idx.shape == (b, n, tg, top_k) and ker.block_idx.dtype == jnp.int32
+    for res in (ref, ker):
+        assert rel_err(res.out_gamma, dense_out) < tol
+        np.testing.assert_allclose(np.asarray(res.lse_gamma), np.asarray(dense_lse),
                                    atol=1e-4 if dtype == jnp.float32 else 2e-2)
-        np.testing.assert_array_equal(kids < 0, np.isneginf(np.asarray(ker.block_score)))
-        if dtype == jnp.float32:
-            np.testing.assert_array_equal(kids, ids)
-        else:
-            assert (np.sort(kids, -1) == np.sort(ids, -1)).mean() > 0.97
-        # Only candidates: never a sink block, never a block inside the local window.
-        pos = np.arange(tg) * gamma + s - t
-        lo = np.maximum(pos - local, 0) // bk
-        used = kids >= 0
-        assert (kids[used] >= sink).all()
-        assert (kids < lo[None, None, :, None])[used].all()
+    ids, kids = np.asarray(ref.block_idx), np.asarray(ker.block_idx)
+    # Reported scores are the scores of the reported blocks.
+    gathered = np.take_along_axis(np.asarray(all_scores), np.maximum(kids, 0), -1)
+    np.testing.assert_allclose(np.asarray(ker.block_score)[kids >= 0], gathered[kids >= 0],
+                               atol=1e-4 if dtype == jnp.float32 else 2e-2)
+    np.testing.assert_array_equal(kids < 0, np.isneginf(np.asarray(ker.block_score)))
+    if dtype == jnp.float32:
+        np.testing.assert_array_equal(kids, ids)
+    else:
+        assert (np.sort(kids, -1) == np.sort(ids, -1)).mean() > 0.97
+    # Only candidates: never a sink block, never a block inside the local window.
+    pos = np.arange(tg) * gamma + s - t
+    lo = np.maximum(pos - local, 0) // bk
+    used = kids >= 0
+    assert (kids[used] >= sink).all()
+    assert (kids < lo[None, None, :, None])[used].all()
 
 
 def test_exact_and_tournament_kernel_equal_lax_top_k_of_the_scores():
