@@ -128,16 +128,14 @@ def run(args, torch, mi_block, mi_vs) -> list[dict]:
         timing = dict(calls=args.calls, reps=args.reps)
 
         if "block" in args.indexes:  # pooled top-k blocks
-            rows.append(block_row(args, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing, flops, i))
+            rows.append(block_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing, flops, i))
         if "vs" in args.indexes:  # vertical-slash
-            rows.append(vs_row(args, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flops))
+            rows.append(vs_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flops))
     return rows
 
 
-def block_row(args, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing, flops, i) -> dict:
+def block_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing, flops, i) -> dict:
     """MInference's pooled top-k block index: its kernel and ours on the same mask."""
-    import torch
-
     s = q.shape[1]
     idx = jax.jit(pooled_block_index, static_argnums=2)(q, k, args.top_k)
     count = block_index_counts(idx)
@@ -166,10 +164,8 @@ def block_row(args, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing, flops
     return report(row)
 
 
-def vs_row(args, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flops) -> dict:
+def vs_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flops) -> dict:
     """MInference's Vertical-Slash index: its kernel and our layouts of the same index."""
-    import torch
-
     s = q.shape[1]
     base = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64)
     cols, offs, score = jax.jit(base.estimate)(q, k)

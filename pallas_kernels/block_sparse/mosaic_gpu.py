@@ -68,7 +68,7 @@ BLOCK_Q = 128  # two consumer warpgroups of 64 rows
 WG_ROWS = fa3.WG_ROWS
 BLOCK_QS = (WG_ROWS, BLOCK_Q)
 BLOCK_KS = (64, 128)
-# Shared memory per CTA on sm90 (the opt-in maximum); `_smem_bytes` counts what the kernel asks for.
+# Shared memory per CTA on sm90 (the opt-in maximum); `smem_bytes` counts what the kernel asks for.
 _SMEM_LIMIT = 227 * 1024
 _SMEM_ALIGN = 1024  # Mosaic GPU pads every shared-memory buffer to this
 _BARRIER_BYTES = 8
@@ -98,7 +98,7 @@ class MosaicConfig:
       grid: CTAs launched; each runs the work items (128 query rows, head, batch) ``pid, pid + grid, ...``
         (`launch`: one per item, or with ``persistent`` one per multiprocessor, so a CTA's next item loads its
         first K / V tiles while the consumers finish the last one).
-      windows: the lists hold tile starts (multiples of 8) of key windows (`_window_tiles`), each with its own
+      windows: the lists hold tile starts (multiples of 8) of key windows (`window_tiles`), each with its own
         key range ``[lo, hi)`` (``kv_lo`` / ``kv_hi`` operands); the rest of the tile is masked.
     """
 
@@ -130,11 +130,18 @@ def _align(x: int) -> int:
     return -(-x // _SMEM_ALIGN) * _SMEM_ALIGN
 
 
-def _smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q) -> int:
+def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q) -> int:
     """Shared memory the kernel requests with ``stages`` K/V stages per ring and original positions (the larger
     case): the two Q/O tiles, the K and V rings, the lse / positions buffer, and the barriers, counted as Mosaic
     GPU does (matches its byte count on every configuration we compiled, e.g. 298,344 for 64-row query blocks,
-    64-key tiles, D 128, 4 stages)."""
+    64-key tiles, D 128, 4 stages). block_k in `BLOCK_KS`, head_dim a multiple of 64, stages >= 1, block_q in
+    `BLOCK_QS`."""
+    for name, value, ok, want in (("block_k", block_k, block_k in BLOCK_KS, f"one of {BLOCK_KS}"),
+                                  ("head_dim", head_dim, head_dim > 0 and head_dim % 64 == 0, "a multiple of 64"),
+                                  ("stages", stages, stages >= 1, "an int >= 1"),
+                                  ("block_q", block_q, block_q in BLOCK_QS, f"one of {BLOCK_QS}")):
+        if not ok:
+            raise ValueError(f"{name}: expected {want}; received {value!r}")
     slots = _rings(block_q) * stages
     tiles = _align(2 * WG_ROWS * head_dim * 2) + 2 * _align(slots * block_k * head_dim * 2)
     positions = _align(max(2 * WG_ROWS * 4, (2 * WG_ROWS + slots * block_k) * 4))
@@ -144,7 +151,7 @@ def _smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q
 
 def max_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q) -> int:
     """Most K/V stages per ring (at most 4) that fit in shared memory; 0 when two do not fit."""
-    fit = [st for st in range(2, _MAX_STAGES + 1) if _smem_bytes(block_k, head_dim, st, block_q) <= _SMEM_LIMIT]
+    fit = [st for st in range(2, _MAX_STAGES + 1) if smem_bytes(block_k, head_dim, st, block_q) <= _SMEM_LIMIT]
     return max(fit, default=0)
 
 
@@ -174,7 +181,7 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> No
     fit = max_stages(layout.block_k, d_pad, layout.block_q)
     if not fit:
         raise ValueError(f"layout.block_k: block_q={layout.block_q} with block_k={layout.block_k} and D={d_pad} needs "
-                         f"{_smem_bytes(layout.block_k, d_pad, 2, layout.block_q)} bytes of shared memory for two "
+                         f"{smem_bytes(layout.block_k, d_pad, 2, layout.block_q)} bytes of shared memory for two "
                          f"K/V stages per consumer (at most {_SMEM_LIMIT}); use block_k=64 or block_q=128")
     if stages is not None:
         if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= fit:
@@ -247,8 +254,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
         def tile(self, j, w):
             """(first key row of the tile loaded, entry in range) of entry j of consumer w's list."""
             raw = blocks_ref[*self.lead("kv_blocks", self.query_block(w)), j]
-            if cfg.windows:  # prepared by `_window_tiles`: inside k / v, a multiple of 8
-                return pl.multiple_of(jnp.clip(raw, 0, cfg.num_kv_blocks * bk - bk) // 8 * 8, 8), True
+            if cfg.windows:  # prepared by `window_tiles`: inside k / v, a multiple of 8
+                return pl.multiple_of(raw, 8), True
             ok = (raw >= 0) & (raw < cfg.num_kv_blocks)
             return jnp.where(ok, raw, 0) * bk, ok
 
@@ -470,7 +477,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
       q_pos, k_pos: None, or int32 ``[B|1, N|1, Tp]`` / ``[B|1, N|1, Sp]`` original positions
         (keys at positions >= kv_len are never visible).
       ranges: None, or (lo, hi) int32 shaped like blocks: ``blocks`` then holds tile starts (multiples of 8 in
-        ``[0, Sp - block_k]``) and entry j computes only the keys ``[lo_j, hi_j)`` of its tile (`_window_tiles`).
+        ``[0, Sp - block_k]``) and entry j computes only the keys ``[lo_j, hi_j)`` of its tile (`window_tiles`).
 
     Returns:
       out ``[B, Tp, N, Dp]`` in q's dtype and lse ``[B, N, Tp]`` float32, in row order of q_in.
@@ -532,7 +539,8 @@ def _expand_heads(x: jax.Array, groups: int) -> jax.Array:
     return jnp.repeat(x, groups, axis=2) if groups > 1 else x
 
 
-def _window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int, s_pad: int):
+def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int, s_pad: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Key windows as the kernel's tiles: TMA copies a tile from a key row that is a multiple of 8.
 
     starts int32 ``[B|1, N|1, nq|1, M]`` (window starts, ascending), count int32 ``[B|1, N|1, nq]`` ->
@@ -541,6 +549,13 @@ def _window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int
     rule); they lie in the tile from ``t = min(8 * floor(lo / 8), s_pad - block_k)`` or, when the window does not
     start on a multiple of 8, in that tile and the next one (its keys from ``t + block_k`` on). Windows with
     nothing to compute give no tile; the tiles keep the windows' order."""
+    if starts.ndim != 4 or count.ndim != 3 or not (jnp.issubdtype(starts.dtype, jnp.integer)
+                                                   and jnp.issubdtype(count.dtype, jnp.integer)):
+        raise ValueError(f"starts, count: expected int arrays [B|1, N|1, nq|1, M] and [B|1, N|1, nq]; received "
+                         f"{starts.dtype}{list(starts.shape)} and {count.dtype}{list(count.shape)}")
+    if block_k % 8 or s_pad < block_k or s_pad % block_k or not 0 < kv_len <= s_pad:
+        raise ValueError(f"block_k, kv_len, s_pad: expected block_k a multiple of 8 and s_pad a multiple of block_k "
+                         f"with 0 < kv_len <= s_pad; received {block_k}, {kv_len}, {s_pad}")
     m = starts.shape[-1]
     prev_end = jnp.concatenate([jnp.full(starts.shape[:-1] + (1,), -(2 ** 30), jnp.int32), starts[..., :-1] + block_k],
                                -1)
@@ -586,7 +601,7 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
     count = jnp.clip(layout.kv_block_count, 0, layout.max_blocks)
     blocks, ranges = layout.kv_blocks, None
     if layout.kv_windows:
-        blocks, lo, hi, count = _window_tiles(blocks, count, bk, layout.kv_len, s_pad)
+        blocks, lo, hi, count = window_tiles(blocks, count, bk, layout.kv_len, s_pad)
         ranges = (lo, hi)
     return launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups,
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,

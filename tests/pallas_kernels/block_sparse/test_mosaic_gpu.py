@@ -12,10 +12,10 @@ import pytest
 
 from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse.mosaic_gpu import (
-    _smem_bytes,
     block_sparse_attention_mosaic_gpu,
     default_stages,
     max_stages,
+    smem_bytes,
 )
 from tests.pallas_kernels.helpers import random_qkv
 
@@ -85,7 +85,7 @@ def test_default_stages_fit_shared_memory():
     for bq, bk, d in ((128, 64, 64), (128, 64, 128), (128, 128, 64), (128, 128, 128), (64, 64, 64), (64, 64, 128),
                       (64, 128, 64)):
         st = default_stages(bk, d, bq)
-        assert 2 <= st <= max_stages(bk, d, bq) <= 4 and _smem_bytes(bk, d, st, bq) <= 227 * 1024, (bq, bk, d)
+        assert 2 <= st <= max_stages(bk, d, bq) <= 4 and smem_bytes(bk, d, st, bq) <= 227 * 1024, (bq, bk, d)
 
 
 @pytest.mark.parametrize("bq,perm", [(64, False), (64, True), (128, True)])

@@ -12,6 +12,7 @@ import pytest
 from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
 from pallas_kernels.platform import is_sm90
+from tests.pallas_kernels.block_sparse.test_windows import random_window_layout
 from tests.pallas_kernels.helpers import (
     masked_dense_attention,
     random_layout,
@@ -189,8 +190,6 @@ def test_mosaic_persistent_grid_runs_many_items_per_cta(block_q, perm, columns):
 def test_mosaic_key_windows_match_dense(bq, bk, perm, columns, column_pass):
     """Key windows at any start (`BlockLayout.kv_windows`, overlapping ones trimmed), ragged suffix queries, GQA,
     an empty query block; single columns through either column pass."""
-    from tests.pallas_kernels.block_sparse.test_windows import random_window_layout
-
     b, t, s, n, kh, d = 1, 700, 1000, 8, 2, 128
     rng = np.random.default_rng(bq + bk + perm + columns)
     q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)

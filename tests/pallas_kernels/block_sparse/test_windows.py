@@ -9,7 +9,7 @@ import pytest
 from jax.experimental import checkify
 
 from pallas_kernels import BlockLayout, block_sparse_attention
-from pallas_kernels.block_sparse.mosaic_gpu import _window_tiles, check_supported, preferred
+from pallas_kernels.block_sparse.mosaic_gpu import check_supported, preferred, window_tiles
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
 
@@ -172,14 +172,14 @@ def test_mosaic_gpu_window_layouts_lower_for_cuda(bq, perm, columns):
 
 
 @pytest.mark.parametrize("bk,s", [(64, 300), (128, 1000)])
-def test_mosaic_window_tiles_cover_each_windows_keys_once(bk, s):
-    """`_window_tiles` (the Mosaic GPU kernel's form of a window list): tile starts are multiples of 8 inside the
+def test_mosaicwindow_tiles_cover_each_windows_keys_once(bk, s):
+    """`window_tiles` (the Mosaic GPU kernel's form of a window list): tile starts are multiples of 8 inside the
     padded keys, each tile's range lies inside it, and per query block the ranges cover exactly the keys the
     layout's rule names (`_trimmed_mask`), each once; a window on a multiple of 8 takes one tile."""
     rng = np.random.default_rng(bk + s)
     lay = random_window_layout(rng, 2, 3, 200, s, 64, bk, max_windows=9)
     s_pad = -(-s // bk) * bk
-    tiles, lo, hi, count = (np.asarray(x) for x in _window_tiles(lay.kv_blocks, lay.kv_block_count, bk, s, s_pad))
+    tiles, lo, hi, count = (np.asarray(x) for x in window_tiles(lay.kv_blocks, lay.kv_block_count, bk, s, s_pad))
     want = _trimmed_mask(lay)
     for idx in np.ndindex(count.shape):
         got = np.zeros(s, int)
@@ -188,5 +188,5 @@ def test_mosaic_window_tiles_cover_each_windows_keys_once(bk, s):
             got[a:z] += 1
         np.testing.assert_array_equal(got, want[idx].astype(int))
     aligned = jnp.asarray([[[[-64, 0, 40, 200]]]], jnp.int32)
-    _, _, _, n = _window_tiles(aligned, jnp.full((1, 1, 1), 4, jnp.int32), 64, 300, 320)
+    _, _, _, n = window_tiles(aligned, jnp.full((1, 1, 1), 4, jnp.int32), 64, 300, 320)
     assert int(n[0, 0, 0]) == 3  # -64 computes nothing; 0, 40 and 200 one tile each
