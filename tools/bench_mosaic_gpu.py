@@ -62,6 +62,13 @@ def persistent_fn():
                                                                           persistent=True)[0])
 
 
+def one_entry_fn():
+    """The Mosaic GPU kernel with one 64-key list entry per step (``key_pairs=False``; the default pairs them on
+    128-row query blocks)."""
+    return jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
+                                                                          key_pairs=False)[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -72,6 +79,8 @@ def main() -> None:
     ap.add_argument("--grids", action="store_true",
                     help="also time the dense and random 10% / 3% layouts with 128-key blocks on the persistent "
                          "grid and with one CTA per work item (the default)")
+    ap.add_argument("--pairs", action="store_true",
+                    help="also time the 64-key layouts with one list entry per step (key_pairs=False)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     lens = [int(x) for x in args.lens.split(",")]
@@ -111,9 +120,13 @@ def main() -> None:
             if bk == 64:
                 rows.append(("triton", "dense bk64", kernel_fn("triton"), (q, k, v, lay)))
             rows.append(("mosaic_gpu", f"dense bk{bk}", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
+            if bk == 64 and args.pairs:
+                rows.append(("mosaic_gpu", "dense bk64 1-entry", one_entry_fn(), (q, k, v, lay)))
         sparse = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.1, block_q=128, block_k=64, heads=N)
         rows.append(("triton", "random 10% bk64", kernel_fn("triton"), (q, k, v, sparse)))
         rows.append(("mosaic_gpu", "random 10% bk64", kernel_fn("mosaic_gpu"), (q, k, v, sparse)))
+        if args.pairs:
+            rows.append(("mosaic_gpu", "random 10% bk64 1-entry", one_entry_fn(), (q, k, v, sparse)))
         if args.grids:
             for keep in (None, 0.1, 0.03):
                 lay = (BlockLayout.dense_causal(s, s, block_q=128, block_k=128) if keep is None else

@@ -17,7 +17,8 @@ D=128, bf16, causal, as in the issue. Two indexes per length:
   columns; ours computes `VerticalSlash.layout_from_index` with no block cap (aligned 64-key blocks per
   128- or 64-row query block, or 64- or 32-key windows with ``windows=True``, with and without the short run
   tails as single columns, ``window_tail``, and windows from multiples of 8, ``window_align``), on Triton and
-  Mosaic GPU (``mosaic_gpu+triton``: the Mosaic kernel with the single columns in a Triton pass).
+  Mosaic GPU (``mosaic_gpu+triton``: the Mosaic kernel with the single columns in a Triton pass; ``+pairs``:
+  two 64-key entries per 128-key step).
 
 Columns: ms (median of ``--reps`` samples, each ``--calls`` queued calls: CUDA events for torch, one
 ``block_until_ready`` for JAX), computed pairs / named pairs (named: the pairs the index names: causal
@@ -154,7 +155,9 @@ def block_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing
     lay128 = BlockLayout(kv_blocks=ids128, kv_block_count=count128, block_q=128, block_k=BLOCK, q_len=s,
                          kv_len=s)
     for impl, lay, what in (("triton", lay64, "same 64x64 mask"), ("mosaic_gpu", lay64, "same 64x64 mask"),
-                            ("mosaic_gpu", lay128, "128-row union of the 64-row lists")):
+                            ("mosaic_gpu+pairs", lay64, "same 64x64 mask"),
+                            ("mosaic_gpu", lay128, "128-row union of the 64-row lists"),
+                            ("mosaic_gpu+single", lay128, "128-row union of the 64-row lists")):
         if selected(args, impl, what):
             row["ours"].append(time_ours(q, k, v, lay, impl, what, named, mi, timing, flops))
     if i == 0:
@@ -181,28 +184,49 @@ def vs_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flop
            "minference_ms": mi, "minference_pairs_ratio": mi_pairs / named,
            "minference_tflops": flops(mi_pairs, mi), "ours": []}
     dt = VerticalSlash.window_tail  # the default: run tails as single columns
-    mosaic = ("mosaic_gpu", "mosaic_gpu+triton")  # columns gathered by the Mosaic kernel / by Triton
-    for bq, bk, windows, impls, tail, align in ((128, BLOCK, False, ("triton", "mosaic_gpu"), 0, 1),
+    mosaic = ("mosaic_gpu", "mosaic_gpu+triton", "mosaic_gpu+pairs+triton")  # columns by Mosaic / by Triton
+    rows128 = ("triton", "mosaic_gpu", "mosaic_gpu+single")  # the Mosaic default pairs entries at 128 rows
+    rows64 = ("triton", "mosaic_gpu", "mosaic_gpu+pairs")
+    mosaic128 = ("mosaic_gpu+triton", "mosaic_gpu+single+triton")
+    for bq, bk, windows, impls, tail, align in ((128, BLOCK, False, rows128, 0, 1),
                                                 (128, BLOCK, True, ("triton",), dt, 1),
-                                                (128, BLOCK, True, ("mosaic_gpu+triton",), dt, 8),
-                                                (64, BLOCK, False, ("triton", "mosaic_gpu"), 0, 1),
+                                                (128, BLOCK, True, mosaic128, dt, 8),
+                                                (64, BLOCK, False, rows64, 0, 1),
                                                 (64, BLOCK, True, ("triton",), 0, 1),
                                                 (64, BLOCK, True, ("triton",), dt, 1),
                                                 (64, BLOCK, True, ("triton",) + mosaic, dt, 8),
-                                                (64, 32, True, ("triton",), 0, 1), (64, 32, True, ("triton",), dt, 1)):
+                                                (64, 32, True, ("triton",), 0, 1), (64, 32, True, ("triton",), dt, 1),
+                                                (64, 32, True, ("triton",), (dt, 256), 1)):
+        tail, cap = tail if isinstance(tail, tuple) else (tail, VerticalSlash.window_tail_cap)
         pattern = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64,
                                 max_blocks=2 * (s // bk) + args.slash, windows=windows, block_q=bq, block_k=bk,
-                                window_tail=tail, window_align=align)
+                                window_tail=tail, window_tail_cap=cap, window_align=align)
         what = f"{bq} rows, " + (f"{bk}-key windows" if windows else f"aligned {bk}-key blocks")
         what += f" from multiples of {align}" if align > 1 else ""
         what += f", tails <= {tail} as columns" if windows and tail else ""
+        what += f" (at most {cap} a head)" if windows and tail and cap != VerticalSlash.window_tail_cap else ""
         impls = [impl for impl in impls if selected(args, impl, what)]
         if not impls:
             continue
-        lay = jax.jit(lambda c, o, sc, p=pattern: p.layout_from_index(c, o, sc, s, s))(cols, offs, score)
+        lay = layout_by_head(pattern, cols, offs, score, s)
         for impl in impls:
             row["ours"].append(time_ours(q, k, v, lay, impl, what, named, mi, timing, flops))
     return report(row)
+
+
+def layout_by_head(pattern: VerticalSlash, cols, offs, score, s: int) -> BlockLayout:
+    """``pattern.layout_from_index`` built one head at a time, each head's lists cut to the longest list of any head
+    (without a block cap the lists are sized for the worst case: at 512k with 32-key windows the 8 heads' build
+    asked for 45 GiB at once on an H100), then joined along the head axis."""
+    build = jax.jit(lambda c, o, sc: pattern.layout_from_index(c, o, sc, s, s))
+    parts = [build(cols[:, h:h + 1], offs[:, h:h + 1], score[:, h:h + 1]) for h in range(cols.shape[1])]
+    nb = max(1, max(int(p.kv_block_count.max()) for p in parts))
+    nc = max(1, max(int(p.kv_column_count.max()) for p in parts)) if parts[0].kv_columns is not None else 0
+    join = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
+    return parts[0].replace(kv_blocks=join([p.kv_blocks[..., :nb] for p in parts]),
+                            kv_block_count=join([p.kv_block_count for p in parts]),
+                            **({} if not nc else dict(kv_columns=join([p.kv_columns[..., :nc] for p in parts]),
+                                                      kv_column_count=join([p.kv_column_count for p in parts]))))
 
 
 def selected(args, impl: str, what: str) -> bool:
@@ -211,11 +235,14 @@ def selected(args, impl: str, what: str) -> bool:
 
 
 def time_ours(q, k, v, lay, impl, what, named, mi_ms, timing, flops) -> dict:
-    """``impl``: an implementation of `block_sparse_attention`, or "mosaic_gpu+triton" (the Mosaic GPU kernel with
-    the layout's single columns in a Triton pass, ``column_pass="triton"``)."""
-    if impl == "mosaic_gpu+triton":
+    """``impl``: an implementation of `block_sparse_attention`, or the Mosaic GPU kernel with options:
+    "mosaic_gpu+triton" (the layout's single columns in a Triton pass, ``column_pass="triton"``), "+pairs" /
+    "+single" (two 64-key entries per 128-key step or one, ``key_pairs``; default `auto_key_pairs`)."""
+    if impl.startswith("mosaic_gpu+"):
+        pairs = True if "+pairs" in impl else False if "+single" in impl else None
+        opts = dict(column_pass="triton" if impl.endswith("+triton") else "mosaic", key_pairs=pairs)
         fn = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
-                                                                             column_pass="triton")[0])
+                                                                             **opts)[0])
     else:
         fn = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation=impl)[0])
     try:

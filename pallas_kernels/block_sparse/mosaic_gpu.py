@@ -24,6 +24,10 @@ owns one 64-row query block with its own list, and the producer fills one ring o
 the consumer with the shorter list runs the schedule handshakes of the remaining steps without work,
 so the pair stays in step.
 
+``key_pairs`` (default for 128-row query blocks over 64-key lists, `auto_key_pairs`): a step loads two
+consecutive list entries into one 128-key stage (two TMA copies onto one barrier) and computes them as one tile,
+one online-softmax update per 128 keys; a list of odd length ends with a masked half.
+
 Causality is decided on original positions. Without permutations a row's position is
 ``row + q_offset`` and a key's its index, and the mask is only computed for blocks whose
 last key can be past a row of the warpgroup (or that hold padding / an id out of range).
@@ -100,6 +104,9 @@ class MosaicConfig:
         first K / V tiles while the consumers finish the last one).
       windows: the lists hold tile starts (multiples of 8) of key windows (`window_tiles`), each with its own
         key range ``[lo, hi)`` (``kv_lo`` / ``kv_hi`` operands); the rest of the tile is masked.
+      pair: each step computes two consecutive list entries as one tile of ``2 * block_k`` keys (a list of odd
+        length ends with a masked half).
+      v_stages: V stages per ring (0: ``stages``); K keeps ``stages``.
     """
 
     block_k: int
@@ -119,6 +126,8 @@ class MosaicConfig:
     num_q_blocks: int = 1
     grid: int = 1
     windows: bool = False
+    pair: bool = False
+    v_stages: int = 0
 
 
 def _rings(block_q: int) -> int:
@@ -130,11 +139,19 @@ def _align(x: int) -> int:
     return -(-x // _SMEM_ALIGN) * _SMEM_ALIGN
 
 
-def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q) -> int:
+def pair_v_stages(stages: int, block_q: int) -> int:
+    """V stages per ring with `key_pairs` steps of 128 keys: one per consumer with 64-row query blocks (K keeps
+    ``stages``, so the next K pair loads during a step while V, needed only after the softmax, is refilled behind
+    ``P V``; two rings of two K and two V stages of 128 keys do not fit), else ``stages``."""
+    return 1 if block_q == WG_ROWS else stages
+
+
+def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q, *, pair: bool = False) -> int:
     """Shared memory the kernel requests with ``stages`` K/V stages per ring and original positions (the larger
     case): the two Q/O tiles, the K and V rings, the lse / positions buffer, and the barriers, counted as Mosaic
     GPU does (matches its byte count on every configuration we compiled, e.g. 298,344 for 64-row query blocks,
-    64-key tiles, D 128, 4 stages). block_k in `BLOCK_KS`, head_dim a multiple of 64, stages >= 1, block_q in
+    64-key tiles, D 128, 4 stages). ``pair``: steps of two list entries (``2 * block_k`` keys per stage, V
+    stages `pair_v_stages`). block_k in `BLOCK_KS`, head_dim a multiple of 64, stages >= 1, block_q in
     `BLOCK_QS`."""
     for name, value, ok, want in (("block_k", block_k, block_k in BLOCK_KS, f"one of {BLOCK_KS}"),
                                   ("head_dim", head_dim, head_dim > 0 and head_dim % 64 == 0, "a multiple of 64"),
@@ -142,16 +159,21 @@ def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q)
                                   ("block_q", block_q, block_q in BLOCK_QS, f"one of {BLOCK_QS}")):
         if not ok:
             raise ValueError(f"{name}: expected {want}; received {value!r}")
-    slots = _rings(block_q) * stages
-    tiles = _align(2 * WG_ROWS * head_dim * 2) + 2 * _align(slots * block_k * head_dim * 2)
-    positions = _align(max(2 * WG_ROWS * 4, (2 * WG_ROWS + slots * block_k) * 4))
-    barriers = 5 * slots + 5  # K, V, key positions, K free, V free per slot; Q tiles and positions; schedule
+    kt = block_k * (2 if pair else 1)
+    k_slots = _rings(block_q) * stages
+    v_slots = _rings(block_q) * (pair_v_stages(stages, block_q) if pair else stages)
+    tiles = (_align(2 * WG_ROWS * head_dim * 2) + _align(k_slots * kt * head_dim * 2)
+             + _align(v_slots * kt * head_dim * 2))
+    positions = _align(max(2 * WG_ROWS * 4, (2 * WG_ROWS + v_slots * kt) * 4))
+    # K ready / K free per K slot; V ready / key positions / V free per V slot; Q tiles and positions; schedule
+    barriers = 2 * k_slots + 3 * v_slots + 5
     return tiles + positions + barriers * _BARRIER_BYTES
 
 
-def max_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q) -> int:
+def max_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q, *, pair: bool = False) -> int:
     """Most K/V stages per ring (at most 4) that fit in shared memory; 0 when two do not fit."""
-    fit = [st for st in range(2, _MAX_STAGES + 1) if smem_bytes(block_k, head_dim, st, block_q) <= _SMEM_LIMIT]
+    fit = [st for st in range(2, _MAX_STAGES + 1)
+           if smem_bytes(block_k, head_dim, st, block_q, pair=pair) <= _SMEM_LIMIT]
     return max(fit, default=0)
 
 
@@ -166,8 +188,21 @@ def default_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q) -> int:
     return max(2, min(_MAX_STAGES, (220 * 1024 - tiles) // stage_bytes))
 
 
-def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> None:
-    """The Mosaic GPU kernel's own limits (raised before anything is traced)."""
+def auto_key_pairs(layout: BlockLayout, num_stages: int | None) -> bool:
+    """`block_sparse_attention_mosaic_gpu`'s default for ``key_pairs``: on for 128-row query blocks over 64-key
+    lists when no stage count is given (a given ``num_stages`` counts 64-key stages). One H100, 2026-11-27
+    (``tools/minference_side_by_side.py``, ``bench/results/minference-side-by-side-pairs-{block,vs128k,bq64}_*``;
+    ``tools/bench_mosaic_gpu.py --pairs``, ``mosaic-gpu-key-pairs_*``): 128-key steps there ran 501 -> 570 /
+    471 -> 525 TFLOP/s on the 128-row union of MInference's top-100 lists at 128k / 512k
+    and 50.5 -> 46.2 ms on its Vertical-Slash index at 128k (aligned blocks); with 64-row query blocks (one V
+    stage per consumer) they gained nothing (1.76 / 7.33 / 31.77 -> 1.79 / 7.47 / 31.84 ms on the top-100 mask
+    at 32k / 128k / 512k), so those stay on one entry per step. Dense 64-key layouts at 32k / 128k / 512k: 14.54 /
+    235.6 / 3915 ms -> 12.70 / 208.8 / 3434 ms (cuDNN 12.31 / 217.5 / 3914)."""
+    return layout.block_q == BLOCK_Q and layout.block_k == 64 and num_stages is None
+
+
+def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair: bool = False) -> None:
+    """The Mosaic GPU kernel's own limits (raised before anything is traced); ``pair``: `key_pairs` steps."""
     fa3.check_q(q)
     if layout.block_q not in BLOCK_QS:
         raise ValueError(f"layout.block_q: expected one of {BLOCK_QS} for implementation='mosaic_gpu' "
@@ -176,18 +211,21 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None) -> No
     if layout.block_k not in BLOCK_KS:
         raise ValueError(f"layout.block_k: expected one of {BLOCK_KS} for implementation='mosaic_gpu'; "
                          f"received {layout.block_k}")
+    if pair and layout.block_k != 64:
+        raise ValueError(f"layout.block_k: expected 64 with key_pairs=True (steps of two 64-key entries); "
+                         f"received {layout.block_k}")
     d = q.shape[-1]
     d_pad = fa3.padded_head_dim(d)
-    fit = max_stages(layout.block_k, d_pad, layout.block_q)
+    fit = max_stages(layout.block_k, d_pad, layout.block_q, pair=pair)
     if not fit:
         raise ValueError(f"layout.block_k: block_q={layout.block_q} with block_k={layout.block_k} and D={d_pad} needs "
-                         f"{smem_bytes(layout.block_k, d_pad, 2, layout.block_q)} bytes of shared memory for two "
-                         f"K/V stages per consumer (at most {_SMEM_LIMIT}); use block_k=64 or block_q=128")
+                         f"{smem_bytes(layout.block_k, d_pad, 2, layout.block_q, pair=pair)} bytes of shared memory "
+                         f"for two K/V stages per consumer (at most {_SMEM_LIMIT}); use block_k=64 or block_q=128")
     if stages is not None:
         if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= fit:
             raise ValueError(f"num_stages: expected an int in [2, {fit}] (K/V stages in shared "
-                             f"memory for block_q={layout.block_q}, block_k={layout.block_k}, D={d_pad}); "
-                             f"received {stages!r}")
+                             f"memory for block_q={layout.block_q}, block_k={layout.block_k}, D={d_pad}"
+                             f"{', key_pairs' if pair else ''}); received {stages!r}")
 
 
 def preferred(q: jax.Array, layout: BlockLayout) -> bool:
@@ -195,9 +233,14 @@ def preferred(q: jax.Array, layout: BlockLayout) -> bool:
     an H200 (2026-11-23, tools/bench_mosaic_gpu.py) at 1.0-1.1x cuDNN on dense causal layouts
     and about 2x Triton on random 10% layouts; with 64-row query blocks on MInference's pooled top-100 block
     mask 0.99-1.23x Triton's speed at 32k-512k (H200 and H100, 2026-11-26, tools/minference_side_by_side.py).
-    Layouts with single key columns stay on Triton (the column pass here materialises ``nq * max_cols``
-    gathered keys per head; on Vertical-Slash layouts at 64 rows it ran 0.77-0.99x Triton, and out of memory
-    at 512k on an H100)."""
+    Layouts with single key columns or key windows stay on Triton. Measured on one H100 (2026-11-27,
+    `bench/results/minference-side-by-side-{pairs-vs128k,vs-trimmed}_*`) this kernel was the faster one on every
+    such layout timed: on MInference's Vertical-Slash index, 128-row aligned blocks at 128k 46.2 ms (128-key
+    steps, Mosaic column pass) against Triton's 53.8, and 64-row 64-key windows from multiples of 8 (two tiles per
+    window that does not start on one) with the columns in a Triton pass 3.50 / 38.8 / 256 ms against Triton's
+    3.78 / 46.1 / 304.5 ms at 32k / 128k / 512k. The default is not switched yet: the aligned-block layout with
+    the Triton column pass (now `block_sparse_attention_mosaic_gpu`'s default column pass) is not timed, and with
+    permutations this kernel copies k / v per query head."""
     try:
         check_supported(q, layout, None)
     except ValueError:
@@ -216,6 +259,9 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     out_ref, lse_ref = refs
     leads = dict(cfg.leads)
     bk, dp, stages = cfg.block_k, cfg.head_dim, cfg.stages
+    v_stages = cfg.v_stages or stages
+    per = 2 if cfg.pair else 1  # list entries per step
+    kt = per * bk  # keys per step (one K / V stage)
     split = cfg.block_q == WG_ROWS  # one query block (and key list) per consumer warpgroup
     rings = _rings(cfg.block_q)
     dtype = q_ref.dtype
@@ -251,6 +297,18 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             c = count_ref[self.lead("kv_block_count", self.query_block(w))]
             return jnp.where(self.cta * 2 + w < cfg.num_q_blocks, c, 0) if split else c
 
+        def steps(self, w):
+            """Steps of consumer w's list (``per`` entries each)."""
+            return (self.count(w) + per - 1) // per if per > 1 else self.count(w)
+
+        def entries(self, j, w):
+            """(entry, present) of each half of step j: a half past the list loads the list's last entry again,
+            and masks it."""
+            if per == 1:
+                return ((j, True),)
+            last = jnp.maximum(self.count(w) - 1, 0)
+            return tuple((jnp.minimum(per * j + h, last), per * j + h < self.count(w)) for h in range(per))
+
         def tile(self, j, w):
             """(first key row of the tile loaded, entry in range) of entry j of consumer w's list."""
             raw = blocks_ref[*self.lead("kv_blocks", self.query_block(w)), j]
@@ -271,21 +329,22 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
         def q_pos_smem(wg):
             return pos_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)]
 
-        def k_pos_smem(slot):
-            return pos_smem.at[pl.ds(2 * WG_ROWS + slot * bk, bk)]
+        def k_pos_smem(slot, half=0, width=kt):
+            """The key positions of V slot ``slot`` (its keys ``[half * bk, half * bk + width)``)."""
+            return pos_smem.at[pl.ds(2 * WG_ROWS + slot * kt + half * bk, width)]
         schedule = functools.partial(fa3.schedule, sched)
 
         def consumer(wg):
             q_smem, l_smem = qo_smem.at[wg], lse_smem.at[wg]
-            ring = wg * stages if split else 0
+            ring_k, ring_v = (wg * stages, wg * v_stages) if split else (0, 0)
             scale = cfg.sm_scale * LOG2E
 
             def run_item(t, done):
                 """Item t of this CTA; ``done``: K/V stages of this consumer's ring used by earlier items."""
                 it = Item.of(t)
                 row0 = it.cta * BLOCK_Q + wg * WG_ROWS
-                count = it.count(wg)
-                steps = jnp.maximum(it.count(0), it.count(1)) if split else count
+                count = it.steps(wg)  # steps of this consumer's list
+                steps = jnp.maximum(it.steps(0), it.steps(1)) if split else count
                 # q_smem / l_smem held the previous item's O / lse: its stores have read them (end of run_item).
                 plgpu.copy_gmem_to_smem(q_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head], q_smem, q_bar.at[wg])
                 q_vec = None
@@ -329,39 +388,62 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                             ok = ok & (kp + cfg.window > qp)
                     return jnp.where(ok, s, -jnp.inf)
 
-                def stage(j):
-                    return ring + lax.rem(done + j, stages)
+                def k_stage(j):
+                    return ring_k + lax.rem(done + j, stages)
+
+                def v_stage(j):
+                    return ring_v + lax.rem(done + j, v_stages)
+
+                def half_params(e, present):
+                    """(first key, keys visible below, key range or None) of list entry e."""
+                    start, in_range = it.tile(e, wg)
+                    limit = jnp.where(in_range & present, cfg.kv_len, 0)  # an entry out of range shows nothing
+                    return start, limit, (it.window(e, wg) if cfg.windows else None)
+
+                def needs_mask(start, limit, keys):
+                    need = (start + bk > limit)
+                    if keys is not None:
+                        need = need | (keys[0] != start) | (keys[1] != start + bk)
+                    if cfg.causal:
+                        need = need | (start + bk - 1 + cfg.gap > q_first)
+                        if cfg.window:
+                            need = need | (start + cfg.window <= q_first + WG_ROWS - 1)
+                    return need
+
+                def per_column(s, halves):
+                    """(start, limit, keys) of the step's tile: the entry's own, or with ``per`` entries a value
+                    per column of S (column c of half h is key ``start_h + c - h * bk``)."""
+                    if per == 1:
+                        return halves[0]
+                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    first = cols < bk
+                    (s0, l0, w0), (s1, l1, w1) = halves
+                    pick = lambda a, b: jnp.where(first, a, b)  # noqa: E731
+                    keys = None if w0 is None else (pick(w0[0], w1[0]), pick(w0[1], w1[1]))
+                    return pick(s0, s1 - bk), pick(l0, l1), keys
 
                 def step(j, carry):
                     acc, m, l = carry
-                    slot = stage(j)
-                    start, in_range = it.tile(j, wg)
-                    limit = jnp.where(in_range, cfg.kv_len, 0)  # an entry out of range shows nothing
-                    keys = it.window(j, wg) if cfg.windows else None
+                    ks, vs = k_stage(j), v_stage(j)
+                    halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
 
-                    s = fa3.qk(q_smem, k_smem.at[slot], sched, bk)
-                    plgpu.barrier_arrive(k_free.at[slot])
+                    s = fa3.qk(q_smem, k_smem.at[ks], sched, kt)
+                    plgpu.barrier_arrive(k_free.at[ks])
                     if cfg.has_pos:
-                        s = mask_by_position(s, slot, start, limit, keys)
+                        s = mask_by_position(s, vs, *per_column(s, halves))
                     else:
-                        need = (start + bk > limit)
-                        if keys is not None:
-                            need = need | (keys[0] != start) | (keys[1] != start + bk)
-                        if cfg.causal:
-                            need = need | (start + bk - 1 + cfg.gap > q_first)
-                            if cfg.window:
-                                need = need | (start + cfg.window <= q_first + WG_ROWS - 1)
-                        s = lax.cond(need, lambda x: mask_by_index(x, start, limit, keys), lambda x: x, s)
+                        need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
+                        s = lax.cond(need, lambda x: mask_by_index(x, *per_column(x, halves)), lambda x: x, s)
                     sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
                     plgpu.barrier_arrive(sched)  # softmax done
-                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(v_bar.at[vs])
                     plgpu.barrier_wait(sched)  # the tensor cores are ours
 
                     def wait_next_k():
-                        pl.when(j + 1 < count)(lambda: plgpu.barrier_wait(k_bar.at[stage(j + 1)]))
+                        pl.when(j + 1 < count)(lambda: plgpu.barrier_wait(k_bar.at[k_stage(j + 1)]))
 
-                    acc = fa3.pv(sm.acc, sm.p, v_smem.at[slot], wait_next_k)
-                    plgpu.barrier_arrive(v_free.at[slot])
+                    acc = fa3.pv(sm.acc, sm.p, v_smem.at[vs], wait_next_k)
+                    plgpu.barrier_arrive(v_free.at[vs])
                     return acc, sm.m, sm.l
 
                 def idle(j, carry):
@@ -375,7 +457,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
                 @pl.when(count > 0)
                 def _():
-                    plgpu.barrier_wait(k_bar.at[stage(0)])
+                    plgpu.barrier_wait(k_bar.at[k_stage(0)])
 
                 pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
                 acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
@@ -392,35 +474,42 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             plgpu.wait_smem_to_gmem(0)
 
         def producer():
-            def fetch_k(it, start, slot):
-                plgpu.copy_gmem_to_smem(k_ref.at[it.batch, pl.ds(start, bk), it.kv_head], k_smem.at[slot],
+            def half_tile(ref, slot, h):
+                return ref.at[slot] if per == 1 else ref.at[slot, pl.ds(h * bk, bk)]
+
+            def fetch_k(it, start, slot, h):
+                plgpu.copy_gmem_to_smem(k_ref.at[it.batch, pl.ds(start, bk), it.kv_head], half_tile(k_smem, slot, h),
                                         k_bar.at[slot])
 
-            def fetch_v(it, start, slot):
-                """V tile (and, with positions, the keys' positions: both freed after P V)."""
-                plgpu.copy_gmem_to_smem(v_ref.at[it.batch, pl.ds(start, bk), it.kv_head], v_smem.at[slot],
+            def fetch_v(it, start, slot, h):
+                """V tile (and, with positions, the keys' positions: both freed after P V); h: the half of a
+                paired stage."""
+                plgpu.copy_gmem_to_smem(v_ref.at[it.batch, pl.ds(start, bk), it.kv_head], half_tile(v_smem, slot, h),
                                         v_bar.at[slot])
                 if cfg.has_pos:
                     plgpu.copy_gmem_to_smem(kpos_ref.at[*it.lead("k_pos", 0)[:2], pl.ds(start, bk)],
-                                            k_pos_smem(slot), p_bar.at[slot])
+                                            k_pos_smem(slot, h, bk), p_bar.at[slot])
 
             def run_item(t, done):
                 """Item t's K / V tiles into the rings; ``done``: tiles each ring took for earlier items (a
                 stage is refilled once the consumers released it, from the ``stages``-th tile of the kernel on)."""
                 it = Item.of(t)
-                counts = [it.count(w) for w in range(rings)]
+                counts = [it.steps(w) for w in range(rings)]
 
                 def fill(j):
                     for w in range(rings):
                         @pl.when(j < counts[w])
                         def _():
                             g = done[w] + j
-                            slot = w * stages + lax.rem(g, stages)
-                            start = it.tile(j, w)[0]
-                            pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-                            fetch_k(it, start, slot)
-                            pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-                            fetch_v(it, start, slot)
+                            k_slot = w * stages + lax.rem(g, stages)
+                            v_slot = w * v_stages + lax.rem(g, v_stages)
+                            starts = [it.tile(e, w)[0] for e, _ in it.entries(j, w)]
+                            pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[k_slot]))
+                            for h, start in enumerate(starts):
+                                fetch_k(it, start, k_slot, h)
+                            pl.when(g >= v_stages)(lambda: plgpu.barrier_wait(v_free.at[v_slot]))
+                            for h, start in enumerate(starts):
+                                fetch_v(it, start, v_slot, h)
 
                 pl.loop(0, functools.reduce(jnp.maximum, counts))(fill)
                 return tuple(d + c for d, c in zip(done, counts, strict=True))
@@ -430,28 +519,29 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
         fa3.warp_specialized(consumer, producer)
 
     transforms = fa3.SMEM_TRANSFORMS
-    n_slots = rings * stages
+    n_k, n_v = rings * stages, rings * v_stages
     pl.run_scoped(
         lambda *scoped: body(scoped),
         (
             plgpu.SMEM((2, WG_ROWS, dp), dtype, transforms=transforms),
-            plgpu.SMEM((n_slots, bk, dp), dtype, transforms=transforms),
-            plgpu.SMEM((n_slots, bk, dp), dtype, transforms=transforms),
+            plgpu.SMEM((n_k, kt, dp), dtype, transforms=transforms),
+            plgpu.SMEM((n_v, kt, dp), dtype, transforms=transforms),
             # Each consumer's lse row (written after its last step) shares memory with its query rows' positions
             # (read into registers before its first step). The positions: both consumers' query rows, then the
             # keys of each K/V slot, in one buffer (every shared-memory buffer is padded to 1 KiB).
             plgpu.RefUnion(plgpu.SMEM((2, WG_ROWS), jnp.float32),
-                           plgpu.SMEM((2 * WG_ROWS + n_slots * bk,), jnp.int32))
+                           plgpu.SMEM((2 * WG_ROWS + n_v * kt,), jnp.int32))
             if cfg.has_pos else plgpu.SMEM((2, WG_ROWS), jnp.float32),
         ),
-        (
-            plgpu.Barrier(num_barriers=n_slots),
-            plgpu.Barrier(num_barriers=n_slots),
+        (  # a paired stage is ready once both its halves arrived
+            plgpu.Barrier(num_arrivals=per, num_barriers=n_k),
+            plgpu.Barrier(num_arrivals=per, num_barriers=n_v),
             plgpu.Barrier(num_barriers=4),  # q tiles, q positions
-            plgpu.Barrier(num_barriers=n_slots) if cfg.has_pos else None,
+            plgpu.Barrier(num_arrivals=per, num_barriers=n_v) if cfg.has_pos else None,
         ),
         # a slot is freed by the consumers that read it: both (one shared list) or its own (split)
-        (plgpu.Barrier(num_arrivals=1 if split else 2, num_barriers=n_slots),) * 2,
+        (plgpu.Barrier(num_arrivals=1 if split else 2, num_barriers=n_k),
+         plgpu.Barrier(num_arrivals=1 if split else 2, num_barriers=n_v)),
         plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )
@@ -465,9 +555,10 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            kv_len: int, q_offset: int, block_k: int, causal: bool, gap: int, window: int,
            sm_scale: float, stages: int, block_q: int = BLOCK_Q,
            persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
-           ) -> tuple[jax.Array, jax.Array]:
+           pair: bool = False) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
-    work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`).
+    work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of
+    two list entries, ``stages`` K stages and `pair_v_stages` V stages per ring).
 
     Args:
       q_in: ``[B, Tp, N, Dp]`` (Tp a multiple of 128, Dp of 64), rows in the layout's order.
@@ -497,6 +588,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
+        pair=pair, v_stages=pair_v_stages(stages, block_q) if pair else stages,
     )
     items = (tp // BLOCK_Q) * n * b
     cfg = dataclasses.replace(cfg, grid=min(items, num_cores()) if persistent else items)
@@ -579,7 +671,7 @@ def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int,
     return tiles, lo_t, hi_t, new_count.astype(jnp.int32)
 
 
-def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent):
+def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair):
     """The layout's key blocks; q_in is padded and in the layout's row order."""
     s, kh = k.shape[1], k.shape[2]
     n = q_in.shape[2]
@@ -606,10 +698,10 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
     return launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups,
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
-                  block_q=layout.block_q, persistent=persistent, ranges=ranges)
+                  block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair)
 
 
-def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent):
+def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair):
     """The layout's single key columns: for each (batch, head, query block) its columns are
     gathered into dense ``block_k`` tiles of one key array (``nq * ceil(max_cols / block_k)``
     tiles per query head), and the kernel runs over the tiles of its query block with the
@@ -639,10 +731,11 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
     return launch(q_in, k_c, v_c, blocks, count, q_pos, k_pos, groups=1, num_kv_blocks=nq * tiles,
                   kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
                   gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
-                  persistent=persistent)
+                  persistent=persistent, pair=pair)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass",
+                                             "key_pairs"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -653,7 +746,8 @@ def block_sparse_attention_mosaic_gpu(
     causal: bool = True,
     num_stages: int | None = None,
     persistent: bool = False,
-    column_pass: str = "mosaic",
+    column_pass: str = "triton",
+    key_pairs: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
@@ -664,10 +758,17 @@ def block_sparse_attention_mosaic_gpu(
     elsewhere (dense 0.89 / 0.92 / 0.95x cuDNN at 32k / 128k / 512k against 0.97 / 1.04 / 1.15x; random 10% at
     512k 0.92 against 1.09): its static round-robin of items balances worse than the hardware's CTA scheduler.
 
-    ``column_pass``: how the layout's single key columns are computed: ``"mosaic"`` gathers them into key tiles
-    per query block and runs this kernel over them (`_column_pass`; ``nq * max_cols`` gathered keys per head);
-    ``"triton"`` runs the Pallas Triton kernel on the columns alone (it gathers them inside the kernel). Either
-    pass is merged with the block pass by `merge_attention`.
+    ``key_pairs``: each step computes two consecutive entries of a 64-key list as one 128-key tile (one online
+    softmax update and one schedule hand-over per 128 keys; layout.block_k must be 64), with ``num_stages``
+    (default 2) stages of 128 keys. With 64-row query blocks V has one stage per consumer (`pair_v_stages`).
+    None (default): `auto_key_pairs`.
+
+    ``column_pass``: how the layout's single key columns are computed: ``"triton"`` (default) runs the Pallas
+    Triton kernel on the columns alone (it gathers them inside the kernel); ``"mosaic"`` gathers them into key tiles
+    per query block and runs this kernel over them (`_column_pass`; ``nq * max_cols`` gathered keys per head, out
+    of memory at 512k on an H100). Either pass is merged with the block pass by `merge_attention`. One H100,
+    2026-11-27, Vertical-Slash 64-row windows: Triton column pass 3.50 / 38.8 / 256 ms, Mosaic 3.93 / 41.5 / 275 ms
+    at 32k / 128k / 512k.
 
     Inputs are assumed validated (see `api.block_sparse_attention` and `check_supported`).
     Traced layouts cannot make the kernel read out of bounds: ids out of range are loaded
@@ -678,7 +779,11 @@ def block_sparse_attention_mosaic_gpu(
         raise ValueError(f"column_pass: expected one of {COLUMN_PASSES}; received {column_pass!r}")
     t, d = q.shape[1], q.shape[3]
     d_pad = fa3.padded_head_dim(d)
-    stages = num_stages or default_stages(layout.block_k, d_pad, layout.block_q)
+    if key_pairs is None:
+        key_pairs = auto_key_pairs(layout, num_stages)
+    if key_pairs and layout.block_k != 64:
+        raise ValueError(f"layout.block_k: expected 64 with key_pairs=True; received {layout.block_k}")
+    stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
     t_pad = _round_up(layout.num_q_blocks * layout.block_q, BLOCK_Q)
     q_orig, k_orig, v_orig = q, k, v
     k, v = poison_keys(k, v)  # a non-finite value row becomes a NaN key
@@ -687,7 +792,7 @@ def block_sparse_attention_mosaic_gpu(
         q = _gather_rows(q, q_perm)  # [B, T, N, D] in permuted row order per head
     q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
-          "persistent": persistent}
+          "persistent": persistent, "pair": key_pairs}
     out, lse = _block_pass(q_in, k, v, layout, **kw)
     out, lse = out[:, :t, :, :d], lse[:, :, :t]
     if layout.kv_columns is not None and column_pass == "mosaic":

@@ -357,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sweep", action="store_true", help="use the first tile candidate")
     p.add_argument("--tile", type=positive_int, nargs=4, metavar=("BQ", "BK", "WARPS", "STAGES"),
                    help="use this tile instead of sweeping (BQ, BK powers of two >= 16, WARPS a power of two)")
+    p.add_argument("--mosaic-block-k", type=int, choices=(64, 128), default=GPU_CONFIG.mosaic_block_k,
+                   help="key block of the layouts the Mosaic GPU rows run (64: two entries per 128-key step)")
     args = p.parse_args(argv)
     if args.tile and not (is_pow2(args.tile[0], 16) and is_pow2(args.tile[1], 16) and is_pow2(args.tile[2])):
         p.error(f"--tile: expected BQ, BK powers of two >= 16 and WARPS a power of two; received {args.tile}")
@@ -375,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, tiles=cfg.tiles[:1])
     if args.tile:
         cfg = dataclasses.replace(cfg, tiles=(tuple(args.tile),))
+    cfg = dataclasses.replace(cfg, mosaic_block_k=args.mosaic_block_k)
     if not on_gpu:
         print("no GPU: small interpret-mode run (timings are not kernel speed)")
     result = run_benchmark(cfg, args.out, result_name=args.name)

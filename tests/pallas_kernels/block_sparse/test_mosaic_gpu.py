@@ -55,7 +55,9 @@ def test_permuted_layout_with_columns_and_window_lowers_for_cuda():
     z = lambda *shape: jnp.zeros(shape, jnp.int32)
     layout = _zeros_layout(b, t, s, n, 64, kv_columns=z(b, 1, nq, 70), kv_column_count=z(b, 1, nq),
                            q_perm=z(b, n, t), kv_perm=z(1, n, s), window=192)
-    _lower((b, t, n, 64), (b, s, 2, 64), jnp.bfloat16, layout, num_stages=2)
+    # The Mosaic column pass (the default Triton one needs a GPU to lower its Triton kernel).
+    _lower((b, t, n, 64), (b, s, 2, 64), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu, sm_scale=0.125,
+           num_stages=2, column_pass="mosaic")
 
 
 @pytest.mark.parametrize("change,kw,match", [
@@ -102,6 +104,38 @@ def test_most_stages_that_fit_lower_for_cuda(bq, perm):
     _lower((1, 1000, 8, 128), (1, 1000, 8, 128), jnp.bfloat16, layout, num_stages=st)
     with pytest.raises(ValueError, match="num_stages"):
         _lower((1, 1000, 8, 128), (1, 1000, 8, 128), jnp.bfloat16, layout, num_stages=st + 1)
+
+
+@pytest.mark.parametrize("bq,perm,windows", [(64, False, False), (64, True, False), (128, True, False),
+                                             (64, False, True)])
+def test_key_pairs_lower_for_cuda(bq, perm, windows):
+    """``key_pairs=True`` (two 64-key entries per 128-key stage) lowers with its default stages in the 227 KiB,
+    with and without positions and key windows; one more K stage is over the shared memory Mosaic GPU counts, as
+    `smem_bytes` says."""
+    t = 1000
+    layout = BlockLayout.dense_causal(t, t, block_q=bq, block_k=64)
+    if perm:
+        p = jnp.asarray(np.random.default_rng(0).permutation(t), jnp.int32)[None, None]
+        layout = dataclasses.replace(layout, q_perm=p, kv_perm=p)
+    if windows:
+        layout = dataclasses.replace(layout, kv_windows=True)
+    run = functools.partial(_lower, (1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, layout,
+                            block_sparse_attention_mosaic_gpu, sm_scale=0.1, key_pairs=True)
+    run()
+    st = max_stages(64, 128, bq, pair=True)
+    assert st == (2 if bq == 64 else 3) and smem_bytes(64, 128, st + 1, bq, pair=True) > 227 * 1024
+    with pytest.raises(ValueError, match="shared memory"):
+        run(num_stages=st + 1)
+
+
+def test_key_pairs_shared_memory_count():
+    """Two K stages and one V stage of 128 keys per consumer (64-row blocks): 231,576 bytes with positions."""
+    assert smem_bytes(64, 128, 2, 64, pair=True) == 231_576
+    assert smem_bytes(64, 128, 2, 128, pair=True) == smem_bytes(128, 128, 2, 128)
+    with pytest.raises(ValueError, match="key_pairs"):
+        block_sparse_attention_mosaic_gpu(*random_qkv(0, 1, 200, 200, 2, 1, 64, jnp.bfloat16),
+                                          BlockLayout.dense_causal(200, 200, block_q=128, block_k=128),
+                                          sm_scale=0.1, key_pairs=True)
 
 
 @pytest.mark.parametrize("bq", [128, 64])

@@ -196,3 +196,30 @@ def test_mosaic_key_windows_match_dense(bq, bk, perm, columns, column_pass):
     layout = random_window_layout(rng, b, n, t, s, bq, bk, columns=columns, perm=perm, max_windows=12)
     out, lse = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5, column_pass=column_pass)
     _check(out, lse, q, k, v, layout, jnp.bfloat16)
+
+
+@needs_hopper
+@pytest.mark.parametrize("bq,perm,columns,windows,gap,density", [
+    (64, False, 0, False, 0, 0.3),    # odd and even list lengths: a masked half ends odd lists
+    (64, False, 0, False, 0, 0.05),   # lists of one entry, very different lengths (idle steps), empty rows
+    (128, False, 0, False, 0, 0.3),
+    (64, True, 24, False, 0, 0.3),    # positions with the V slot, single columns merged
+    (128, True, 0, False, 64, 0.5),   # positions and a causal gap
+    (64, False, 0, True, 0, 0.0),     # key windows: two window tiles per step
+])
+def test_mosaic_key_pairs_match_dense(bq, perm, columns, windows, gap, density):
+    """``key_pairs=True``: two consecutive 64-key entries per 128-key step (64-row query blocks: two K stages and
+    one V stage per consumer) give the masked dense result and the lse of the one-entry steps."""
+    b, t, s, n, kh, d = 1, 1000, 1300, 8, 2, 128
+    rng = np.random.default_rng(bq + 3 * perm + columns + 5 * windows + gap + int(100 * density))
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)
+    if windows:
+        layout = random_window_layout(rng, b, n, t, s, bq, 64, columns=columns, perm=perm, max_windows=13)
+    else:
+        layout = random_layout(rng, b, n, t, s, bq, 64, density=density, perm=perm, columns=columns)
+        layout = layout.replace(gap=gap)
+    out, lse = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5, key_pairs=True)
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)
+    _, lse_one = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5)
+    fin = np.isfinite(np.asarray(lse_one))
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_one)[fin], atol=1e-2)

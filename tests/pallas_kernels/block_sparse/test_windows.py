@@ -9,7 +9,12 @@ import pytest
 from jax.experimental import checkify
 
 from pallas_kernels import BlockLayout, block_sparse_attention
-from pallas_kernels.block_sparse.mosaic_gpu import check_supported, preferred, window_tiles
+from pallas_kernels.block_sparse.mosaic_gpu import (
+    block_sparse_attention_mosaic_gpu,
+    check_supported,
+    preferred,
+    window_tiles,
+)
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
 
@@ -159,12 +164,14 @@ def test_checkify_contract_check_knows_windows():
 @pytest.mark.parametrize("bq,perm,columns", [(128, False, 0), (64, False, 5), (64, True, 0)])
 def test_mosaic_gpu_window_layouts_lower_for_cuda(bq, perm, columns):
     """The Mosaic GPU kernel takes key windows (run on the GPU: test_mosaic_gpu_gpu.py); it is not the default
-    for them on sm90 (measured first: `tools/minference_side_by_side.py`)."""
+    for them on sm90 (`preferred`)."""
     lay = random_window_layout(np.random.default_rng(bq + perm), 1, 2, 300, 340, bq, 64, columns=columns, perm=perm)
     q = jnp.ones((1, 300, 2, 128), jnp.bfloat16)
     check_supported(q, lay, None)
     assert not preferred(q, lay)
-    f = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation="mosaic_gpu"))
+    # the Mosaic column pass: the default Triton one needs a GPU to lower its Triton kernel
+    f = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=0.1,
+                                                                        column_pass="mosaic"))
     kv = jax.ShapeDtypeStruct((1, 340, 1, 128), jnp.bfloat16)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lay)
     lowered = f.trace(jax.ShapeDtypeStruct(q.shape, q.dtype), kv, kv, abstract).lower(lowering_platforms=("cuda",))
