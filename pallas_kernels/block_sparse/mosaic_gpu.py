@@ -781,8 +781,8 @@ def block_sparse_attention_mosaic_gpu(
     d_pad = fa3.padded_head_dim(d)
     if key_pairs is None:
         key_pairs = auto_key_pairs(layout, num_stages)
-    if key_pairs and layout.block_k != 64:
-        raise ValueError(f"layout.block_k: expected 64 with key_pairs=True; received {layout.block_k}")
+    elif key_pairs:  # block_k 64, and num_stages 128-key stages that fit
+        check_supported(q, layout, num_stages, pair=True)
     stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
     t_pad = _round_up(layout.num_q_blocks * layout.block_q, BLOCK_Q)
     q_orig, k_orig, v_orig = q, k, v
