@@ -299,9 +299,12 @@ class BlockLayout:
             pairs = pairs[:, :, : self.q_len, : self.kv_len]
         if self.kv_columns is not None:
             cvalid = jnp.arange(self.max_columns) < self.kv_column_count[..., None]
-            cols = jnp.where(cvalid, self.kv_columns, self.kv_len)
-            col_mask = jax.nn.one_hot(cols, self.kv_len + 1, dtype=jnp.int32)[..., : self.kv_len]
-            col_mask = col_mask.sum(-2) > 0  # [b, n, nq, S]
+            cols = jnp.where(cvalid & (self.kv_columns >= 0) & (self.kv_columns < self.kv_len), self.kv_columns,
+                             self.kv_len)  # unused slots and ids out of range land past the end
+            rows = cols.reshape(-1, cols.shape[-1])  # one scatter row per (b, n, query block): nq x S memory
+            col_mask = jnp.zeros((rows.shape[0], self.kv_len + 1), bool)
+            col_mask = col_mask.at[jnp.arange(rows.shape[0])[:, None], rows].set(True)[:, : self.kv_len]
+            col_mask = col_mask.reshape(cols.shape[:-1] + (self.kv_len,))  # [b, n, nq, S]
             col_rows = jnp.repeat(col_mask, self.block_q, axis=2)[:, :, : self.q_len]
             lead = jnp.broadcast_shapes(lead, self.kv_columns.shape[:2])
             pairs = jnp.broadcast_to(pairs, lead + pairs.shape[2:]) | col_rows

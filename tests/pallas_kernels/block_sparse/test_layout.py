@@ -79,6 +79,24 @@ def test_density_of_columns_and_non_causal():
     assert float(layout.density(causal=False)[0, 0]) == pytest.approx((2 * 16 + 1 * 16) / (32 * 32))
 
 
+def test_column_pairs_follow_the_lists():
+    """`computed_pairs_permuted` for single columns: each query block's listed columns (repeats once), nothing for
+    the slots past its count or for ids out of ``[0, S)``, the columns of one head not in another's rows."""
+    t, s, bq = 40, 50, 16
+    cols = np.array([[[[3, 49, -1, 7], [0, 0, 60, 11], [5, 6, 7, 8]],
+                      [[1, 2, 3, 4], [9, 9, 9, 9], [48, 47, 0, 0]]]], np.int32)  # [1, 2, nq 3, 4]
+    count = np.array([[[2, 4, 0], [4, 1, 2]]], np.int32)
+    layout = BlockLayout.from_block_mask(jnp.zeros((1, 2, 3, 4), bool), q_len=t, kv_len=s, block_q=bq, block_k=16,
+                                         kv_columns=jnp.asarray(cols), kv_column_count=jnp.asarray(count))
+    want = np.zeros((1, 2, t, s), bool)
+    for h in range(2):
+        for i in range(3):
+            for c in cols[0, h, i, : count[0, h, i]]:
+                if 0 <= c < s:
+                    want[0, h, i * bq:(i + 1) * bq, c] = True
+    np.testing.assert_array_equal(np.asarray(layout.computed_pairs_permuted()), want)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(q_len=0, kv_len=10), "q_len"),
     (dict(q_len=20, kv_len=10), "q_len"),
