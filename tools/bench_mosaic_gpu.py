@@ -56,17 +56,12 @@ def kernel_fn(impl: str, **kw):
     return jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation=impl, **kw)[0])
 
 
-def persistent_fn():
-    """The Mosaic GPU kernel on its persistent grid (one CTA per multiprocessor; the default is one per item)."""
+def mosaic_fn(**options):
+    """The Mosaic GPU kernel called directly with ``options`` off its defaults, e.g. ``persistent=True`` (one CTA
+    per multiprocessor; the default is one per item) or ``key_pairs=False`` (one 64-key list entry per step; the
+    default pairs them on 128-row query blocks)."""
     return jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
-                                                                          persistent=True)[0])
-
-
-def one_entry_fn():
-    """The Mosaic GPU kernel with one 64-key list entry per step (``key_pairs=False``; the default pairs them on
-    128-row query blocks)."""
-    return jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
-                                                                          key_pairs=False)[0])
+                                                                          **options)[0])
 
 
 def main() -> None:
@@ -121,19 +116,19 @@ def main() -> None:
                 rows.append(("triton", "dense bk64", kernel_fn("triton"), (q, k, v, lay)))
             rows.append(("mosaic_gpu", f"dense bk{bk}", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
             if bk == 64 and args.pairs:
-                rows.append(("mosaic_gpu", "dense bk64 1-entry", one_entry_fn(), (q, k, v, lay)))
+                rows.append(("mosaic_gpu", "dense bk64 1-entry", mosaic_fn(key_pairs=False), (q, k, v, lay)))
         sparse = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.1, block_q=128, block_k=64, heads=N)
         rows.append(("triton", "random 10% bk64", kernel_fn("triton"), (q, k, v, sparse)))
         rows.append(("mosaic_gpu", "random 10% bk64", kernel_fn("mosaic_gpu"), (q, k, v, sparse)))
         if args.pairs:
-            rows.append(("mosaic_gpu", "random 10% bk64 1-entry", one_entry_fn(), (q, k, v, sparse)))
+            rows.append(("mosaic_gpu", "random 10% bk64 1-entry", mosaic_fn(key_pairs=False), (q, k, v, sparse)))
         if args.grids:
             for keep in (None, 0.1, 0.03):
                 lay = (BlockLayout.dense_causal(s, s, block_q=128, block_k=128) if keep is None else
                        BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128, block_k=128,
                                                  heads=N))
                 what = "dense bk128" if keep is None else f"random {keep:.0%} bk128"
-                rows.append(("mosaic_gpu", f"{what} persistent", persistent_fn(), (q, k, v, lay)))
+                rows.append(("mosaic_gpu", f"{what} persistent", mosaic_fn(persistent=True), (q, k, v, lay)))
                 rows.append(("mosaic_gpu", f"{what} item grid", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
         if args.variants:
             sparse128 = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.1, block_q=128,

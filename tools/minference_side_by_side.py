@@ -36,6 +36,7 @@ import os
 import sys
 import time
 import types
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +168,17 @@ def block_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing
     return report(row)
 
 
+class VsForm(NamedTuple):
+    """One Vertical-Slash layout form timed by `vs_row` (`VerticalSlash` fields) and the implementations run on it."""
+    block_q: int
+    block_k: int
+    windows: bool
+    impls: tuple[str, ...]
+    window_tail: int = 0
+    window_align: int = 1
+    window_tail_cap: int = VerticalSlash.window_tail_cap
+
+
 def vs_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flops) -> dict:
     """MInference's Vertical-Slash index: its kernel and our layouts of the same index."""
     s = q.shape[1]
@@ -188,16 +200,12 @@ def vs_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flop
     rows128 = ("triton", "mosaic_gpu", "mosaic_gpu+single")  # the Mosaic default pairs entries at 128 rows
     rows64 = ("triton", "mosaic_gpu", "mosaic_gpu+pairs")
     mosaic128 = ("mosaic_gpu+triton", "mosaic_gpu+single+triton")
-    for bq, bk, windows, impls, tail, align in ((128, BLOCK, False, rows128, 0, 1),
-                                                (128, BLOCK, True, ("triton",), dt, 1),
-                                                (128, BLOCK, True, mosaic128, dt, 8),
-                                                (64, BLOCK, False, rows64, 0, 1),
-                                                (64, BLOCK, True, ("triton",), 0, 1),
-                                                (64, BLOCK, True, ("triton",), dt, 1),
-                                                (64, BLOCK, True, ("triton",) + mosaic, dt, 8),
-                                                (64, 32, True, ("triton",), 0, 1), (64, 32, True, ("triton",), dt, 1),
-                                                (64, 32, True, ("triton",), (dt, 256), 1)):
-        tail, cap = tail if isinstance(tail, tuple) else (tail, VerticalSlash.window_tail_cap)
+    for form in (VsForm(128, BLOCK, False, rows128), VsForm(128, BLOCK, True, ("triton",), dt),
+                 VsForm(128, BLOCK, True, mosaic128, dt, 8), VsForm(64, BLOCK, False, rows64),
+                 VsForm(64, BLOCK, True, ("triton",)), VsForm(64, BLOCK, True, ("triton",), dt),
+                 VsForm(64, BLOCK, True, ("triton",) + mosaic, dt, 8), VsForm(64, 32, True, ("triton",)),
+                 VsForm(64, 32, True, ("triton",), dt), VsForm(64, 32, True, ("triton",), dt, window_tail_cap=256)):
+        bq, bk, windows, impls, tail, align, cap = form
         pattern = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64,
                                 max_blocks=2 * (s // bk) + args.slash, windows=windows, block_q=bq, block_k=bk,
                                 window_tail=tail, window_tail_cap=cap, window_align=align)
@@ -235,9 +243,10 @@ def selected(args, impl: str, what: str) -> bool:
 
 
 def time_ours(q, k, v, lay, impl, what, named, mi_ms, timing, flops) -> dict:
-    """``impl``: an implementation of `block_sparse_attention`, or the Mosaic GPU kernel with options:
-    "mosaic_gpu+triton" (the layout's single columns in a Triton pass, ``column_pass="triton"``), "+pairs" /
-    "+single" (two 64-key entries per 128-key step or one, ``key_pairs``; default `auto_key_pairs`)."""
+    """``impl``: an implementation of `block_sparse_attention` (plain "mosaic_gpu": the kernel's defaults, single
+    columns in a Triton pass), or the Mosaic GPU kernel called with options: the columns in a Triton pass where the
+    name ends in "+triton" and else in its Mosaic pass (``column_pass``), "+pairs" / "+single" (two 64-key entries
+    per 128-key step or one, ``key_pairs``; neither: `auto_key_pairs`)."""
     if impl.startswith("mosaic_gpu+"):
         pairs = True if "+pairs" in impl else False if "+single" in impl else None
         opts = dict(column_pass="triton" if impl.endswith("+triton") else "mosaic", key_pairs=pairs)

@@ -139,7 +139,7 @@ def _align(x: int) -> int:
     return -(-x // _SMEM_ALIGN) * _SMEM_ALIGN
 
 
-def pair_v_stages(stages: int, block_q: int) -> int:
+def _pair_v_stages(stages: int, block_q: int) -> int:
     """V stages per ring with `key_pairs` steps of 128 keys: one per consumer with 64-row query blocks (K keeps
     ``stages``, so the next K pair loads during a step while V, needed only after the softmax, is refilled behind
     ``P V``; two rings of two K and two V stages of 128 keys do not fit), else ``stages``."""
@@ -151,7 +151,7 @@ def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q,
     case): the two Q/O tiles, the K and V rings, the lse / positions buffer, and the barriers, counted as Mosaic
     GPU does (matches its byte count on every configuration we compiled, e.g. 298,344 for 64-row query blocks,
     64-key tiles, D 128, 4 stages). ``pair``: steps of two list entries (``2 * block_k`` keys per stage, V
-    stages `pair_v_stages`). block_k in `BLOCK_KS`, head_dim a multiple of 64, stages >= 1, block_q in
+    stages `_pair_v_stages`). block_k in `BLOCK_KS`, head_dim a multiple of 64, stages >= 1, block_q in
     `BLOCK_QS`."""
     for name, value, ok, want in (("block_k", block_k, block_k in BLOCK_KS, f"one of {BLOCK_KS}"),
                                   ("head_dim", head_dim, head_dim > 0 and head_dim % 64 == 0, "a multiple of 64"),
@@ -161,7 +161,7 @@ def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q,
             raise ValueError(f"{name}: expected {want}; received {value!r}")
     kt = block_k * (2 if pair else 1)
     k_slots = _rings(block_q) * stages
-    v_slots = _rings(block_q) * (pair_v_stages(stages, block_q) if pair else stages)
+    v_slots = _rings(block_q) * (_pair_v_stages(stages, block_q) if pair else stages)
     tiles = (_align(2 * WG_ROWS * head_dim * 2) + _align(k_slots * kt * head_dim * 2)
              + _align(v_slots * kt * head_dim * 2))
     positions = _align(max(2 * WG_ROWS * 4, (2 * WG_ROWS + v_slots * kt) * 4))
@@ -558,7 +558,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            pair: bool = False) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of
-    two list entries, ``stages`` K stages and `pair_v_stages` V stages per ring).
+    two list entries, ``stages`` K stages and `_pair_v_stages` V stages per ring).
 
     Args:
       q_in: ``[B, Tp, N, Dp]`` (Tp a multiple of 128, Dp of 64), rows in the layout's order.
@@ -588,7 +588,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
-        pair=pair, v_stages=pair_v_stages(stages, block_q) if pair else stages,
+        pair=pair, v_stages=_pair_v_stages(stages, block_q) if pair else stages,
     )
     items = (tp // BLOCK_Q) * n * b
     cfg = dataclasses.replace(cfg, grid=min(items, num_cores()) if persistent else items)
@@ -760,7 +760,7 @@ def block_sparse_attention_mosaic_gpu(
 
     ``key_pairs``: each step computes two consecutive entries of a 64-key list as one 128-key tile (one online
     softmax update and one schedule hand-over per 128 keys; layout.block_k must be 64), with ``num_stages``
-    (default 2) stages of 128 keys. With 64-row query blocks V has one stage per consumer (`pair_v_stages`).
+    (default 2) stages of 128 keys. With 64-row query blocks V has one stage per consumer (`_pair_v_stages`).
     None (default): `auto_key_pairs`.
 
     ``column_pass``: how the layout's single key columns are computed: ``"triton"`` (default) runs the Pallas
