@@ -228,24 +228,34 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair:
                              f"{', key_pairs' if pair else ''}); received {stages!r}")
 
 
-def preferred(q: jax.Array, layout: BlockLayout) -> bool:
-    """The kernel supports these inputs and is the faster choice on an sm90 GPU: measured on
-    an H200 (2026-11-23, tools/bench_mosaic_gpu.py) at 1.0-1.1x cuDNN on dense causal layouts
-    and about 2x Triton on random 10% layouts; with 64-row query blocks on MInference's pooled top-100 block
-    mask 0.99-1.23x Triton's speed at 32k-512k (H200 and H100, 2026-11-26, tools/minference_side_by_side.py).
-    Layouts with single key columns or key windows stay on Triton. Measured on one H100 (2026-11-27,
-    `bench/results/minference-side-by-side-{pairs-vs128k,vs-trimmed}_*`) this kernel was the faster one on every
-    such layout timed: on MInference's Vertical-Slash index, 128-row aligned blocks at 128k 46.2 ms (128-key
-    steps, Mosaic column pass) against Triton's 53.8, and 64-row 64-key windows from multiples of 8 (two tiles per
-    window that does not start on one) with the columns in a Triton pass 3.50 / 38.8 / 256 ms against Triton's
-    3.78 / 46.1 / 304.5 ms at 32k / 128k / 512k. The default is not switched yet: the aligned-block layout with
-    the Triton column pass (now `block_sparse_attention_mosaic_gpu`'s default column pass) is not timed, and with
-    permutations this kernel copies k / v per query head."""
+def preferred(q: jax.Array, layout: BlockLayout, kv_heads: int) -> bool:
+    """The kernel supports these inputs and is the faster choice on an sm90 GPU.
+
+    Block lists: measured on an H200 (2026-11-23, tools/bench_mosaic_gpu.py) at 1.0-1.1x cuDNN on dense causal
+    layouts and about 2x Triton on random 10% layouts; with 64-row query blocks on MInference's pooled top-100
+    block mask 0.99-1.23x Triton's speed at 32k-512k (H200 and H100, 2026-11-26, tools/minference_side_by_side.py).
+
+    Single key columns (the columns in a Triton pass, the kernel's default ``column_pass``): on MInference's
+    Vertical-Slash index (1000 / 6096, one H100, 2026-11-27, `minference-side-by-side-vs-aligned_*`) the
+    pattern's default form, 128-row aligned 64-key blocks plus columns, took 3.43 / 42.2 / 322.9 ms against
+    Triton's 4.45 / 54.7 / 425.6 at 32k / 128k / 512k (1.30-1.32x), and 64-row aligned blocks 3.28 / 40.7 / 290.4
+    against 4.03 / 51.4 / 357.9. Not when the layout permutes keys per query head over grouped heads (``kv_heads``,
+    k's heads, fewer than q's): this kernel would copy k / v once per query head (2 x 14.7 GB at 1M tokens,
+    28 / 4 heads), Triton gathers the permuted rows in the kernel.
+
+    Key windows stay on Triton: `window_tiles` turns a window that does not start on a multiple of 8 into two
+    tiles, so only windows built with ``window_align=8`` were timed faster here (3.50 / 38.8 / 256 ms against
+    Triton's 3.78 / 46.1 / 304.5), and the layout does not record its alignment."""
     try:
         check_supported(q, layout, None)
     except ValueError:
         return False
-    return layout.kv_columns is None and not layout.kv_windows
+    if layout.kv_windows:
+        return False
+    if layout.kv_columns is None:
+        return True
+    per_head_perm = layout.kv_perm is not None and layout.kv_perm.shape[1] > 1
+    return not (per_head_perm and kv_heads < q.shape[2])
 
 
 def _round_up(x: int, m: int) -> int:

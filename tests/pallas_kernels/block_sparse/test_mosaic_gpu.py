@@ -15,6 +15,7 @@ from pallas_kernels.block_sparse.mosaic_gpu import (
     block_sparse_attention_mosaic_gpu,
     default_stages,
     max_stages,
+    preferred,
     smem_bytes,
 )
 from tests.pallas_kernels.helpers import random_qkv
@@ -47,6 +48,26 @@ def _zeros_layout(b, t, s, n, bk, **kw):
 def test_block_layout_lowers_for_cuda(dtype, d, bq, bk, causal):
     layout = BlockLayout.dense_causal(1000, 1500, block_q=bq, block_k=bk)
     _lower((1, 1000, 28, d), (1, 1500, 4, d), dtype, layout, causal=causal)
+
+
+@pytest.mark.parametrize("columns,perm_heads,kv_heads,want", [
+    (False, 8, 2, True),  # block lists, permuted per head: the kernel copies k / v per head, still preferred
+    (True, 0, 2, True),  # single columns, no permutation
+    (True, 1, 2, True),  # single columns, one key permutation for every head
+    (True, 8, 8, True),  # per-head permutation without grouped heads: no copy
+    (True, 8, 2, False),  # per-head permutation over grouped heads: a k / v copy per query head, Triton gathers
+])
+def test_preferred_sends_column_layouts_to_mosaic_unless_keys_are_permuted_per_grouped_head(
+        columns, perm_heads, kv_heads, want):
+    b, t, s, n = 1, 300, 700, 8
+    nq = -(-t // 128)
+    z = lambda *shape: jnp.zeros(shape, jnp.int32)
+    kw = dict(kv_columns=z(b, n, nq, 3), kv_column_count=z(b, n, nq)) if columns else {}
+    if perm_heads:
+        kw["kv_perm"] = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, perm_heads, s))
+    q = jnp.ones((b, t, n, 128), jnp.bfloat16)
+    assert preferred(q, _zeros_layout(b, t, s, n, 64, **kw), kv_heads) is want
+    assert not preferred(q.astype(jnp.float32), _zeros_layout(b, t, s, n, 64, **kw), kv_heads)  # Triton's dtype
 
 
 def test_permuted_layout_with_columns_and_window_lowers_for_cuda():

@@ -110,6 +110,10 @@ def test_default_on_sm90_is_mosaic_where_supported():
     out32, _ = block_sparse_attention(q32, k32, v32, layout)
     out_t, _ = block_sparse_attention(q32, k32, v32, layout, implementation="triton")
     np.testing.assert_array_equal(np.asarray(out32), np.asarray(out_t))
+    rng = np.random.default_rng(5)
+    cols = random_layout(rng, 1, 4, 512, 512, 128, 64, density=0.3, columns=24)  # single key columns: Mosaic
+    np.testing.assert_array_equal(np.asarray(block_sparse_attention(q, k, v, cols)[0]),
+                                  np.asarray(block_sparse_attention(q, k, v, cols, implementation="mosaic_gpu")[0]))
 
 
 @needs_hopper

@@ -168,7 +168,7 @@ def test_mosaic_gpu_window_layouts_lower_for_cuda(bq, perm, columns):
     lay = random_window_layout(np.random.default_rng(bq + perm), 1, 2, 300, 340, bq, 64, columns=columns, perm=perm)
     q = jnp.ones((1, 300, 2, 128), jnp.bfloat16)
     check_supported(q, lay, None)
-    assert not preferred(q, lay)
+    assert not preferred(q, lay, 1)
     # the Mosaic column pass: the default Triton one needs a GPU to lower its Triton kernel
     f = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=0.1,
                                                                         column_pass="mosaic"))
