@@ -68,6 +68,10 @@ def test_random_causal_keeps_fraction_and_is_causal():
     assert (counts >= 1).all()
     dens = np.asarray(layout.density())
     assert dens.shape == (1, 3) and np.all((dens > 0.07) & (dens < 0.15))
+    blocks = np.asarray(layout.kv_blocks)
+    assert not (blocks[0, 0] == blocks[0, 1]).all() and not (blocks[0, 1] == blocks[0, 2]).all()  # own draws
+    last = blocks[0, :, np.arange(64), counts[0, 0] - 1]  # [nq, heads]: the diagonal block ends each list
+    np.testing.assert_array_equal(last, np.broadcast_to(np.arange(64)[:, None], last.shape))
 
 
 def test_density_of_columns_and_non_causal():
