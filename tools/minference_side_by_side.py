@@ -204,7 +204,10 @@ def vs_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flop
                  VsForm(128, BLOCK, True, mosaic128, dt, 8), VsForm(64, BLOCK, False, rows64),
                  VsForm(64, BLOCK, True, ("triton",)), VsForm(64, BLOCK, True, ("triton",), dt),
                  VsForm(64, BLOCK, True, ("triton",) + mosaic, dt, 8), VsForm(64, 32, True, ("triton",)),
-                 VsForm(64, 32, True, ("triton",), dt), VsForm(64, 32, True, ("triton",), dt, window_tail_cap=256)):
+                 VsForm(64, 32, True, ("triton",), dt), VsForm(64, 32, True, ("triton",), dt, window_tail_cap=256),
+                 # 32-key entries on Mosaic: two per 64-key step (key_pairs, always on for 32-key lists)
+                 VsForm(64, 32, False, ("triton", "mosaic_gpu")), VsForm(64, 32, True, ("mosaic_gpu",), dt, 8),
+                 VsForm(128, 32, True, ("mosaic_gpu",), dt, 8)):
         bq, bk, windows, impls, tail, align, cap = form
         pattern = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64,
                                 max_blocks=2 * (s // bk) + args.slash, windows=windows, block_q=bq, block_k=bk,

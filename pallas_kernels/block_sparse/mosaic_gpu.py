@@ -24,9 +24,10 @@ owns one 64-row query block with its own list, and the producer fills one ring o
 the consumer with the shorter list runs the schedule handshakes of the remaining steps without work,
 so the pair stays in step.
 
-``key_pairs`` (default for 128-row query blocks over 64-key lists, `auto_key_pairs`): a step loads two
-consecutive list entries into one 128-key stage (two TMA copies onto one barrier) and computes them as one tile,
-one online-softmax update per 128 keys; a list of odd length ends with a masked half.
+``key_pairs`` (default for 128-row query blocks over 64-key lists and for every 32-key list, `auto_key_pairs`): a
+step loads two consecutive list entries into one stage of ``2 * block_k`` keys (two TMA copies onto one barrier)
+and computes them as one tile, one online-softmax update per step; a list of odd length ends with a masked half.
+32-key lists always run this way (wgmma's ``P V`` needs 64 keys with the 128-byte swizzle).
 
 Causality is decided on original positions. Without permutations a row's position is
 ``row + q_offset`` and a key's its index, and the mask is only computed for blocks whose
@@ -36,7 +37,7 @@ reads the original positions from int32 vectors and masks every block. Single ke
 run as a second pass of the same kernel over key tiles gathered per query block, merged
 with `merge_attention`.
 
-Limits: bf16 / fp16 only; ``block_q`` 64 or 128; ``block_k`` 64 or 128; head dims are
+Limits: bf16 / fp16 only; ``block_q`` 64 or 128; ``block_k`` 32, 64 or 128; head dims are
 zero-padded to a multiple of 64, at most 128. Out: ``[B, T, N, D]`` in q's dtype, lse
 ``[B, N, T]`` float32 (natural log); empty rows give 0 / -inf; non-finite inputs follow
 `pallas_kernels.nonfinite` (a visible NaN / inf key or value makes the row NaN).
@@ -71,7 +72,7 @@ from pallas_kernels.tiling import pad_to as _pad_to
 BLOCK_Q = 128  # two consumer warpgroups of 64 rows
 WG_ROWS = fa3.WG_ROWS
 BLOCK_QS = (WG_ROWS, BLOCK_Q)
-BLOCK_KS = (64, 128)
+BLOCK_KS = (32, 64, 128)
 # Shared memory per CTA on sm90 (the opt-in maximum); `smem_bytes` counts what the kernel asks for.
 _SMEM_LIMIT = 227 * 1024
 _SMEM_ALIGN = 1024  # Mosaic GPU pads every shared-memory buffer to this
@@ -85,7 +86,7 @@ class MosaicConfig:
     """Static parameters of one kernel launch.
 
     Attributes:
-      block_k: key rows per tile (64 or 128).
+      block_k: key rows per list entry (32, 64 or 128).
       head_dim: padded head dim (64 or 128).
       stages: K/V shared-memory stages the producer runs ahead (>= 2).
       groups: query heads per key/value head of the kernel's k / v operands.
@@ -139,11 +140,12 @@ def _align(x: int) -> int:
     return -(-x // _SMEM_ALIGN) * _SMEM_ALIGN
 
 
-def _pair_v_stages(stages: int, block_q: int) -> int:
-    """V stages per ring with `key_pairs` steps of 128 keys: one per consumer with 64-row query blocks (K keeps
-    ``stages``, so the next K pair loads during a step while V, needed only after the softmax, is refilled behind
-    ``P V``; two rings of two K and two V stages of 128 keys do not fit), else ``stages``."""
-    return 1 if block_q == WG_ROWS else stages
+def _pair_v_stages(stages: int, block_q: int, block_k: int) -> int:
+    """V stages per ring with `key_pairs` steps of ``2 * block_k`` keys: one per consumer with 64-row query blocks
+    and 128-key steps (K keeps ``stages``, so the next K pair loads during a step while V, needed only after the
+    softmax, is refilled behind ``P V``; two rings of two K and two V stages of 128 keys do not fit), else
+    ``stages``."""
+    return 1 if block_q == WG_ROWS and 2 * block_k > 64 else stages
 
 
 def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q, *, pair: bool = False) -> int:
@@ -161,7 +163,7 @@ def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q,
             raise ValueError(f"{name}: expected {want}; received {value!r}")
     kt = block_k * (2 if pair else 1)
     k_slots = _rings(block_q) * stages
-    v_slots = _rings(block_q) * (_pair_v_stages(stages, block_q) if pair else stages)
+    v_slots = _rings(block_q) * (_pair_v_stages(stages, block_q, block_k) if pair else stages)
     tiles = (_align(2 * WG_ROWS * head_dim * 2) + _align(k_slots * kt * head_dim * 2)
              + _align(v_slots * kt * head_dim * 2))
     positions = _align(max(2 * WG_ROWS * 4, (2 * WG_ROWS + v_slots * kt) * 4))
@@ -197,12 +199,15 @@ def auto_key_pairs(layout: BlockLayout, num_stages: int | None) -> bool:
     and 50.5 -> 46.2 ms on its Vertical-Slash index at 128k (aligned blocks); with 64-row query blocks (one V
     stage per consumer) they gained nothing (1.76 / 7.33 / 31.77 -> 1.79 / 7.47 / 31.84 ms on the top-100 mask
     at 32k / 128k / 512k), so those stay on one entry per step. Dense 64-key layouts at 32k / 128k / 512k: 14.54 /
-    235.6 / 3915 ms -> 12.70 / 208.8 / 3434 ms (cuDNN 12.31 / 217.5 / 3914)."""
-    return layout.block_q == BLOCK_Q and layout.block_k == 64 and num_stages is None
+    235.6 / 3915 ms -> 12.70 / 208.8 / 3434 ms (cuDNN 12.31 / 217.5 / 3914). Always on for 32-key lists (a step of
+    one 32-key entry does not lower)."""
+    return layout.block_k == 32 or (layout.block_q == BLOCK_Q and layout.block_k == 64 and num_stages is None)
 
 
 def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair: bool = False) -> None:
-    """The Mosaic GPU kernel's own limits (raised before anything is traced); ``pair``: `key_pairs` steps."""
+    """The Mosaic GPU kernel's own limits (raised before anything is traced); ``pair``: `key_pairs` steps (32-key
+    lists always run in pairs: the ``P V`` product needs 64 keys)."""
+    pair = pair or layout.block_k == 32
     fa3.check_q(q)
     if layout.block_q not in BLOCK_QS:
         raise ValueError(f"layout.block_q: expected one of {BLOCK_QS} for implementation='mosaic_gpu' "
@@ -211,9 +216,9 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair:
     if layout.block_k not in BLOCK_KS:
         raise ValueError(f"layout.block_k: expected one of {BLOCK_KS} for implementation='mosaic_gpu'; "
                          f"received {layout.block_k}")
-    if pair and layout.block_k != 64:
-        raise ValueError(f"layout.block_k: expected 64 with key_pairs=True (steps of two 64-key entries); "
-                         f"received {layout.block_k}")
+    if pair and layout.block_k > 64:
+        raise ValueError(f"layout.block_k: expected 32 or 64 with key_pairs=True (steps of two list entries, at "
+                         f"most 128 keys); received {layout.block_k}")
     d = q.shape[-1]
     d_pad = fa3.padded_head_dim(d)
     fit = max_stages(layout.block_k, d_pad, layout.block_q, pair=pair)
@@ -239,7 +244,8 @@ def preferred(q: jax.Array, layout: BlockLayout, kv_heads: int) -> bool:
     Vertical-Slash index (1000 / 6096, one H100, 2026-11-27, `minference-side-by-side-vs-aligned_*`) the
     pattern's default form, 128-row aligned 64-key blocks plus columns, took 3.43 / 42.2 / 322.9 ms against
     Triton's 4.45 / 54.7 / 425.6 at 32k / 128k / 512k (1.30-1.32x), and 64-row aligned blocks 3.28 / 40.7 / 290.4
-    against 4.03 / 51.4 / 357.9. Not when the layout permutes keys per query head over grouped heads (``kv_heads``,
+    against 4.03 / 51.4 / 357.9; with 32-key entries (`minference-side-by-side-vs-32key-*`) 64-row aligned blocks
+    3.29 / 35.6 / 248.4 ms against Triton's 4.21 / 49.4 / 328.1. Not when the layout permutes keys per query head over grouped heads (``kv_heads``,
     k's heads, fewer than q's): this kernel would copy k / v once per query head (2 x 14.7 GB at 1M tokens,
     28 / 4 heads), Triton gathers the permuted rows in the kernel.
 
@@ -598,7 +604,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
-        pair=pair, v_stages=_pair_v_stages(stages, block_q) if pair else stages,
+        pair=pair, v_stages=_pair_v_stages(stages, block_q, block_k) if pair else stages,
     )
     items = (tp // BLOCK_Q) * n * b
     cfg = dataclasses.replace(cfg, grid=min(items, num_cores()) if persistent else items)
@@ -768,10 +774,10 @@ def block_sparse_attention_mosaic_gpu(
     elsewhere (dense 0.89 / 0.92 / 0.95x cuDNN at 32k / 128k / 512k against 0.97 / 1.04 / 1.15x; random 10% at
     512k 0.92 against 1.09): its static round-robin of items balances worse than the hardware's CTA scheduler.
 
-    ``key_pairs``: each step computes two consecutive entries of a 64-key list as one 128-key tile (one online
-    softmax update and one schedule hand-over per 128 keys; layout.block_k must be 64), with ``num_stages``
-    (default 2) stages of 128 keys. With 64-row query blocks V has one stage per consumer (`_pair_v_stages`).
-    None (default): `auto_key_pairs`.
+    ``key_pairs``: each step computes two consecutive entries of a 32- or 64-key list as one tile of 64 / 128 keys
+    (one online softmax update and one schedule hand-over per step), with ``num_stages`` stages of that many keys.
+    With 64-row query blocks and 128-key steps V has one stage per consumer (`_pair_v_stages`). None (default):
+    `auto_key_pairs`; 32-key lists always run in pairs (False is refused).
 
     ``column_pass``: how the layout's single key columns are computed: ``"triton"`` (default) runs the Pallas
     Triton kernel on the columns alone (it gathers them inside the kernel); ``"mosaic"`` gathers them into key tiles
@@ -791,8 +797,11 @@ def block_sparse_attention_mosaic_gpu(
     d_pad = fa3.padded_head_dim(d)
     if key_pairs is None:
         key_pairs = auto_key_pairs(layout, num_stages)
-    elif key_pairs:  # block_k 64, and num_stages 128-key stages that fit
+    elif key_pairs:  # block_k 32 or 64, and num_stages paired stages that fit
         check_supported(q, layout, num_stages, pair=True)
+    elif layout.block_k == 32:
+        raise ValueError("key_pairs: expected True or None for layout.block_k=32 (32-key entries run two per step: "
+                         "the P V product needs 64 keys); received False")
     stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
     t_pad = _round_up(layout.num_q_blocks * layout.block_q, BLOCK_Q)
     q_orig, k_orig, v_orig = q, k, v

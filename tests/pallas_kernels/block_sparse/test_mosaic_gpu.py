@@ -84,7 +84,8 @@ def test_permuted_layout_with_columns_and_window_lowers_for_cuda():
 @pytest.mark.parametrize("change,kw,match", [
     ("f32", {}, r"q: expected dtype bfloat16 or float16"),
     ("bq32", {}, r"layout.block_q: expected one of \(64, 128\)"),
-    ("bk32", {}, r"layout.block_k: expected one of \(64, 128\)"),
+    ("bk16", {}, r"layout.block_k: expected one of \(32, 64, 128\)"),
+    ("bk32", {"num_stages": 5}, r"num_stages: expected an int in \[2, 4\].*key_pairs"),  # 32 keys: pairs
     ("d192", {}, r"head dim D <= 128"),
     ("bq64bk128", {}, r"block_q=64 with block_k=128 and D=128 needs"),
     (None, {"num_warps": 4}, r"num_warps: expected None"),
@@ -97,7 +98,7 @@ def test_mosaic_rejects_unsupported_input_before_launch(change, kw, match):
     dtype = jnp.float32 if change == "f32" else jnp.bfloat16
     q, k, v = random_qkv(0, 1, 200, 200, 2, 1, d, dtype)
     bq = {"bq32": 32, "bq64bk128": 64}.get(change, 128)
-    bk = {"bk32": 32, "bq64bk128": 128}.get(change, 64)
+    bk = {"bk16": 16, "bk32": 32, "bq64bk128": 128}.get(change, 64)
     layout = BlockLayout.dense_causal(200, 200, block_q=bq, block_k=bk)
     with pytest.raises(ValueError, match=match):
         block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu", **kw)
@@ -127,14 +128,15 @@ def test_most_stages_that_fit_lower_for_cuda(bq, perm):
         _lower((1, 1000, 8, 128), (1, 1000, 8, 128), jnp.bfloat16, layout, num_stages=st + 1)
 
 
-@pytest.mark.parametrize("bq,perm,windows", [(64, False, False), (64, True, False), (128, True, False),
-                                             (64, False, True)])
-def test_key_pairs_lower_for_cuda(bq, perm, windows):
-    """``key_pairs=True`` (two 64-key entries per 128-key stage) lowers with its default stages in the 227 KiB,
-    with and without positions and key windows; one more K stage is over the shared memory Mosaic GPU counts (as
-    `smem_bytes` says) and is refused before tracing."""
+@pytest.mark.parametrize("bq,perm,windows,bk", [(64, False, False, 64), (64, True, False, 64), (128, True, False, 64),
+                                                (64, False, True, 64), (64, True, True, 32), (128, False, False, 32)])
+def test_key_pairs_lower_for_cuda(bq, perm, windows, bk):
+    """``key_pairs=True`` (two 64-key entries per 128-key stage, or two 32-key ones per 64-key stage) lowers with
+    its default stages in the 227 KiB, with and without positions and key windows; one more K stage is over the
+    shared memory Mosaic GPU counts (as `smem_bytes` says) and is refused before tracing. 32-key entries one per
+    step do not lower (wgmma's K of 64 with the 128-byte swizzle) and are refused."""
     t = 1000
-    layout = BlockLayout.dense_causal(t, t, block_q=bq, block_k=64)
+    layout = BlockLayout.dense_causal(t, t, block_q=bq, block_k=bk)
     if perm:
         p = jnp.asarray(np.random.default_rng(0).permutation(t), jnp.int32)[None, None]
         layout = dataclasses.replace(layout, q_perm=p, kv_perm=p)
@@ -143,10 +145,16 @@ def test_key_pairs_lower_for_cuda(bq, perm, windows):
     run = functools.partial(_lower, (1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, layout,
                             block_sparse_attention_mosaic_gpu, sm_scale=0.1, key_pairs=True)
     run()
-    st = max_stages(64, 128, bq, pair=True)
-    assert st == (2 if bq == 64 else 3) and smem_bytes(64, 128, st + 1, bq, pair=True) > 227 * 1024
-    with pytest.raises(ValueError, match=rf"num_stages: expected an int in \[2, {st}\]"):
-        run(num_stages=st + 1)
+    st = max_stages(bk, 128, bq, pair=True)
+    assert st == {(64, 64): 2, (128, 64): 3, (64, 32): 3, (128, 32): 4}[bq, bk]
+    if st < 4:
+        assert smem_bytes(bk, 128, st + 1, bq, pair=True) > 227 * 1024
+        with pytest.raises(ValueError, match=rf"num_stages: expected an int in \[2, {st}\]"):
+            run(num_stages=st + 1)
+    if bk == 32:
+        run(num_stages=st)
+        with pytest.raises(ValueError, match="key_pairs: expected True or None for layout.block_k=32"):
+            run(key_pairs=False)
 
 
 def test_key_pairs_shared_memory_count():

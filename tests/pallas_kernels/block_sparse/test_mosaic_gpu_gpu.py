@@ -190,7 +190,8 @@ def test_mosaic_persistent_grid_runs_many_items_per_cta(block_q, perm, columns):
 @needs_hopper
 @pytest.mark.parametrize("bq,bk,perm,columns,column_pass", [
     (128, 64, False, 0, "mosaic"), (64, 64, False, 24, "triton"), (64, 64, True, 24, "mosaic"),
-    (128, 128, True, 0, "mosaic"), (64, 64, False, 24, "mosaic")])
+    (128, 128, True, 0, "mosaic"), (64, 64, False, 24, "mosaic"), (64, 32, True, 24, "triton"),
+    (128, 32, False, 0, "mosaic")])
 def test_mosaic_key_windows_match_dense(bq, bk, perm, columns, column_pass):
     """Key windows at any start (`BlockLayout.kv_windows`, overlapping ones trimmed), ragged suffix queries, GQA,
     an empty query block; single columns through either column pass."""
@@ -203,27 +204,34 @@ def test_mosaic_key_windows_match_dense(bq, bk, perm, columns, column_pass):
 
 
 @needs_hopper
-@pytest.mark.parametrize("bq,perm,columns,windows,gap,density", [
-    (64, False, 0, False, 0, 0.3),    # odd and even list lengths: a masked half ends odd lists
-    (64, False, 0, False, 0, 0.05),   # lists of one entry, very different lengths (idle steps), empty rows
-    (128, False, 0, False, 0, 0.3),
-    (64, True, 24, False, 0, 0.3),    # positions with the V slot, single columns merged
-    (128, True, 0, False, 64, 0.5),   # positions and a causal gap
-    (64, False, 0, True, 0, 0.0),     # key windows: two window tiles per step
+@pytest.mark.parametrize("bq,perm,columns,windows,gap,density,bk", [
+    (64, False, 0, False, 0, 0.3, 64),    # odd and even list lengths: a masked half ends odd lists
+    (64, False, 0, False, 0, 0.05, 64),   # lists of one entry, very different lengths (idle steps), empty rows
+    (128, False, 0, False, 0, 0.3, 64),
+    (64, True, 24, False, 0, 0.3, 64),    # positions with the V slot, single columns merged
+    (128, True, 0, False, 64, 0.5, 64),   # positions and a causal gap
+    (64, False, 0, True, 0, 0.0, 64),     # key windows: two window tiles per step
+    (64, False, 0, False, 0, 0.3, 32),    # 32-key entries, two per 64-key step
+    (128, True, 24, False, 64, 0.2, 32),
+    (64, True, 0, True, 0, 0.0, 32),
 ])
-def test_mosaic_key_pairs_match_dense(bq, perm, columns, windows, gap, density):
-    """``key_pairs=True``: two consecutive 64-key entries per 128-key step (64-row query blocks: two K stages and
-    one V stage per consumer) give the masked dense result and the lse of the one-entry steps."""
+def test_mosaic_key_pairs_match_dense(bq, perm, columns, windows, gap, density, bk):
+    """``key_pairs=True``: two consecutive entries per step (64-row query blocks and 64-key entries: two K stages
+    and one V stage per consumer) give the masked dense result and the lse of the one-entry steps (32-key entries:
+    of the Triton kernel)."""
     b, t, s, n, kh, d = 1, 1000, 1300, 8, 2, 128
-    rng = np.random.default_rng(bq + 3 * perm + columns + 5 * windows + gap + int(100 * density))
+    rng = np.random.default_rng(bq + 3 * perm + columns + 5 * windows + gap + int(100 * density) + bk)
     q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)
     if windows:
-        layout = random_window_layout(rng, b, n, t, s, bq, 64, columns=columns, perm=perm, max_windows=13)
+        layout = random_window_layout(rng, b, n, t, s, bq, bk, columns=columns, perm=perm, max_windows=13)
     else:
-        layout = random_layout(rng, b, n, t, s, bq, 64, density=density, perm=perm, columns=columns)
+        layout = random_layout(rng, b, n, t, s, bq, bk, density=density, perm=perm, columns=columns)
         layout = layout.replace(gap=gap)
     out, lse = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5, key_pairs=True)
     _check(out, lse, q, k, v, layout, jnp.bfloat16)
-    _, lse_one = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5)
+    if bk == 32:
+        _, lse_one = block_sparse_attention(q, k, v, layout, implementation="triton")
+    else:
+        _, lse_one = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5, key_pairs=False)
     fin = np.isfinite(np.asarray(lse_one))
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_one)[fin], atol=1e-2)
