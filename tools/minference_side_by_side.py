@@ -207,7 +207,9 @@ def vs_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flop
                  VsForm(64, 32, True, ("triton",), dt), VsForm(64, 32, True, ("triton",), dt, window_tail_cap=256),
                  # 32-key entries on Mosaic: two per 64-key step (key_pairs, always on for 32-key lists)
                  VsForm(64, 32, False, ("triton", "mosaic_gpu")), VsForm(64, 32, True, ("mosaic_gpu",), dt, 8),
-                 VsForm(128, 32, True, ("mosaic_gpu",), dt, 8)):
+                 VsForm(128, 32, True, ("mosaic_gpu",), dt, 8),
+                 # longer run tails as columns (fewer computed pairs; more columns, so a higher cap)
+                 VsForm(64, 32, True, ("mosaic_gpu",), 8, 8, 4096), VsForm(64, 32, True, ("mosaic_gpu",), 12, 8, 4096)):
         bq, bk, windows, impls, tail, align, cap = form
         pattern = VerticalSlash(vertical_size=args.vertical, slash_size=args.slash, last_q=64,
                                 max_blocks=2 * (s // bk) + args.slash, windows=windows, block_q=bq, block_k=bk,
@@ -314,8 +316,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--indexes", type=lambda x: x.split(","), default=["block", "vs"],
                     help="which indexes to run: block (pooled top-k), vs (vertical-slash)")
-    ap.add_argument("--select", type=lambda x: x.split(","), default=[],
-                    help="only our variants whose 'impl: layout' contains one of these substrings")
+    ap.add_argument("--select", type=lambda x: x.split(";"), default=[],
+                    help="only our variants whose 'impl: layout' contains one of these ';'-separated substrings "
+                         "(layout names hold commas)")
     args = ap.parse_args(argv)
     import torch
 

@@ -46,8 +46,8 @@ def block_sparse_attention(
         ``layout.window``, keys too near / too far; those need ``causal=True``).
       implementation: ``"reference"`` (pure JAX), ``"triton"`` (Pallas Triton) or
         ``"mosaic_gpu"`` (Pallas Mosaic GPU, Hopper only: bf16 / fp16, ``block_q`` 64 or 128,
-        ``block_k`` 32, 64 or 128 (not 128 with ``block_q`` 64 and D > 64), D <= 128); None picks mosaic_gpu on an sm90
-        GPU where it supports the inputs and the layout has no key windows and no single key columns permuted per
+        ``block_k`` 32, 64 or 128 (not 128 with ``block_q`` 64 and D > 64), D <= 128); None picks mosaic_gpu on an
+        sm90 GPU where it supports the inputs and the layout has no key windows and no single key columns permuted per
         query head over grouped heads (`mosaic_gpu.preferred`; and no Triton launch parameter is given), triton on
         other GPUs, reference on CPU unless ``interpret``.
       interpret: run the Pallas Triton kernel in interpret mode (CPU); not for mosaic_gpu.

@@ -245,13 +245,14 @@ def preferred(q: jax.Array, layout: BlockLayout, kv_heads: int) -> bool:
     pattern's default form, 128-row aligned 64-key blocks plus columns, took 3.43 / 42.2 / 322.9 ms against
     Triton's 4.45 / 54.7 / 425.6 at 32k / 128k / 512k (1.30-1.32x), and 64-row aligned blocks 3.28 / 40.7 / 290.4
     against 4.03 / 51.4 / 357.9; with 32-key entries (`minference-side-by-side-vs-32key-*`) 64-row aligned blocks
-    3.29 / 35.6 / 248.4 ms against Triton's 4.21 / 49.4 / 328.1. Not when the layout permutes keys per query head over grouped heads (``kv_heads``,
-    k's heads, fewer than q's): this kernel would copy k / v once per query head (2 x 14.7 GB at 1M tokens,
-    28 / 4 heads), Triton gathers the permuted rows in the kernel.
+    3.29 / 35.6 / 248.4 ms against Triton's 4.21 / 49.4 / 328.1. Not when the layout permutes keys per query head
+    over grouped heads (``kv_heads``, k's heads, fewer than q's): this kernel would copy k / v once per query head
+    (2 x 14.7 GB at 1M tokens, 28 / 4 heads), Triton gathers the permuted rows in the kernel.
 
     Key windows stay on Triton: `window_tiles` turns a window that does not start on a multiple of 8 into two
-    tiles, so only windows built with ``window_align=8`` were timed faster here (3.50 / 38.8 / 256 ms against
-    Triton's 3.78 / 46.1 / 304.5), and the layout does not record its alignment."""
+    tiles, and the layout does not record its alignment. Windows built with ``window_align=8`` ran faster here
+    (pass ``implementation="mosaic_gpu"``): 64-row 64-key windows 3.50 / 38.8 / 256 ms against Triton's 3.78 /
+    46.1 / 304.5, and 64-row 32-key windows 3.33 / 36.4 / 240.4 ms, 1.22 / 1.27 / 1.33x MInference's kernel."""
     try:
         check_supported(q, layout, None)
     except ValueError:
