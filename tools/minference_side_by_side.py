@@ -18,7 +18,10 @@ D=128, bf16, causal, as in the issue. Two indexes per length:
   128- or 64-row query block, or 64- or 32-key windows with ``windows=True``, with and without the short run
   tails as single columns, ``window_tail``, and windows from multiples of 8, ``window_align``), on Triton and
   Mosaic GPU (``mosaic_gpu+triton``: the Mosaic kernel with the single columns in a Triton pass; ``+pairs``:
-  two 64-key entries per 128-key step).
+  two 64-key entries per 128-key step; 32-key lists always run two entries per 64-key step).
+
+``--select "A;B"``: only our variants whose "impl: layout" name contains A or B (';'-separated: layout names hold
+commas), e.g. ``--select "mosaic_gpu: 64 rows, 32-key windows"``; MInference's kernel runs at every length.
 
 Columns: ms (median of ``--reps`` samples, each ``--calls`` queued calls: CUDA events for torch, one
 ``block_until_ready`` for JAX), computed pairs / named pairs (named: the pairs the index names: causal
