@@ -47,9 +47,9 @@ def block_sparse_attention(
       implementation: ``"reference"`` (pure JAX), ``"triton"`` (Pallas Triton) or
         ``"mosaic_gpu"`` (Pallas Mosaic GPU, Hopper only: bf16 / fp16, ``block_q`` 64 or 128,
         ``block_k`` 32, 64 or 128 (not 128 with ``block_q`` 64 and D > 64), D <= 128); None picks mosaic_gpu on an
-        sm90 GPU where it supports the inputs and the layout has no key windows and no single key columns permuted per
-        query head over grouped heads (`mosaic_gpu.preferred`; and no Triton launch parameter is given), triton on
-        other GPUs, reference on CPU unless ``interpret``.
+        sm90 GPU where it supports the inputs and the layout has no key windows off multiples of 8 and no single key
+        columns permuted per query head over grouped heads (`mosaic_gpu.preferred`; and no Triton launch parameter
+        is given), triton on other GPUs, reference on CPU unless ``interpret``.
       interpret: run the Pallas Triton kernel in interpret mode (CPU); not for mosaic_gpu.
       num_warps, num_stages: Triton launch parameters (defaults by head dim); for mosaic_gpu
         ``num_stages`` is the K/V shared-memory stages (default `mosaic_gpu.default_stages`, at most

@@ -88,6 +88,10 @@ class BlockLayout:
         keys at positions > p - window only (0: no window).
       kv_windows: ``kv_blocks`` holds key-window starts rather than block ids (static; module
         docstring, "Key windows").
+      window_align: with ``kv_windows``, every listed window start > 0 is a multiple of this (static,
+        >= 1; 1 = any start; a start <= 0 computes from key 0). A promise the builder makes (checked on
+        concrete layouts): the Mosaic GPU kernel loads a window starting on a multiple of 8 as one tile,
+        else as two, so `mosaic_gpu.preferred` takes window layouts only with ``window_align % 8 == 0``.
     """
 
     kv_blocks: jax.Array
@@ -103,6 +107,7 @@ class BlockLayout:
     gap: int = dataclasses.field(default=0, metadata=dict(static=True))
     window: int = dataclasses.field(default=0, metadata=dict(static=True))
     kv_windows: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    window_align: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -397,6 +402,9 @@ class BlockLayout:
             checkify.check(~jnp.any(used[..., 1:] & (blocks[..., 1:] <= blocks[..., :-1])),
                            "layout.kv_blocks: expected strictly ascending window starts per query block "
                            "(kv_windows)")
+            checkify.check(jnp.all((ids <= 0) | (ids % self.window_align == 0)),
+                           f"layout.kv_blocks: expected window starts > 0 that are multiples of window_align="
+                           f"{self.window_align}")
             listed = jnp.where(used, blocks, self.kv_len + self.block_k)  # ascending, unused last
         else:
             checkify.check(jnp.all((ids >= 0) & (ids < nk)),

@@ -249,15 +249,16 @@ def preferred(q: jax.Array, layout: BlockLayout, kv_heads: int) -> bool:
     over grouped heads (``kv_heads``, k's heads, fewer than q's): this kernel would copy k / v once per query head
     (2 x 14.7 GB at 1M tokens, 28 / 4 heads), Triton gathers the permuted rows in the kernel.
 
-    Key windows stay on Triton: `window_tiles` turns a window that does not start on a multiple of 8 into two
-    tiles, and the layout does not record its alignment. Windows built with ``window_align=8`` ran faster here
-    (pass ``implementation="mosaic_gpu"``): 64-row 64-key windows 3.50 / 38.8 / 256 ms against Triton's 3.78 /
-    46.1 / 304.5, and 64-row 32-key windows 3.33 / 36.4 / 240.4 ms, 1.22 / 1.27 / 1.33x MInference's kernel."""
+    Key windows only with ``layout.window_align`` a multiple of 8 (`window_tiles` loads a window that does not
+    start on a multiple of 8 as two tiles; unaligned windows stay on Triton). Aligned windows ran faster on every
+    layout timed: 64-row 64-key windows from multiples of 8, 3.50 / 38.8 / 256 ms against Triton's unaligned
+    3.78 / 46.1 / 304.5, and 64-row 32-key windows 3.21 / 34.8 / 228.4 ms (tails <= 12 as columns), 1.28 / 1.31 /
+    1.40x MInference's kernel, where Triton's unaligned 32-key windows ran 1.09 / 1.10 / 1.12x."""
     try:
         check_supported(q, layout, None)
     except ValueError:
         return False
-    if layout.kv_windows:
+    if layout.kv_windows and layout.window_align % 8:
         return False
     if layout.kv_columns is None:
         return True

@@ -76,6 +76,11 @@ def check_layout_values(layout: BlockLayout) -> None:
         raise ValueError(f"layout.gap: expected an int >= 0 (causal gap); received {layout.gap!r}")
     if not isinstance(layout.window, (int, np.integer)) or isinstance(layout.window, bool) or layout.window < 0:
         raise ValueError(f"layout.window: expected an int >= 0 (causal window, 0 = none); received {layout.window!r}")
+    align = layout.window_align
+    if not isinstance(align, (int, np.integer)) or isinstance(align, bool) or align < 1:
+        raise ValueError(f"layout.window_align: expected an int >= 1; received {align!r}")
+    if align > 1 and not layout.kv_windows:
+        raise ValueError(f"layout.window_align: expected 1 for a layout without kv_windows; received {align}")
     nk = layout.num_kv_blocks
     blocks, count = _concrete(layout.kv_blocks), _concrete(layout.kv_block_count)
     if blocks is not None and count is not None:
@@ -135,7 +140,8 @@ def check_layout_values(layout: BlockLayout) -> None:
 
 
 def _check_windows(layout: BlockLayout, starts: np.ndarray, used: np.ndarray, ids: np.ndarray) -> None:
-    """Key-window starts (``kv_windows``): in ``(-block_k, kv_len)``, strictly ascending per query block."""
+    """Key-window starts (``kv_windows``): in ``(-block_k, kv_len)``, strictly ascending per query block,
+    those > 0 multiples of ``window_align``."""
     bk, s = layout.block_k, layout.kv_len
     if ids.size and (ids.min() <= -bk or ids.max() >= s):
         raise ValueError(f"layout.kv_blocks: expected window starts in ({-bk}, {s}) (kv_windows, block_k={bk}); "
@@ -143,6 +149,10 @@ def _check_windows(layout: BlockLayout, starts: np.ndarray, used: np.ndarray, id
     if (used[..., 1:] & (np.diff(starts, axis=-1) <= 0)).any():
         raise ValueError("layout.kv_blocks: expected strictly ascending window starts per query block "
                          "(kv_windows)")
+    bad = ids[(ids > 0) & (ids % layout.window_align != 0)]
+    if bad.size:
+        raise ValueError(f"layout.kv_blocks: expected window starts > 0 that are multiples of layout.window_align="
+                         f"{layout.window_align}; received e.g. {int(bad[0])}")
 
 
 def _check_columns_outside_windows(layout: BlockLayout, starts, count, cols, col_used) -> None:

@@ -296,5 +296,10 @@ def test_vertical_slash_aligned_windows_start_on_multiples_of_8(t, s):
     out, _ = block_sparse_attention(q, k, v, lays[8], implementation="reference")
     ref, _ = masked_dense_attention(q, k, v, lays[8].to_dense_mask())
     assert rel_err(out, ref) < 1e-5
+    assert lays[8].window_align == 8 and lays[1].window_align == 1  # the promise the Mosaic dispatch reads
+    with pytest.raises(ValueError, match="layout.kv_blocks: expected window starts > 0 that are multiples of"):
+        check_layout_values(lays[1].replace(window_align=8))
     with pytest.raises(ValueError, match="window_align: expected a divisor of block_q=64"):
         VerticalSlash(windows=True, block_q=64, window_align=48).validate()
+    with pytest.raises(ValueError, match="window_align: expected a divisor of block_q=64 and block_k=32"):
+        VerticalSlash(windows=True, block_q=64, block_k=32, window_align=64).validate()

@@ -88,7 +88,8 @@ class VerticalSlash(Pattern):
     tiles); with ``block_q=64, windows=True, window_align=8`` it ran MInference's index 1.18 / 1.25 / 1.30x
     faster than MInference at 32k / 128k / 512k (one H100, 2026-11-27, README), and with ``block_k=32,
     window_tail=12, window_tail_cap=4096`` added 1.28 / 1.31 / 1.40x while computing 1.059 / 1.074 / 1.082x the
-    pairs the index names (``implementation="mosaic_gpu"``: window layouts default to Triton).
+    pairs the index names. The layouts carry ``window_align``; aligned to 8 they run on the Mosaic GPU kernel by
+    default on sm90 (`mosaic_gpu.preferred`).
     """
 
     vertical_size: int = 1000
@@ -112,8 +113,8 @@ class VerticalSlash(Pattern):
         check_int("window_tail", self.window_tail, 0)
         check_int("window_tail_cap", self.window_tail_cap, 1)
         check_int("window_align", self.window_align, 1)
-        if self.windows and self.block_q % self.window_align:
-            raise ValueError(f"window_align: expected a divisor of block_q={self.block_q}; "
+        if self.windows and (self.block_q % self.window_align or self.block_k % self.window_align):
+            raise ValueError(f"window_align: expected a divisor of block_q={self.block_q} and block_k={self.block_k}; "
                              f"received {self.window_align}")
         if self.max_blocks is not None:
             check_int("max_blocks", self.max_blocks, 1)
@@ -286,7 +287,7 @@ class VerticalSlash(Pattern):
         kv_cols = compact_columns(all_cols, col_ok)
         return BlockLayout(kv_blocks=blocks.astype(jnp.int32), kv_block_count=count, kv_columns=kv_cols,
                            kv_column_count=col_ok.sum(-1).astype(jnp.int32), block_q=bq, block_k=bk, q_len=t,
-                           kv_len=s, kv_windows=True)
+                           kv_len=s, kv_windows=True, window_align=self.window_align)
 
     def build_layout(self, q, k, *, modality=None) -> BlockLayout:
         cols, offsets, slash = self.estimate(q, k)

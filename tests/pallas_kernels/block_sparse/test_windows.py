@@ -159,16 +159,29 @@ def test_checkify_contract_check_knows_windows():
     err, _ = checkify.checkify(lambda lay: lay.check())(bad)
     with pytest.raises(checkify.JaxRuntimeError, match="strictly ascending"):
         err.throw()
+    aligned = good.replace(kv_blocks=jnp.asarray([[[[-3, 24]]]], jnp.int32), window_align=8)  # starts <= 0: any
+    err, _ = checkify.checkify(lambda lay: lay.check())(aligned)
+    err.throw()
+    check_layout_values(aligned)
+    err, _ = checkify.checkify(lambda lay: lay.check())(good.replace(window_align=8))  # 20 is no multiple of 8
+    with pytest.raises(checkify.JaxRuntimeError, match="multiples of window_align=8"):
+        err.throw()
+    with pytest.raises(ValueError, match="multiples of layout.window_align=8; received e.g. 20"):
+        check_layout_values(good.replace(window_align=8))
+    with pytest.raises(ValueError, match="layout.window_align: expected 1 for a layout without kv_windows"):
+        check_layout_values(good.replace(kv_windows=False, kv_blocks=jnp.asarray([[[[0, 1]]]], jnp.int32),
+                                          window_align=8))
 
 
 @pytest.mark.parametrize("bq,perm,columns", [(128, False, 0), (64, False, 5), (64, True, 0)])
 def test_mosaic_gpu_window_layouts_lower_for_cuda(bq, perm, columns):
-    """The Mosaic GPU kernel takes key windows (run on the GPU: test_mosaic_gpu_gpu.py); it is not the default
-    for them on sm90 (`preferred`)."""
+    """The Mosaic GPU kernel takes key windows (run on the GPU: test_mosaic_gpu_gpu.py); it is the default for
+    them on sm90 (`preferred`) only where the layout promises starts on multiples of 8 (``window_align``)."""
     lay = random_window_layout(np.random.default_rng(bq + perm), 1, 2, 300, 340, bq, 64, columns=columns, perm=perm)
     q = jnp.ones((1, 300, 2, 128), jnp.bfloat16)
     check_supported(q, lay, None)
     assert not preferred(q, lay, 1)
+    assert preferred(q, lay.replace(window_align=8), 1) and not preferred(q, lay.replace(window_align=4), 1)
     # the Mosaic column pass: the default Triton one needs a GPU to lower its Triton kernel
     f = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=0.1,
                                                                         column_pass="mosaic"))
