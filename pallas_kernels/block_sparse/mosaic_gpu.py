@@ -204,10 +204,11 @@ def auto_key_pairs(layout: BlockLayout, num_stages: int | None) -> bool:
     return layout.block_k == 32 or (layout.block_q == BLOCK_Q and layout.block_k == 64 and num_stages is None)
 
 
-def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair: bool = False) -> None:
-    """The Mosaic GPU kernel's own limits (raised before anything is traced); ``pair``: `key_pairs` steps (32-key
-    lists always run in pairs: the ``P V`` product needs 64 keys)."""
-    pair = pair or layout.block_k == 32
+def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair: bool | None = None) -> None:
+    """The Mosaic GPU kernel's own limits (raised before anything is traced); ``pair``: `key_pairs` steps (None: as
+    the kernel runs by default, `auto_key_pairs`)."""
+    if pair is None:
+        pair = auto_key_pairs(layout, stages)
     fa3.check_q(q)
     if layout.block_q not in BLOCK_QS:
         raise ValueError(f"layout.block_q: expected one of {BLOCK_QS} for implementation='mosaic_gpu' "

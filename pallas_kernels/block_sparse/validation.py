@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.block_sparse.layout import BlockLayout
-from pallas_kernels.checks import fmt_shape
+from pallas_kernels.checks import check_int, fmt_shape
 from pallas_kernels.tiling import cdiv
 
 
@@ -76,11 +76,10 @@ def check_layout_values(layout: BlockLayout) -> None:
         raise ValueError(f"layout.gap: expected an int >= 0 (causal gap); received {layout.gap!r}")
     if not isinstance(layout.window, (int, np.integer)) or isinstance(layout.window, bool) or layout.window < 0:
         raise ValueError(f"layout.window: expected an int >= 0 (causal window, 0 = none); received {layout.window!r}")
-    align = layout.window_align
-    if not isinstance(align, (int, np.integer)) or isinstance(align, bool) or align < 1:
-        raise ValueError(f"layout.window_align: expected an int >= 1; received {align!r}")
-    if align > 1 and not layout.kv_windows:
-        raise ValueError(f"layout.window_align: expected 1 for a layout without kv_windows; received {align}")
+    check_int("layout.window_align", layout.window_align, 1)
+    if layout.window_align > 1 and not layout.kv_windows:
+        raise ValueError(f"layout.window_align: expected 1 for a layout without kv_windows; received "
+                         f"{layout.window_align}")
     nk = layout.num_kv_blocks
     blocks, count = _concrete(layout.kv_blocks), _concrete(layout.kv_block_count)
     if blocks is not None and count is not None:
