@@ -210,7 +210,7 @@ def vs_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flop
                  VsForm(64, 32, True, ("triton",), dt), VsForm(64, 32, True, ("triton",), dt, window_tail_cap=256),
                  # 32-key entries on Mosaic: two per 64-key step (key_pairs, always on for 32-key lists)
                  VsForm(64, 32, False, ("triton", "mosaic_gpu")), VsForm(64, 32, True, ("mosaic_gpu",), dt, 8),
-                 VsForm(128, 32, True, ("mosaic_gpu",), dt, 8),
+                 VsForm(128, 32, True, ("triton", "mosaic_gpu"), dt, 8),
                  # longer run tails as columns (fewer computed pairs; more columns, so a higher cap)
                  VsForm(64, 32, True, ("mosaic_gpu",), 8, 8, 4096), VsForm(64, 32, True, ("mosaic_gpu",), 12, 8, 4096)):
         bq, bk, windows, impls, tail, align, cap = form

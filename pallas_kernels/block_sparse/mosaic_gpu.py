@@ -254,7 +254,9 @@ def preferred(q: jax.Array, layout: BlockLayout, kv_heads: int) -> bool:
     start on a multiple of 8 as two tiles; unaligned windows stay on Triton). Aligned windows ran faster on every
     layout timed: 64-row 64-key windows from multiples of 8, 3.50 / 38.8 / 256 ms against Triton's unaligned
     3.78 / 46.1 / 304.5, and 64-row 32-key windows 3.21 / 34.8 / 228.4 ms (tails <= 12 as columns), 1.28 / 1.31 /
-    1.40x MInference's kernel, where Triton's unaligned 32-key windows ran 1.09 / 1.10 / 1.12x."""
+    1.40x MInference's kernel, where Triton's unaligned 32-key windows ran 1.09 / 1.10 / 1.12x; on one layout, 128-row
+    32-key windows from multiples of 8 (tails <= 4 as columns), 3.96 / 48.3 ms against Triton's 4.98 / 58.0 at 32k /
+    128k (`minference-side-by-side-vs128-32key-aligned_*`)."""
     try:
         check_supported(q, layout, None)
     except ValueError:

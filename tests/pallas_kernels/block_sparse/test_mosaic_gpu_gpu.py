@@ -114,6 +114,15 @@ def test_default_on_sm90_is_mosaic_where_supported():
     cols = random_layout(rng, 1, 4, 512, 512, 128, 64, density=0.3, columns=24)  # single key columns: Mosaic
     np.testing.assert_array_equal(np.asarray(block_sparse_attention(q, k, v, cols)[0]),
                                   np.asarray(block_sparse_attention(q, k, v, cols, implementation="mosaic_gpu")[0]))
+    # key windows from multiples of 8 (window_align 8): Mosaic
+    starts = np.sort(np.stack([rng.choice(np.arange(0, 512 - 64, 8), 3, replace=False) for _ in range(4 * 8)]))
+    windows = BlockLayout(kv_blocks=jnp.asarray(starts.reshape(1, 4, 8, 3), jnp.int32),
+                          kv_block_count=jnp.full((1, 4, 8), 3, jnp.int32), block_q=64, block_k=64, q_len=512,
+                          kv_len=512, kv_windows=True, window_align=8)
+    out_w, lse_w = block_sparse_attention(q, k, v, windows)
+    out_wm, lse_wm = block_sparse_attention(q, k, v, windows, implementation="mosaic_gpu")
+    np.testing.assert_array_equal(np.asarray(out_w), np.asarray(out_wm))
+    np.testing.assert_array_equal(np.asarray(lse_w), np.asarray(lse_wm))
 
 
 @needs_hopper
@@ -235,3 +244,4 @@ def test_mosaic_key_pairs_match_dense(bq, perm, columns, windows, gap, density, 
         _, lse_one = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5, key_pairs=False)
     fin = np.isfinite(np.asarray(lse_one))
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_one)[fin], atol=1e-2)
+
