@@ -89,12 +89,11 @@ def init_rows(head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def qk(q_smem, k_tile, sched, block_k: int) -> jax.Array:
     """``S = Q K^T`` float32 ``[64, block_k]`` from the consumer's Q tile and a K tile ``[block_k, Dp]`` in shared
-    memory; the schedule handshake runs while the product is in flight (``sched`` None: consumers not paired)."""
+    memory; the schedule handshake runs while the product is in flight."""
 
     def scope(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_tile.transpose((1, 0)))
-        if sched is not None:
-            schedule(sched)
+        schedule(sched)
         return s_ref[...]
 
     return pl.run_scoped(scope, plgpu.ACC((WG_ROWS, block_k), jnp.float32))

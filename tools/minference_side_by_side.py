@@ -10,9 +10,8 @@ Inputs: a video-like input (`mmjax.sparse.synthetic.video_qkv`), B=1, 8 query an
 D=128, bf16, causal, as in the issue. Two indexes per length:
 
 * **block**: MInference's pooled top-100 key blocks per 64-row query block. Ours runs the identical
-  64 x 64 mask (Triton, and the Mosaic GPU kernel's 64-row mode, also with ``union_lists``: each tile of a
-  query-block pair's lists loaded once, each block computed for its own rows only) and, in the Mosaic GPU
-  kernel's 128-row mode, the union of each pair of 64-row lists (more pairs; the column says how many).
+  64 x 64 mask (Triton, and the Mosaic GPU kernel's 64-row mode) and, in the Mosaic GPU kernel's 128-row
+  mode, the union of each pair of 64-row lists (more pairs; the column says how many).
 * **vertical-slash**: 1000 verticals / 6096 slashes per head estimated from the last 64 queries
   (`VerticalSlash.estimate`). MInference computes 64-key windows along the slashes plus gathered
   columns; ours computes `VerticalSlash.layout_from_index` with no block cap (aligned 64-key blocks per
@@ -67,7 +66,6 @@ from mmjax.sparse.synthetic import video_qkv  # noqa: E402
 from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
 from pallas_kernels.block_sparse.layout import causal_pairs  # noqa: E402
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu  # noqa: E402
-from pallas_kernels.block_sparse.pair_union import union_of_pairs  # noqa: E402
 
 HEADS, D, BLOCK = 8, 128, 64
 matplotlib.use("Agg")
@@ -162,18 +160,10 @@ def block_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing
                          kv_len=s)
     for impl, lay, what in (("triton", lay64, "same 64x64 mask"), ("mosaic_gpu", lay64, "same 64x64 mask"),
                             ("mosaic_gpu+pairs", lay64, "same 64x64 mask"),
-                            ("mosaic_gpu+union", lay64, "same 64x64 mask"),
-                            ("mosaic_gpu+unpaired", lay64, "same 64x64 mask"),
-                            ("mosaic_gpu+unpaired+s3", lay64, "same 64x64 mask"),
-                            ("mosaic_gpu+union+s3", lay64, "same 64x64 mask"),
-                            ("mosaic_gpu+unpaired", lay128, "128-row union of the 64-row lists"),
                             ("mosaic_gpu", lay128, "128-row union of the 64-row lists"),
                             ("mosaic_gpu+single", lay128, "128-row union of the 64-row lists")):
         if selected(args, impl, what):
             row["ours"].append(time_ours(q, k, v, lay, impl, what, named, mi, timing, flops))
-    if selected(args, "mosaic_gpu+union", "same 64x64 mask"):  # the lists' union alone (inside the timed call)
-        build = jax.jit(lambda i, c: union_of_pairs(i, c, s // BLOCK))
-        row["union_build_ms"] = queued_median_ms(lambda: build(idx, count), **timing)
     if i == 0:
         ours = block_sparse_attention(q, k, v, lay64, implementation="triton")[0]
         row["rel_err_minference_vs_ours_same_mask"] = rel_err(
@@ -264,14 +254,10 @@ def time_ours(q, k, v, lay, impl, what, named, mi_ms, timing, flops) -> dict:
     """``impl``: an implementation of `block_sparse_attention` (plain "mosaic_gpu": the kernel's defaults, single
     columns in a Triton pass), or the Mosaic GPU kernel called with options: the columns in a Triton pass where the
     name ends in "+triton" and else in its Mosaic pass (``column_pass``), "+pairs" / "+single" (two 64-key entries
-    per 128-key step or one, ``key_pairs``; neither: `auto_key_pairs`), "+union" (``union_lists``: query-block pairs
-    over the union of their lists, built inside the timed call), "+unpaired" (``paired=False``: the consumers do
-    not alternate), "+s3" (``num_stages=3``)."""
+    per 128-key step or one, ``key_pairs``; neither: `auto_key_pairs`)."""
     if impl.startswith("mosaic_gpu+"):
         pairs = True if "+pairs" in impl else False if "+single" in impl else None
-        opts = dict(column_pass="triton" if impl.endswith("+triton") else "mosaic", key_pairs=pairs,
-                    union_lists="+union" in impl, paired="+unpaired" not in impl,
-                    num_stages=3 if "+s3" in impl else None)
+        opts = dict(column_pass="triton" if impl.endswith("+triton") else "mosaic", key_pairs=pairs)
         fn = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
                                                                              **opts)[0])
     else:
@@ -294,8 +280,6 @@ def report(row: dict) -> dict:
             continue
         print(f"{'':>36} {o['impl']:<10} {o['layout']:<34} {o['ms']:9.2f} ms (pairs/named {o['pairs_ratio']:.3f}, "
               f"{o['tflops']:.0f} TFLOP/s)  {o['speedup_vs_minference']:.2f}x MInference", flush=True)
-    if "union_build_ms" in row:
-        print(f"{'':>36} union_of_pairs alone {row['union_build_ms']:.2f} ms", flush=True)
     return row
 
 

@@ -22,7 +22,9 @@ list: every K/V tile is loaded once for 128 rows. With ``block_q == 64`` (the gr
 MInference's kernels: a diagonal band or a query block's own list costs half the pairs) each consumer
 owns one 64-row query block with its own list, and the producer fills one ring of stages per consumer;
 the consumer with the shorter list runs the schedule handshakes of the remaining steps without work,
-so the pair stays in step.
+so the pair stays in step. Tried and reverted (commit e01c079, `minference-side-by-side-union-*` results): one
+ring over the union of the two lists, each tile loaded once (20% fewer tiles on MInference's top-100 mask), ran
+slower (35.7-40.1 against 31.9 ms at 512k on an H100), and so did consumers without the schedule barrier.
 
 ``key_pairs`` (default for 128-row query blocks over 64-key lists and for every 32-key list, `auto_key_pairs`): a
 step loads two consecutive list entries into one stage of ``2 * block_k`` keys (two TMA copies onto one barrier)
@@ -63,7 +65,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import mosaic_fa3 as fa3
 from pallas_kernels.block_sparse.layout import BlockLayout
 from pallas_kernels.block_sparse.merge import merge_attention
-from pallas_kernels.block_sparse.pair_union import union_of_pairs
 from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
 from pallas_kernels.nonfinite import poison_keys
 from pallas_kernels.platform import num_cores
@@ -109,11 +110,6 @@ class MosaicConfig:
       pair: each step computes two consecutive list entries as one tile of ``2 * block_k`` keys (a list of odd
         length ends with a masked half).
       v_stages: V stages per ring (0: ``stages``); K keeps ``stages``.
-      union: (``block_q`` 128 items over a 64-row layout, `union_lists`) the lists are the unions of query-block
-        pairs (`pair_union.union_of_pairs`; ``own`` / ``own_count`` operands): the producer loads each listed tile
-        once, and each consumer computes only its own query block's entries and passes the others.
-      paired: the consumers alternate on the schedule barrier (one's softmax under the other's matrix products, as in
-        FlashAttention-3); else each runs its steps on its own (always with ``union``: their steps differ).
     """
 
     block_k: int
@@ -135,8 +131,6 @@ class MosaicConfig:
     windows: bool = False
     pair: bool = False
     v_stages: int = 0
-    union: bool = False
-    paired: bool = True
 
 
 def _rings(block_q: int) -> int:
@@ -212,16 +206,11 @@ def auto_key_pairs(layout: BlockLayout, num_stages: int | None) -> bool:
     return layout.block_k == 32 or (layout.block_q == BLOCK_Q and layout.block_k == 64 and num_stages is None)
 
 
-def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair: bool | None = None, *,
-                    union: bool = False) -> None:
+def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair: bool | None = None) -> None:
     """The Mosaic GPU kernel's own limits (raised before anything is traced); ``pair``: `key_pairs` steps (None: as
-    the kernel runs by default, `auto_key_pairs`); ``union``: `union_lists` (a 64-row layout as 128-row items)."""
+    the kernel runs by default, `auto_key_pairs`)."""
     if pair is None:
-        pair = False if union else auto_key_pairs(layout, stages)
-    if union and (layout.block_q != WG_ROWS or layout.block_k == 32 or layout.kv_windows or pair):
-        raise ValueError(f"union_lists: expected a layout of {WG_ROWS}-row query blocks listing key blocks of 64 or "
-                         f"128 keys (no kv_windows) and key_pairs off; received block_q={layout.block_q}, "
-                         f"block_k={layout.block_k}, kv_windows={layout.kv_windows}, key_pairs={pair}")
+        pair = auto_key_pairs(layout, stages)
     fa3.check_q(q)
     if layout.block_q not in BLOCK_QS:
         raise ValueError(f"layout.block_q: expected one of {BLOCK_QS} for implementation='mosaic_gpu' "
@@ -235,8 +224,7 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair:
                          f"most 128 keys); received {layout.block_k}")
     d = q.shape[-1]
     d_pad = fa3.padded_head_dim(d)
-    block_q = BLOCK_Q if union else layout.block_q  # one ring of stages for the CTA's two consumers
-    fit = max_stages(layout.block_k, d_pad, block_q, pair=pair)
+    fit = max_stages(layout.block_k, d_pad, layout.block_q, pair=pair)
     if not fit:
         raise ValueError(f"layout.block_k: block_q={layout.block_q} with block_k={layout.block_k} and D={d_pad} needs "
                          f"{smem_bytes(layout.block_k, d_pad, 2, layout.block_q, pair=pair)} bytes of shared memory "
@@ -245,8 +233,7 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair:
         if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= fit:
             raise ValueError(f"num_stages: expected an int in [2, {fit}] (K/V stages in shared "
                              f"memory for block_q={layout.block_q}, block_k={layout.block_k}, D={d_pad}"
-                             f"{', key_pairs' if pair else ''}{', union_lists' if union else ''}); received "
-                             f"{stages!r}")
+                             f"{', key_pairs' if pair else ''}); received {stages!r}")
 
 
 def preferred(q: jax.Array, layout: BlockLayout, kv_heads: int) -> bool:
@@ -291,7 +278,6 @@ def _round_up(x: int, m: int) -> int:
 def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig):
     refs = list(refs)
     lo_ref, hi_ref = (refs.pop(0), refs.pop(0)) if cfg.windows else (None, None)
-    own_ref, own_count_ref = (refs.pop(0), refs.pop(0)) if cfg.union else (None, None)
     qpos_ref, kpos_ref = (refs.pop(0), refs.pop(0)) if cfg.has_pos else (None, None)
     out_ref, lse_ref = refs
     leads = dict(cfg.leads)
@@ -358,14 +344,6 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             """Keys ``[lo, hi)`` entry j of a window list computes."""
             at = (*self.lead("kv_lo", self.query_block(w)), j)
             return lo_ref[at], hi_ref[at]
-
-        def own_count(self, w):
-            """(union) How many steps of the union list are consumer w's own."""
-            return own_count_ref[*self.lead("own_count", self.cta), w]
-
-        def own_step(self, i, w):
-            """(union) The union step of consumer w's i-th own entry."""
-            return own_ref[*self.lead("own", self.cta), w, i]
 
     def body(scoped):
         (qo_smem, k_smem, v_smem, lse_pos), (k_bar, v_bar, q_bar, p_bar), (k_free, v_free), sched = scoped
@@ -472,7 +450,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     ks, vs = k_stage(j), v_stage(j)
                     halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
 
-                    s = fa3.qk(q_smem, k_smem.at[ks], sched if cfg.paired else None, kt)
+                    s = fa3.qk(q_smem, k_smem.at[ks], sched, kt)
                     plgpu.barrier_arrive(k_free.at[ks])
                     if cfg.has_pos:
                         s = mask_by_position(s, vs, *per_column(s, halves))
@@ -480,11 +458,9 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                         need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
                         s = lax.cond(need, lambda x: mask_by_index(x, *per_column(x, halves)), lambda x: x, s)
                     sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
-                    if cfg.paired:
-                        plgpu.barrier_arrive(sched)  # softmax done
+                    plgpu.barrier_arrive(sched)  # softmax done
                     plgpu.barrier_wait(v_bar.at[vs])
-                    if cfg.paired:
-                        plgpu.barrier_wait(sched)  # the tensor cores are ours
+                    plgpu.barrier_wait(sched)  # the tensor cores are ours
 
                     def wait_next_k():
                         pl.when(j + 1 < count)(lambda: plgpu.barrier_wait(k_bar.at[k_stage(j + 1)]))
@@ -500,43 +476,17 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     schedule()
                     return carry
 
-                def pass_step(j, carry):
-                    """(union) Step j of the shared list is the other consumer's only: the barriers of a step
-                    without its work. Every wait keeps the barriers' phases, and a stage is released only after its
-                    tile arrived, so neither consumer can free a stage twice before the other freed it once."""
-                    ks, vs = k_stage(j), v_stage(j)
-                    plgpu.barrier_arrive(k_free.at[ks])
-                    if cfg.has_pos:
-                        plgpu.barrier_wait(p_bar.at[vs])
-                    plgpu.barrier_wait(v_bar.at[vs])
-                    pl.when(j + 1 < count)(lambda: plgpu.barrier_wait(k_bar.at[k_stage(j + 1)]))
-                    plgpu.barrier_arrive(v_free.at[vs])
-                    return carry
-
-                def own_entry(i, carry):
-                    """(union) Pass the steps up to this consumer's i-th own entry, then compute it."""
-                    *rows, first = carry
-                    j = it.own_step(i, wg)
-                    lax.fori_loop(first, j, pass_step, jnp.int32(0))
-                    return (*step(j, tuple(rows)), j + 1)
-
                 acc, m, l = fa3.init_rows(dp)
 
                 @pl.when(count > 0)
                 def _():
                     plgpu.barrier_wait(k_bar.at[k_stage(0)])
 
-                if cfg.paired:
-                    pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
-                if cfg.union:
-                    acc, m, l, first = lax.fori_loop(0, it.own_count(wg), own_entry, (acc, m, l, jnp.int32(0)))
-                    lax.fori_loop(first, count, pass_step, jnp.int32(0))
-                else:
-                    acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
-                if split and cfg.paired:
+                pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
+                acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+                if split:
                     lax.fori_loop(count, steps, idle, jnp.int32(0))
-                if cfg.paired:
-                    pl.when(wg == 0)(schedule)
+                pl.when(wg == 0)(schedule)
 
                 fa3.write_rows(acc, m, l, q_smem, l_smem, out_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head],
                                lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)], dtype)
@@ -628,8 +578,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            kv_len: int, q_offset: int, block_k: int, causal: bool, gap: int, window: int,
            sm_scale: float, stages: int, block_q: int = BLOCK_Q,
            persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
-           pair: bool = False, own: tuple[jax.Array, jax.Array] | None = None,
-           paired: bool = True) -> tuple[jax.Array, jax.Array]:
+           pair: bool = False) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of
     two list entries, ``stages`` K stages and `_pair_v_stages` V stages per ring).
@@ -643,24 +592,16 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         (keys at positions >= kv_len are never visible).
       ranges: None, or (lo, hi) int32 shaped like blocks: ``blocks`` then holds tile starts (multiples of 8 in
         ``[0, Sp - block_k]``) and entry j computes only the keys ``[lo_j, hi_j)`` of its tile (`window_tiles`).
-      own: None, or (own, own_count) of `pair_union.union_of_pairs` (``block_q`` 128; blocks / count its ids /
-        count): consumer w computes only the union entries ``own[..., w, :own_count[..., w]]``.
 
     Returns:
       out ``[B, Tp, N, Dp]`` in q's dtype and lse ``[B, N, Tp]`` float32, in row order of q_in.
     """
     b, tp, n, dp = q_in.shape
-    if own is not None and (block_q != BLOCK_Q or pair or ranges is not None):
-        raise ValueError(f"own: union lists run as {BLOCK_Q}-row items of one entry per step without windows; "
-                         f"received block_q={block_q}, pair={pair}, windows={ranges is not None}")
     names = {"kv_blocks": blocks, "kv_block_count": count[..., None]}
     operands = [q_in, k_in, v_in, blocks, count]
     if ranges is not None:
         names["kv_lo"] = ranges[0]
         operands += list(ranges)
-    if own is not None:
-        names.update(own=own[0], own_count=own[1])
-        operands += list(own)
     has_pos = q_pos is not None
     if has_pos:
         names.update(q_pos=q_pos[..., None], k_pos=k_pos[..., None])
@@ -670,8 +611,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
-        pair=pair, v_stages=_pair_v_stages(stages, block_q, block_k) if pair else stages, union=own is not None,
-        paired=paired and own is None,
+        pair=pair, v_stages=_pair_v_stages(stages, block_q, block_k) if pair else stages,
     )
     items = (tp // BLOCK_Q) * n * b
     cfg = dataclasses.replace(cfg, grid=min(items, num_cores()) if persistent else items)
@@ -754,9 +694,8 @@ def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int,
     return tiles, lo_t, hi_t, new_count.astype(jnp.int32)
 
 
-def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                paired, union=False):
-    """The layout's key blocks; q_in is padded and in the layout's row order (``union``: `union_lists`)."""
+def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair):
+    """The layout's key blocks; q_in is padded and in the layout's row order."""
     s, kh = k.shape[1], k.shape[2]
     n = q_in.shape[2]
     groups = n // kh
@@ -775,22 +714,17 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
         q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
         k_pos = _positions_or_iota(layout.kv_perm, s, s_pad, 0)
     count = jnp.clip(layout.kv_block_count, 0, layout.max_blocks)
-    blocks, ranges, own, block_q = layout.kv_blocks, None, None, layout.block_q
+    blocks, ranges = layout.kv_blocks, None
     if layout.kv_windows:
         blocks, lo, hi, count = window_tiles(blocks, count, bk, layout.kv_len, s_pad)
         ranges = (lo, hi)
-    if union:
-        blocks, count, *own = union_of_pairs(blocks, count, nk)
-        block_q = BLOCK_Q
     return launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups,
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
-                  block_q=block_q, persistent=persistent, ranges=ranges, pair=pair,
-                  own=None if own is None else tuple(own), paired=paired)
+                  block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair)
 
 
-def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                 paired):
+def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair):
     """The layout's single key columns: for each (batch, head, query block) its columns are
     gathered into dense ``block_k`` tiles of one key array (``nq * ceil(max_cols / block_k)``
     tiles per query head), and the kernel runs over the tiles of its query block with the
@@ -820,11 +754,11 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
     return launch(q_in, k_c, v_c, blocks, count, q_pos, k_pos, groups=1, num_kv_blocks=nq * tiles,
                   kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
                   gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
-                  persistent=persistent, pair=pair, paired=paired)
+                  persistent=persistent, pair=pair)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass",
-                                             "key_pairs", "union_lists", "paired"))
+                                             "key_pairs"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -837,8 +771,6 @@ def block_sparse_attention_mosaic_gpu(
     persistent: bool = False,
     column_pass: str = "triton",
     key_pairs: bool | None = None,
-    union_lists: bool = False,
-    paired: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
@@ -853,12 +785,6 @@ def block_sparse_attention_mosaic_gpu(
     (one online softmax update and one schedule hand-over per step), with ``num_stages`` stages of that many keys.
     With 64-row query blocks and 128-key steps V has one stage per consumer (`_pair_v_stages`). None (default):
     `auto_key_pairs`; 32-key lists always run in pairs (False is refused).
-
-    ``union_lists`` (64-row layouts listing key blocks, one entry per step): each CTA runs query blocks ``2c`` and
-    ``2c + 1`` over the union of their lists (`pair_union.union_of_pairs`, built here), loading every listed K / V
-    tile once into one ring of stages; each consumer computes its own query block's entries and passes the rest.
-    Pays where neighbouring query blocks share key blocks (top-k masks), costs a pass (barriers without work) per
-    entry the other block alone lists.
 
     ``column_pass``: how the layout's single key columns are computed: ``"triton"`` (default) runs the Pallas
     Triton kernel on the columns alone (it gathers them inside the kernel); ``"mosaic"`` gathers them into key tiles
@@ -876,18 +802,14 @@ def block_sparse_attention_mosaic_gpu(
         raise ValueError(f"column_pass: expected one of {COLUMN_PASSES}; received {column_pass!r}")
     t, d = q.shape[1], q.shape[3]
     d_pad = fa3.padded_head_dim(d)
-    if union_lists:
-        check_supported(q, layout, num_stages, pair=bool(key_pairs), union=True)
-        key_pairs = False
-    elif key_pairs is None:
+    if key_pairs is None:
         key_pairs = auto_key_pairs(layout, num_stages)
     elif key_pairs:  # block_k 32 or 64, and num_stages paired stages that fit
         check_supported(q, layout, num_stages, pair=True)
     elif layout.block_k == 32:
         raise ValueError("key_pairs: expected True or None for layout.block_k=32 (32-key entries run two per step: "
                          "the P V product needs 64 keys); received False")
-    stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad,
-                                          BLOCK_Q if union_lists else layout.block_q)
+    stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
     t_pad = _round_up(layout.num_q_blocks * layout.block_q, BLOCK_Q)
     q_orig, k_orig, v_orig = q, k, v
     k, v = poison_keys(k, v)  # a non-finite value row becomes a NaN key
@@ -896,12 +818,10 @@ def block_sparse_attention_mosaic_gpu(
         q = _gather_rows(q, q_perm)  # [B, T, N, D] in permuted row order per head
     q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
-          "persistent": persistent, "pair": key_pairs, "paired": paired}
-    out, lse = _block_pass(q_in, k, v, layout, union=union_lists, **kw)
+          "persistent": persistent, "pair": key_pairs}
+    out, lse = _block_pass(q_in, k, v, layout, **kw)
     out, lse = out[:, :t, :, :d], lse[:, :, :t]
     if layout.kv_columns is not None and column_pass == "mosaic":
-        if union_lists:  # the columns run in 64-row mode (a ring per consumer), num_stages counts the union's
-            kw["stages"] = default_stages(layout.block_k, d_pad, layout.block_q)
         out_c, lse_c = _column_pass(q_in, k, v, layout, **kw)
         out, lse = merge_attention(out, lse, out_c[:, :t, :, :d], lse_c[:, :, :t])
     if layout.q_perm is not None:

@@ -245,24 +245,3 @@ def test_mosaic_key_pairs_match_dense(bq, perm, columns, windows, gap, density, 
     fin = np.isfinite(np.asarray(lse_one))
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_one)[fin], atol=1e-2)
 
-
-@needs_hopper
-@pytest.mark.parametrize("b,t,s,n,kh,d,bk,density,perm,columns", [
-    (1, 1000, 1000, 28, 4, 128, 64, 0.3, False, 0),  # ragged; 16 query blocks
-    (2, 300, 777, 8, 2, 64, 128, 0.5, True, 24),     # 5 query blocks: the last pair has one; columns merged
-    (1, 700, 700, 4, 4, 128, 64, 0.05, False, 0),    # short lists: most steps are one consumer's only; empty rows
-    (1, 1100, 1100, 8, 2, 128, 64, 0.9, False, 0),   # lists that mostly overlap
-])
-def test_mosaic_union_lists_match_dense(b, t, s, n, kh, d, bk, density, perm, columns):
-    """``union_lists``: a 64-row layout run as 128-row items over the union of each query-block pair's lists (each
-    consumer computes its own entries and passes the others) gives the masked dense result and the lse of the
-    64-row mode."""
-    rng = np.random.default_rng(t + s + d + int(100 * density) + perm)
-    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)
-    layout = random_layout(rng, b, n, t, s, 64, bk, density=density, perm=perm, columns=columns)
-    out, lse = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5, union_lists=True,
-                                                 column_pass="mosaic")
-    _check(out, lse, q, k, v, layout, jnp.bfloat16)
-    _, lse_split = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=d ** -0.5, column_pass="mosaic")
-    fin = np.isfinite(np.asarray(lse_split))
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_split)[fin], atol=1e-2)
