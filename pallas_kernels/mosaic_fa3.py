@@ -93,7 +93,8 @@ def qk(q_smem, k_tile, sched, block_k: int) -> jax.Array:
 
     def scope(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_tile.transpose((1, 0)))
-        schedule(sched)
+        with jax.named_scope("sched"):  # a profiler range when the kernel is profiled
+            schedule(sched)
         return s_ref[...]
 
     return pl.run_scoped(scope, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
@@ -121,17 +122,22 @@ def softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array, *, sc
     def split(x):
         return [x[:, h * width:(h + 1) * width] for h in range(parts)] if parts > 1 else [x]
 
-    part_max = tuple(x.max(axis=1) * scale for x in split(s))
-    block_max = functools.reduce(jnp.maximum, part_max)
-    m_new = jnp.maximum(m, block_max)
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
-    alpha = jnp.exp2(m - m_use)
-    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    part_sum = tuple(x.sum(axis=1) for x in split(p))
-    block_sum = functools.reduce(jnp.add, part_sum)
-    l = l * alpha + block_sum
-    p16 = p.astype(dtype)
+    with jax.named_scope("max"):  # named regions: profiler ranges when the kernel is profiled
+        part_max = tuple(x.max(axis=1) * scale for x in split(s))
+        block_max = functools.reduce(jnp.maximum, part_max)
+        m_new = jnp.maximum(m, block_max)
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
+        alpha = jnp.exp2(m - m_use)
+    with jax.named_scope("exp"):
+        p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    with jax.named_scope("rescale"):
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    with jax.named_scope("sum"):
+        part_sum = tuple(x.sum(axis=1) for x in split(p))
+        block_sum = functools.reduce(jnp.add, part_sum)
+        l = l * alpha + block_sum
+    with jax.named_scope("cvt"):
+        p16 = p.astype(dtype)
     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
     return SoftmaxStep(acc, m_new, l, p16, block_max, block_sum, m_use, part_max, part_sum)
 

@@ -450,22 +450,27 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     ks, vs = k_stage(j), v_stage(j)
                     halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
 
-                    s = fa3.qk(q_smem, k_smem.at[ks], sched, kt)
+                    with jax.named_scope("qk"):  # (named regions: the profiler's ranges, see `launch`)
+                        s = fa3.qk(q_smem, k_smem.at[ks], sched, kt)
                     plgpu.barrier_arrive(k_free.at[ks])
-                    if cfg.has_pos:
-                        s = mask_by_position(s, vs, *per_column(s, halves))
-                    else:
-                        need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
-                        s = lax.cond(need, lambda x: mask_by_index(x, *per_column(x, halves)), lambda x: x, s)
-                    sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
-                    plgpu.barrier_arrive(sched)  # softmax done
-                    plgpu.barrier_wait(v_bar.at[vs])
-                    plgpu.barrier_wait(sched)  # the tensor cores are ours
+                    with jax.named_scope("softmax"):
+                        if cfg.has_pos:
+                            s = mask_by_position(s, vs, *per_column(s, halves))
+                        else:
+                            need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
+                            s = lax.cond(need, lambda x: mask_by_index(x, *per_column(x, halves)), lambda x: x, s)
+                        sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
+                    with jax.named_scope("wait_v"):
+                        plgpu.barrier_arrive(sched)  # softmax done
+                        plgpu.barrier_wait(v_bar.at[vs])
+                        plgpu.barrier_wait(sched)  # the tensor cores are ours
 
                     def wait_next_k():
-                        pl.when(j + 1 < count)(lambda: plgpu.barrier_wait(k_bar.at[k_stage(j + 1)]))
+                        with jax.named_scope("next_k"):
+                            pl.when(j + 1 < count)(lambda: plgpu.barrier_wait(k_bar.at[k_stage(j + 1)]))
 
-                    acc = fa3.pv(sm.acc, sm.p, v_smem.at[vs], wait_next_k)
+                    with jax.named_scope("pv"):
+                        acc = fa3.pv(sm.acc, sm.p, v_smem.at[vs], wait_next_k)
                     plgpu.barrier_arrive(v_free.at[vs])
                     return acc, sm.m, sm.l
 
@@ -527,10 +532,12 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                             k_slot = w * stages + lax.rem(g, stages)
                             v_slot = w * v_stages + lax.rem(g, v_stages)
                             starts = [it.tile(e, w)[0] for e, _ in it.entries(j, w)]
-                            pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[k_slot]))
+                            with jax.named_scope("k_free"):
+                                pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[k_slot]))
                             for h, start in enumerate(starts):
                                 fetch_k(it, start, k_slot, h)
-                            pl.when(g >= v_stages)(lambda: plgpu.barrier_wait(v_free.at[v_slot]))
+                            with jax.named_scope("v_free"):
+                                pl.when(g >= v_stages)(lambda: plgpu.barrier_wait(v_free.at[v_slot]))
                             for h, start in enumerate(starts):
                                 fetch_v(it, start, v_slot, h)
 
@@ -578,7 +585,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            kv_len: int, q_offset: int, block_k: int, causal: bool, gap: int, window: int,
            sm_scale: float, stages: int, block_q: int = BLOCK_Q,
            persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
-           pair: bool = False) -> tuple[jax.Array, jax.Array]:
+           pair: bool = False, profile: tuple[int, str] | None = None) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of
     two list entries, ``stages`` K stages and `_pair_v_stages` V stages per ring).
@@ -592,6 +599,10 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         (keys at positions >= kv_len are never visible).
       ranges: None, or (lo, hi) int32 shaped like blocks: ``blocks`` then holds tile starts (multiples of 8 in
         ``[0, Sp - block_k]``) and entry j computes only the keys ``[lo_j, hi_j)`` of its tile (`window_tiles`).
+      profile: None, or (ranges, directory): Mosaic GPU's profiler records the kernel's named regions (``qk``,
+        ``softmax``, ``wait_v``, ``pv`` / ``next_k`` per consumer step; ``k_free`` / ``v_free`` waits of the
+        producer), at most ``ranges`` per warpgroup and CTA (in shared memory, next to the kernel's), into a Chrome
+        trace ``<ns>-trace.json`` in the directory (timestamps in SM clock cycles / 1000; `tools/mosaic_profile.py`).
 
     Returns:
       out ``[B, Tp, N, Dp]`` in q's dtype and lse ``[B, N, Tp]`` float32, in row order of q_in.
@@ -624,7 +635,10 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         num_threads=3,
         thread_name="wg",
         # the row max / sum reduce inside each warp (no cross-warp scratch to reserve)
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                             **({} if profile is None else dict(
+                                                 profile_space=profile[0], profile_dir=profile[1],
+                                                 profile_bounds_check=True))),
     )
     return kernel(*operands)
 
@@ -694,7 +708,8 @@ def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int,
     return tiles, lo_t, hi_t, new_count.astype(jnp.int32)
 
 
-def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair):
+def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
+                profile=None):
     """The layout's key blocks; q_in is padded and in the layout's row order."""
     s, kh = k.shape[1], k.shape[2]
     n = q_in.shape[2]
@@ -721,7 +736,7 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
     return launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups,
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
-                  block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair)
+                  block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile)
 
 
 def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair):
@@ -758,7 +773,7 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass",
-                                             "key_pairs"))
+                                             "key_pairs", "profile"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -771,6 +786,7 @@ def block_sparse_attention_mosaic_gpu(
     persistent: bool = False,
     column_pass: str = "triton",
     key_pairs: bool | None = None,
+    profile: tuple[int, str] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
@@ -785,6 +801,8 @@ def block_sparse_attention_mosaic_gpu(
     (one online softmax update and one schedule hand-over per step), with ``num_stages`` stages of that many keys.
     With 64-row query blocks and 128-key steps V has one stage per consumer (`_pair_v_stages`). None (default):
     `auto_key_pairs`; 32-key lists always run in pairs (False is refused).
+
+    ``profile``: (ranges, directory): a Mosaic GPU profiler trace of the block pass (see `launch`).
 
     ``column_pass``: how the layout's single key columns are computed: ``"triton"`` (default) runs the Pallas
     Triton kernel on the columns alone (it gathers them inside the kernel); ``"mosaic"`` gathers them into key tiles
@@ -819,7 +837,7 @@ def block_sparse_attention_mosaic_gpu(
     q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
           "persistent": persistent, "pair": key_pairs}
-    out, lse = _block_pass(q_in, k, v, layout, **kw)
+    out, lse = _block_pass(q_in, k, v, layout, profile=profile, **kw)
     out, lse = out[:, :t, :, :d], lse[:, :, :t]
     if layout.kv_columns is not None and column_pass == "mosaic":
         out_c, lse_c = _column_pass(q_in, k, v, layout, **kw)
