@@ -5,12 +5,13 @@ Run on an sm90 GPU: ``python tools/mosaic_profile.py --out DIR [--len 32768] [--
 Input: MInference's pooled top-k mask of 64 x 64 blocks (`minference_index.pooled_block_index`) on a video-like
 input (`mmjax.sparse.synthetic.video_qkv`, 8 query / 8 key-value heads cut to ``--heads``, D 128, bf16, causal),
 run as the kernel's 64-row mode (one list and ring per consumer) and as its 128-row mode over the union of each
-row pair's lists (two 64-key entries per step). For each: the time of the plain call and of the profiled call
-(the profiler's ranges cost some cycles), and from the trace, per warpgroup role (consumer, producer) and per
-named region of the kernel (``qk`` with its ``sched`` handshake, ``softmax``, ``wait_v``, ``pv`` with
-``next_k``; the producer's ``k_free`` / ``v_free`` waits): ranges, mean and median SM cycles, and the region's
-share of the role's cycles (from each warpgroup's first to its last event). JSON ``mosaic-profile.json`` in
-``--out``; the raw traces stay in a temporary directory.
+row pair's lists (two 64-key entries per step). For each: the time of the plain call (queued median), the wall
+time of the profiled call (compile and trace dump included), and from the trace, per warpgroup role (consumer,
+producer) and per named region of the kernel (``qk`` with its ``sched`` handshake, ``softmax`` with its parts,
+``wait_v``, ``pv`` with ``next_k``; the producer's ``k_free`` / ``v_free`` waits): ranges, mean and median SM
+cycles, and the region's share of the role's cycles (from each warpgroup's first to its last event). JSON
+``mosaic-profile.json`` in ``--out``; the raw traces stay in a temporary directory (the rows of
+``bench/results/mosaic-profile-*`` came from the calls before and after the softmax's parts were named).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--top-k", type=int, default=100)
     ap.add_argument("--ranges", type=int, default=640,
-                    help="profiler ranges per warpgroup and CTA (4 x 4 bytes of shared memory each, for 3 warpgroups)")
+                    help="profiler ranges per warpgroup and CTA (4 x 4 bytes of shared memory each, for 3 warpgroups); "
+                         "a trace with more is cut short (bounds-checked), so fewer ranges are counted")
     args = ap.parse_args(argv)
     s = args.len
     q, k, v = video_qkv(jax.random.key(s), s, heads=8, kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
