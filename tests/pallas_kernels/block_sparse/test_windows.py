@@ -173,15 +173,18 @@ def test_checkify_contract_check_knows_windows():
                                           window_align=8))
 
 
-@pytest.mark.parametrize("bq,perm,columns", [(128, False, 0), (64, False, 5), (64, True, 0)])
-def test_mosaic_gpu_window_layouts_lower_for_cuda(bq, perm, columns):
+@pytest.mark.parametrize("bq,perm,columns,align", [(128, False, 0, 1), (64, False, 5, 1), (64, True, 0, 1),
+                                                   (64, False, 0, 8)])
+def test_mosaic_gpu_window_layouts_lower_for_cuda(bq, perm, columns, align):
     """The Mosaic GPU kernel takes key windows (run on the GPU: test_mosaic_gpu_gpu.py); it is the default for
-    them on sm90 (`preferred`) only where the layout promises starts on multiples of 8 (``window_align``)."""
+    them on sm90 (`preferred`) only where the layout promises starts on multiples of 8 (``window_align``; the
+    wrapper then passes one tile per window, `window_tiles(aligned=True)`)."""
     lay = random_window_layout(np.random.default_rng(bq + perm), 1, 2, 300, 340, bq, 64, columns=columns, perm=perm)
     q = jnp.ones((1, 300, 2, 128), jnp.bfloat16)
     check_supported(q, lay, None)
     assert not preferred(q, lay, 1)
     assert preferred(q, lay.replace(window_align=8), 1) and not preferred(q, lay.replace(window_align=4), 1)
+    lay = lay.replace(window_align=align)  # lowered from shapes: the starts' values do not matter here
     # the Mosaic column pass: the default Triton one needs a GPU to lower its Triton kernel
     f = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=0.1,
                                                                         column_pass="mosaic"))
@@ -210,3 +213,22 @@ def test_mosaicwindow_tiles_cover_each_windows_keys_once(bk, s):
     aligned = jnp.asarray([[[[-64, 0, 40, 200]]]], jnp.int32)
     _, _, _, n = window_tiles(aligned, jnp.full((1, 1, 1), 4, jnp.int32), 64, 300, 320)
     assert int(n[0, 0, 0]) == 3  # -64 computes nothing; 0, 40 and 200 one tile each
+
+
+@pytest.mark.parametrize("bk,s", [(32, 300), (64, 1000)])
+def test_window_tiles_of_aligned_windows_are_the_general_forms_first_entries(bk, s):
+    """``aligned=True`` (starts on multiples of 8, overlapping, before 0 and past the keys included): M-wide
+    outputs equal to the first M entries of the general form, whose other entries are unused."""
+    rng = np.random.default_rng(bk + s)
+    m, s_pad = 9, -(-s // bk) * bk
+    starts = np.sort(np.stack([rng.choice(np.arange(-bk + 8, s + 16, 8), m, replace=False) for _ in range(2 * 3 * 4)]))
+    starts = jnp.asarray(starts.reshape(2, 3, 4, m), jnp.int32)
+    count = jnp.asarray(rng.integers(0, m + 1, size=(2, 3, 4)), jnp.int32)
+    general = window_tiles(starts, count, bk, s, s_pad)
+    fit = window_tiles(starts, count, bk, s, s_pad, aligned=True)
+    assert fit[0].shape == starts.shape and general[0].shape[-1] == 2 * m
+    np.testing.assert_array_equal(fit[3], general[3])
+    assert int(jnp.max(general[3])) <= m
+    for got, want in zip(fit[:3], general[:3], strict=True):
+        np.testing.assert_array_equal(got, want[..., :m])
+        assert not np.asarray(want[..., m:]).any()
