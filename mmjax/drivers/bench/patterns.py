@@ -41,6 +41,9 @@ def gpu_patterns() -> dict[str, object]:
         "SFFixed": SFFixed(local=1024, stride=256, summary=16),
         "SFStrided": SFStrided(local=1024, stride=256),
         "VerticalSlash": VerticalSlash(vertical_size=1000, slash_size=4096, last_q=64),
+        # the fastest Vertical-Slash form on the Mosaic GPU kernel (sm90), beside the default for time and recall
+        "VerticalSlash(windows)": VerticalSlash(vertical_size=1000, slash_size=4096, last_q=64, block_q=64, block_k=32,
+                                                windows=True, window_align=8, window_tail=12, window_tail_cap=4096),
         "Grid": Grid(last_q=64),
     }
 
