@@ -66,6 +66,7 @@ from pallas_kernels import mosaic_fa3 as fa3
 from pallas_kernels.block_sparse.layout import BlockLayout
 from pallas_kernels.block_sparse.merge import merge_attention
 from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
+from pallas_kernels.checks import check_int
 from pallas_kernels.nonfinite import poison_keys
 from pallas_kernels.platform import num_cores
 from pallas_kernels.tiling import LOG2E, inverse_permutation
@@ -81,6 +82,13 @@ _SMEM_ALIGN = 1024  # Mosaic GPU pads every shared-memory buffer to this
 _BARRIER_BYTES = 8
 _MAX_STAGES = 4
 COLUMN_PASSES = ("mosaic", "triton")
+TMA_ROWS = 8  # TMA copies a key tile from a row that is a multiple of this
+
+
+def one_tile_windows(layout: BlockLayout) -> bool:
+    """The layout's key windows all start on multiples of `TMA_ROWS` (``window_align``), so `window_tiles` loads
+    each as one tile."""
+    return layout.window_align % TMA_ROWS == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +271,7 @@ def preferred(q: jax.Array, layout: BlockLayout, kv_heads: int) -> bool:
         check_supported(q, layout, None)
     except ValueError:
         return False
-    if layout.kv_windows and layout.window_align % 8:
+    if layout.kv_windows and not one_tile_windows(layout):
         return False
     if layout.kv_columns is None:
         return True
@@ -336,7 +344,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             """(first key row of the tile loaded, entry in range) of entry j of consumer w's list."""
             raw = blocks_ref[*self.lead("kv_blocks", self.query_block(w)), j]
             if cfg.windows:  # prepared by `window_tiles`: inside k / v, a multiple of 8
-                return pl.multiple_of(raw, 8), True
+                return pl.multiple_of(raw, TMA_ROWS), True
             ok = (raw >= 0) & (raw < cfg.num_kv_blocks)
             return jnp.where(ok, raw, 0) * bk, ok
 
@@ -687,7 +695,7 @@ def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int,
                                                    and jnp.issubdtype(count.dtype, jnp.integer)):
         raise ValueError(f"starts, count: expected int arrays [B|1, N|1, nq|1, M] and [B|1, N|1, nq]; received "
                          f"{starts.dtype}{list(starts.shape)} and {count.dtype}{list(count.shape)}")
-    if block_k % 8 or s_pad < block_k or s_pad % block_k or not 0 < kv_len <= s_pad:
+    if block_k % TMA_ROWS or s_pad < block_k or s_pad % block_k or not 0 < kv_len <= s_pad:
         raise ValueError(f"block_k, kv_len, s_pad: expected block_k a multiple of 8 and s_pad a multiple of block_k "
                          f"with 0 < kv_len <= s_pad; received {block_k}, {kv_len}, {s_pad}")
     m = starts.shape[-1]
@@ -696,17 +704,20 @@ def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int,
     lo = jnp.maximum(jnp.maximum(starts, prev_end), 0)
     hi = jnp.minimum(starts + block_k, kv_len)
     ok = lo < hi
-    t0 = jnp.minimum(lo // 8 * 8, s_pad - block_k)
-    two = jnp.zeros_like(ok) if aligned else ok & (hi > t0 + block_k)
-    n = ok.astype(jnp.int32) + two
+    t0 = jnp.minimum(lo // TMA_ROWS * TMA_ROWS, s_pad - block_k)
+    two = None if aligned else ok & (hi > t0 + block_k)
+    n = ok.astype(jnp.int32) if aligned else ok.astype(jnp.int32) + two
     first = jnp.cumsum(n, -1) - n  # the entry's first tile
     dump = m if aligned else 2 * m  # tiles of entries with nothing to compute land past the end
     put = functools.partial(jnp.put_along_axis, axis=-1, inplace=False)
     out = jnp.zeros(starts.shape[:-1] + (dump + 1,), jnp.int32)
-    at1, at2 = jnp.where(ok, first, dump), jnp.where(two, first + 1, dump)
-    tiles = put(put(out, at1, t0), at2, jnp.minimum(t0 + block_k, s_pad - block_k))[..., :dump]
-    lo_t = put(put(out, at1, lo), at2, t0 + block_k)[..., :dump]
-    hi_t = put(put(out, at1, jnp.minimum(hi, t0 + block_k)), at2, hi)[..., :dump]
+    at1 = jnp.where(ok, first, dump)
+    tiles, lo_t, hi_t = put(out, at1, t0), put(out, at1, lo), put(out, at1, jnp.minimum(hi, t0 + block_k))
+    if not aligned:  # the second tile of a window off a multiple of TMA_ROWS
+        at2 = jnp.where(two, first + 1, dump)
+        tiles = put(tiles, at2, jnp.minimum(t0 + block_k, s_pad - block_k))
+        lo_t, hi_t = put(lo_t, at2, t0 + block_k), put(hi_t, at2, hi)
+    tiles, lo_t, hi_t = tiles[..., :dump], lo_t[..., :dump], hi_t[..., :dump]
     lead = jnp.broadcast_shapes(starts.shape[:-1], count.shape)
     cum, count = jnp.broadcast_to(jnp.cumsum(n, -1), lead + (m,)), jnp.broadcast_to(count, lead)
     new_count = jnp.where(count > 0, jnp.take_along_axis(cum, jnp.clip(count - 1, 0, m - 1)[..., None], -1)[..., 0], 0)
@@ -737,7 +748,7 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
     blocks, ranges = layout.kv_blocks, None
     if layout.kv_windows:
         blocks, lo, hi, count = window_tiles(blocks, count, bk, layout.kv_len, s_pad,
-                                             aligned=layout.window_align % 8 == 0)
+                                             aligned=one_tile_windows(layout))
         ranges = (lo, hi)
     return launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups,
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
@@ -822,6 +833,11 @@ def block_sparse_attention_mosaic_gpu(
     as block 0 and masked entirely, counts and permutation entries are clamped, columns out
     of range contribute nothing.
     """
+    if profile is not None:
+        if not (isinstance(profile, tuple) and len(profile) == 2 and isinstance(profile[1], str) and profile[1]):
+            raise ValueError(f"profile: expected None or (ranges per warpgroup, trace directory); received "
+                             f"{profile!r}")
+        check_int("profile[0] (profiler ranges per warpgroup)", profile[0], 1)
     if column_pass not in COLUMN_PASSES:
         raise ValueError(f"column_pass: expected one of {COLUMN_PASSES}; received {column_pass!r}")
     t, d = q.shape[1], q.shape[3]

@@ -174,3 +174,12 @@ def test_persistent_grid_lowers_for_cuda(bq):
     layout = BlockLayout.dense_causal(3000, 3000, block_q=bq, block_k=64)
     _lower((1, 3000, 16, 128), (1, 3000, 4, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
            sm_scale=0.1, persistent=True)
+
+
+@pytest.mark.parametrize("profile,match", [((0, "/tmp"), r"profile\[0\]"), ((8, ""), "profile: expected"),
+                                           ("/tmp", "profile: expected")])
+def test_mosaic_rejects_a_bad_profile_request(profile, match):
+    q = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
+    layout = BlockLayout.dense_causal(256, 256, block_q=128, block_k=64)
+    with pytest.raises(ValueError, match=match):
+        block_sparse_attention_mosaic_gpu(q, q, q, layout, sm_scale=0.1, profile=profile)
