@@ -15,7 +15,7 @@ statistics ``[64]`` (layout `ROW`).
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.tiling import LN2, cdiv
 
+R = TypeVar("R")
 WG_ROWS = 64  # query rows per consumer warpgroup
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a WGMMA-layout tile
 SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # Q / K / V / O tiles
@@ -89,19 +90,20 @@ def init_rows(head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def qk(q_smem, k_tile, sched, block_k: int) -> jax.Array:
     """``S = Q K^T`` float32 ``[64, block_k]`` from the consumer's Q tile and a K tile ``[block_k, Dp]`` in shared
-    memory; the schedule handshake runs while the product is in flight."""
+    memory; the schedule handshake (unless ``sched`` is None) runs while the product is in flight."""
 
     def scope(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_tile.transpose((1, 0)))
-        with jax.named_scope("sched"):  # a profiler range when the kernel is profiled
-            schedule(sched)
+        if sched is not None:
+            with jax.named_scope("sched"):  # a profiler range when the kernel is profiled
+                schedule(sched)
         return s_ref[...]
 
     return pl.run_scoped(scope, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
 
 
 class SoftmaxStep(NamedTuple):
-    acc: jax.Array  # O rescaled to the new max
+    acc: jax.Array | None  # O rescaled to the new max (None when the step was given no O)
     m: jax.Array  # running max (base 2, scaled)
     l: jax.Array  # running sum relative to m_use
     p: jax.Array  # P = exp2(S * scale - m_use) in the kernel's dtype, for `pv`
@@ -110,13 +112,16 @@ class SoftmaxStep(NamedTuple):
     m_use: jax.Array  # the shift P is relative to (0 where every key so far is masked)
     part_max: tuple[jax.Array, ...]  # block_max of each of the ``parts`` equal key ranges of the tile
     part_sum: tuple[jax.Array, ...]  # block_sum of each of them
+    alpha: jax.Array  # the factor O (and l) are rescaled by: exp2(m_old - m_use)
 
 
-def softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array, *, scale: float,
+def softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array | None, *, scale: float,
                  dtype, parts: int = 1) -> SoftmaxStep:
     """One tile of the online softmax: ``s`` the masked logits (``-inf`` where masked), ``scale`` = sm_scale *
     log2(e). ``parts``: the row max and sum are also kept per equal key range of the tile (``parts`` of
-    ``block_k / parts >= 8`` keys, e.g. two 64-key blocks of a 128-key tile), reduced range by range."""
+    ``block_k / parts >= 8`` keys, e.g. two 64-key blocks of a 128-key tile), reduced range by range.
+    ``acc`` None: O is not rescaled here (it is in flight in a ``P V`` product, `pv_and_qk`); the caller
+    multiplies it by ``alpha`` once the product is done."""
     width = s.shape[1] // parts
 
     def split(x):
@@ -129,17 +134,61 @@ def softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array, *, sc
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
         alpha = jnp.exp2(m - m_use)
     with jax.named_scope("exp"):
-        p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-    with jax.named_scope("rescale"):
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p = jnp.exp2(s * scale - by_row(m_use, s.shape))
+    if acc is not None:
+        with jax.named_scope("rescale"):
+            acc = acc * by_row(alpha, acc.shape)
     with jax.named_scope("sum"):
         part_sum = tuple(x.sum(axis=1) for x in split(p))
         block_sum = functools.reduce(jnp.add, part_sum)
         l = l * alpha + block_sum
     with jax.named_scope("cvt"):
         p16 = p.astype(dtype)
-    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-    return SoftmaxStep(acc, m_new, l, p16, block_max, block_sum, m_use, part_max, part_sum)
+    if acc is None:
+        l, m_new, p16, alpha = lax.optimization_barrier((l, m_new, p16, alpha))
+    else:
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+    return SoftmaxStep(acc, m_new, l, p16, block_max, block_sum, m_use, part_max, part_sum, alpha)
+
+
+def by_row(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """A value per row, x ``[64]`` (layout `ROW`), broadcast to ``shape`` ``[64, n]`` (WGMMA layout)."""
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def pv_and_qk(acc: jax.Array, p: jax.Array, v_tile, work: Callable[[], R], q_smem=None, k_tile=None,
+              block_k: int | None = None, sched=None) -> tuple[jax.Array, jax.Array | None, R]:
+    """FlashAttention-3's intra-warpgroup overlap: issue ``O += P V`` (P ``[64, keys]`` from registers, V tile
+    ``[keys, Dp]``) and, given a K tile ``[block_k, Dp]``, a later step's ``S = Q K^T`` behind it; run ``work()``
+    (the softmax of a step in between, whose S is already in registers) while both are on the tensor cores.
+    Returns (``O + P V``, S ``[64, block_k]`` float32 or None, ``work()``'s result) once both are done.
+
+    ``work`` must not branch on values (no ``lax.cond``): LLVM, which does not know that wgmma reads and writes its
+    registers asynchronously, gave the result of the mask's ``lax.cond`` the registers of the S in flight, and
+    ptxas then serialised every wgmma of the kernel (its note C7513, "non wgmma instructions defining input
+    registers of a wgmma between start and end of the pipeline stage"; `tools/mosaic_ptxas_report.py` finds such
+    writes in the PTX). For the same reason P goes through an optimization barrier after the wait, so that its
+    registers stay P's while ``P V`` reads them. ``sched``: the schedule handshake runs once both products are
+    issued."""
+
+    def scope(acc_ref, *s_ref):
+        acc_ref[...] = acc
+        plgpu.wgmma(acc_ref, p, v_tile)
+        if k_tile is not None:
+            plgpu.wgmma(s_ref[0], q_smem, k_tile.transpose((1, 0)))
+        if sched is not None:
+            with jax.named_scope("sched"):
+                schedule(sched)
+        out = work()
+        o = acc_ref[...]  # waits for both
+        # P used once more after the wait: LLVM, which does not know the product reads P asynchronously, could
+        # otherwise give P's registers to values ``work`` computes (and ptxas would serialise every wgmma, C7513).
+        o, _, out = lax.optimization_barrier((o, p, out))
+        return o, (s_ref[0][...] if s_ref else None), out
+
+    accs = [plgpu.ACC(acc.shape, jnp.float32)] + ([plgpu.ACC((WG_ROWS, block_k), jnp.float32)] if k_tile is not None
+                                                 else [])
+    return pl.run_scoped(scope, *accs)
 
 
 def pv(acc: jax.Array, p: jax.Array, v_tile, while_running: Callable[[], None] | None = None) -> jax.Array:
@@ -159,7 +208,7 @@ def write_rows(acc: jax.Array, m: jax.Array, l: jax.Array, o_smem, lse_smem, out
     natural log; empty rows: O 0, lse -inf; a NaN l stays NaN) through shared memory with TMA. The caller waits
     (``plgpu.wait_smem_to_gmem``) before the kernel ends."""
     inv = jnp.where(l == 0.0, 0.0, 1.0 / l)
-    o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+    o_smem[...] = (acc * by_row(inv, acc.shape)).astype(dtype)
     lse_smem[...] = (m + jnp.log2(l)) * LN2
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, out_view)

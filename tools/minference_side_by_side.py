@@ -18,7 +18,9 @@ D=128, bf16, causal, as in the issue. Two indexes per length:
   128- or 64-row query block, or 64- or 32-key windows with ``windows=True``, with and without the short run
   tails as single columns, ``window_tail``, and windows from multiples of 8, ``window_align``), on Triton and
   Mosaic GPU (``mosaic_gpu+triton``: the Mosaic kernel with the single columns in a Triton pass; ``+pairs``:
-  two 64-key entries per 128-key step; 32-key lists always run two entries per 64-key step).
+  two 64-key entries per 128-key step; 32-key lists always run two entries per 64-key step; ``+overlap``: the
+  next step's softmax while this step's ``P V`` runs, ``overlap=True``; ``+free``: no schedule barrier between the
+  consumers, ``pingpong=False``).
 
 ``--select "A;B"``: only our variants whose "impl: layout" name contains A or B (';'-separated: layout names hold
 commas), e.g. ``--select "mosaic_gpu: 64 rows, 32-key windows"``; MInference's kernel runs at every length.
@@ -160,6 +162,10 @@ def block_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing
                          kv_len=s)
     for impl, lay, what in (("triton", lay64, "same 64x64 mask"), ("mosaic_gpu", lay64, "same 64x64 mask"),
                             ("mosaic_gpu+pairs", lay64, "same 64x64 mask"),
+                            ("mosaic_gpu+overlap", lay64, "same 64x64 mask"),
+                            ("mosaic_gpu+overlap+free", lay64, "same 64x64 mask"),
+                            ("mosaic_gpu+pairs+overlap", lay64, "same 64x64 mask"),
+                            ("mosaic_gpu+overlap", lay128, "128-row union of the 64-row lists"),
                             ("mosaic_gpu", lay128, "128-row union of the 64-row lists"),
                             ("mosaic_gpu+single", lay128, "128-row union of the 64-row lists")):
         if selected(args, impl, what):
@@ -209,8 +215,10 @@ def vs_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_vs, scale, timing, flop
                  VsForm(64, BLOCK, True, ("triton",) + mosaic, dt, 8), VsForm(64, 32, True, ("triton",)),
                  VsForm(64, 32, True, ("triton",), dt), VsForm(64, 32, True, ("triton",), dt, window_tail_cap=256),
                  # 32-key entries on Mosaic: two per 64-key step (key_pairs, always on for 32-key lists)
-                 VsForm(64, 32, False, ("triton", "mosaic_gpu")), VsForm(64, 32, True, ("mosaic_gpu",), dt, 8),
-                 VsForm(128, 32, True, ("triton", "mosaic_gpu"), dt, 8),
+                 VsForm(64, 32, False, ("triton", "mosaic_gpu")),
+                 VsForm(64, 32, True, ("mosaic_gpu", "mosaic_gpu+overlap+triton", "mosaic_gpu+overlap+free+triton"),
+                        dt, 8),
+                 VsForm(128, 32, True, ("triton", "mosaic_gpu", "mosaic_gpu+overlap+triton"), dt, 8),
                  # longer run tails as columns (fewer computed pairs; more columns, so a higher cap)
                  VsForm(64, 32, True, ("mosaic_gpu",), 8, 8, 4096), VsForm(64, 32, True, ("mosaic_gpu",), 12, 8, 4096)):
         bq, bk, windows, impls, tail, align, cap = form
@@ -254,10 +262,12 @@ def time_ours(q, k, v, lay, impl, what, named, mi_ms, timing, flops) -> dict:
     """``impl``: an implementation of `block_sparse_attention` (plain "mosaic_gpu": the kernel's defaults, single
     columns in a Triton pass), or the Mosaic GPU kernel called with options: the columns in a Triton pass where the
     name ends in "+triton" and else in its Mosaic pass (``column_pass``), "+pairs" / "+single" (two 64-key entries
-    per 128-key step or one, ``key_pairs``; neither: `auto_key_pairs`)."""
+    per 128-key step or one, ``key_pairs``; neither: `auto_key_pairs`), "+overlap" (``overlap=True``), "+free"
+    (``pingpong=False``)."""
     if impl.startswith("mosaic_gpu+"):
         pairs = True if "+pairs" in impl else False if "+single" in impl else None
-        opts = dict(column_pass="triton" if impl.endswith("+triton") else "mosaic", key_pairs=pairs)
+        opts = dict(column_pass="triton" if impl.endswith("+triton") else "mosaic", key_pairs=pairs,
+                    overlap="+overlap" in impl, pingpong="+free" not in impl)
         fn = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
                                                                              **opts)[0])
     else:

@@ -118,6 +118,10 @@ class MosaicConfig:
       pair: each step computes two consecutive list entries as one tile of ``2 * block_k`` keys (a list of odd
         length ends with a masked half).
       v_stages: V stages per ring (0: ``stages``); K keeps ``stages``.
+      overlap: each consumer issues step j's ``P V`` and step j + 2's ``S = Q K^T`` together and runs step
+        j + 1's softmax while they are in flight (`mosaic_fa3.pv_and_qk`).
+      pingpong: the consumers alternate on the schedule barrier (one's softmax while the other's products run):
+        two handshakes per step, after issuing ``S = Q K^T`` and after the softmax.
     """
 
     block_k: int
@@ -139,6 +143,8 @@ class MosaicConfig:
     windows: bool = False
     pair: bool = False
     v_stages: int = 0
+    overlap: bool = False
+    pingpong: bool = True
 
 
 def _rings(block_q: int) -> int:
@@ -364,6 +370,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             """The key positions of V slot ``slot`` (its keys ``[half * bk, half * bk + width)``)."""
             return pos_smem.at[pl.ds(2 * WG_ROWS + slot * kt + half * bk, width)]
         schedule = functools.partial(fa3.schedule, sched)
+        pp = sched if cfg.pingpong else None  # the schedule barrier, for the handshake inside a product
+        handshake = schedule if cfg.pingpong else (lambda: None)
 
         def consumer(wg):
             q_smem, l_smem = qo_smem.at[wg], lse_smem.at[wg]
@@ -453,25 +461,29 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     keys = None if w0 is None else (pick(w0[0], w1[0]), pick(w0[1], w1[1]))
                     return pick(s0, s1 - bk), pick(l0, l1), keys
 
+                def masked(j, s):
+                    """S of step j with its masked pairs -inf."""
+                    halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
+                    if cfg.has_pos:
+                        return mask_by_position(s, v_stage(j), *per_column(s, halves))
+                    need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
+                    return lax.cond(need, lambda x: mask_by_index(x, *per_column(x, halves)), lambda x: x, s)
+
                 def step(j, carry):
                     acc, m, l = carry
                     ks, vs = k_stage(j), v_stage(j)
-                    halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
 
                     with jax.named_scope("qk"):  # (named regions: the profiler's ranges, see `launch`)
-                        s = fa3.qk(q_smem, k_smem.at[ks], sched, kt)
+                        s = fa3.qk(q_smem, k_smem.at[ks], pp, kt)
                     plgpu.barrier_arrive(k_free.at[ks])
                     with jax.named_scope("softmax"):
-                        if cfg.has_pos:
-                            s = mask_by_position(s, vs, *per_column(s, halves))
-                        else:
-                            need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
-                            s = lax.cond(need, lambda x: mask_by_index(x, *per_column(x, halves)), lambda x: x, s)
-                        sm = fa3.softmax_step(s, m, l, acc, scale=scale, dtype=dtype)
+                        sm = fa3.softmax_step(masked(j, s), m, l, acc, scale=scale, dtype=dtype)
                     with jax.named_scope("wait_v"):
-                        plgpu.barrier_arrive(sched)  # softmax done
+                        if cfg.pingpong:
+                            plgpu.barrier_arrive(sched)  # softmax done
                         plgpu.barrier_wait(v_bar.at[vs])
-                        plgpu.barrier_wait(sched)  # the tensor cores are ours
+                        if cfg.pingpong:
+                            plgpu.barrier_wait(sched)  # the tensor cores are ours
 
                     def wait_next_k():
                         with jax.named_scope("next_k"):
@@ -489,17 +501,86 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     schedule()
                     return carry
 
+                def overlapped(acc, m, l):
+                    """Steps 0 .. count - 1 pipelined within the warpgroup: step j's ``P V`` and step j + 2's ``S =
+                    Q K^T`` run on the tensor cores while step j + 1's mask and softmax run (`fa3.pv_and_qk`)."""
+                    s_zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, kt), jnp.float32), plgpu.Layout.WGMMA)
+
+                    def soft(j, s, m, l):
+                        """Step j's mask (on every step: see `fa3.pv_and_qk`) and softmax."""
+                        halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
+                        if cfg.has_pos:
+                            s = mask_by_position(s, v_stage(j), *per_column(s, halves))
+                        else:
+                            s = mask_by_index(s, *per_column(s, halves))
+                        sm = fa3.softmax_step(s, m, l, None, scale=scale, dtype=dtype)
+                        handshake()
+                        return sm
+
+                    def blocking_qk(j, sched_ref):
+                        ks = k_stage(j)
+                        plgpu.barrier_wait(k_bar.at[ks])
+                        s = fa3.qk(q_smem, k_smem.at[ks], sched_ref, kt)
+                        plgpu.barrier_arrive(k_free.at[ks])
+                        return s
+
+                    def first(_):
+                        """Step 0's S and softmax, then step 1's S (count > 0)."""
+                        sm = soft(0, blocking_qk(0, pp), m, l)
+                        s1 = lax.cond(count > 1, lambda: blocking_qk(1, None), lambda: s_zero)
+                        return sm.m, sm.l, sm.p, s1  # O is still 0: nothing to rescale
+
+                    def ostep(j, carry, *, ahead=True):
+                        """Step j's P V (and step j + 2's S if ``ahead``) while step j + 1's softmax runs."""
+                        acc, m, l, p, s = carry
+                        vs = v_stage(j)
+                        plgpu.barrier_wait(v_bar.at[vs])
+                        k_tile = None
+                        if ahead:
+                            ks = k_stage(j + 2)
+                            plgpu.barrier_wait(k_bar.at[ks])
+                            k_tile = k_smem.at[ks]
+                        acc, s2, sm = fa3.pv_and_qk(acc, p, v_smem.at[vs], lambda: soft(j + 1, s, m, l), q_smem,
+                                                    k_tile, kt, pp)
+                        plgpu.barrier_arrive(v_free.at[vs])
+                        if ahead:
+                            plgpu.barrier_arrive(k_free.at[ks])
+                        return acc * fa3.by_row(sm.alpha, acc.shape), sm.m, sm.l, sm.p, (s2 if ahead else s)
+
+                    p0 = plgpu.layout_cast(jnp.zeros((WG_ROWS, kt), dtype), plgpu.Layout.WGMMA)
+                    m, l, p, s = lax.cond(count > 0, first, lambda _: (m, l, p0, s_zero), None)
+                    carry = lax.fori_loop(0, count - 2, ostep, (acc, m, l, p, s))
+                    acc, m, l, p, _ = lax.cond(count > 1, lambda c: ostep(count - 2, c, ahead=False), lambda c: c,
+                                               carry)
+
+                    def last(a):
+                        vs = v_stage(count - 1)
+                        plgpu.barrier_wait(v_bar.at[vs])
+                        a = fa3.pv(a, p, v_smem.at[vs], handshake)
+                        handshake()
+                        plgpu.barrier_arrive(v_free.at[vs])
+                        return a
+
+                    return lax.cond(count > 0, last, lambda a: a, acc), m, l
+
                 acc, m, l = fa3.init_rows(dp)
+                if cfg.overlap:
+                    pl.when(wg == 1)(handshake)  # the two consumers run half a step apart
+                    acc, m, l = overlapped(acc, m, l)
+                    if split and cfg.pingpong:  # count + 1 units of two handshakes (the last P V is one of its own)
+                        units = lambda c: c + (c > 0).astype(c.dtype)  # noqa: E731
+                        lax.fori_loop(units(count), units(steps), idle, jnp.int32(0))
+                    pl.when(wg == 0)(handshake)
+                else:
+                    @pl.when(count > 0)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[k_stage(0)])
 
-                @pl.when(count > 0)
-                def _():
-                    plgpu.barrier_wait(k_bar.at[k_stage(0)])
-
-                pl.when(wg == 1)(schedule)  # the two consumers run half a step apart
-                acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
-                if split:
-                    lax.fori_loop(count, steps, idle, jnp.int32(0))
-                pl.when(wg == 0)(schedule)
+                    pl.when(wg == 1)(handshake)  # the two consumers run half a step apart
+                    acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+                    if split and cfg.pingpong:
+                        lax.fori_loop(count, steps, idle, jnp.int32(0))
+                    pl.when(wg == 0)(handshake)
 
                 fa3.write_rows(acc, m, l, q_smem, l_smem, out_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head],
                                lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)], dtype)
@@ -532,24 +613,46 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 it = Item.of(t)
                 counts = [it.steps(w) for w in range(rings)]
 
+                def starts(j, w):
+                    return [it.tile(e, w)[0] for e, _ in it.entries(j, w)]
+
+                def load_k(j, w):
+                    g = done[w] + j
+                    k_slot = w * stages + lax.rem(g, stages)
+                    with jax.named_scope("k_free"):
+                        pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[k_slot]))
+                    for h, start in enumerate(starts(j, w)):
+                        fetch_k(it, start, k_slot, h)
+
+                def load_v(j, w):
+                    g = done[w] + j
+                    v_slot = w * v_stages + lax.rem(g, v_stages)
+                    with jax.named_scope("v_free"):
+                        pl.when(g >= v_stages)(lambda: plgpu.barrier_wait(v_free.at[v_slot]))
+                    for h, start in enumerate(starts(j, w)):
+                        fetch_v(it, start, v_slot, h)
+
                 def fill(j):
                     for w in range(rings):
                         @pl.when(j < counts[w])
                         def _():
-                            g = done[w] + j
-                            k_slot = w * stages + lax.rem(g, stages)
-                            v_slot = w * v_stages + lax.rem(g, v_stages)
-                            starts = [it.tile(e, w)[0] for e, _ in it.entries(j, w)]
-                            with jax.named_scope("k_free"):
-                                pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[k_slot]))
-                            for h, start in enumerate(starts):
-                                fetch_k(it, start, k_slot, h)
-                            with jax.named_scope("v_free"):
-                                pl.when(g >= v_stages)(lambda: plgpu.barrier_wait(v_free.at[v_slot]))
-                            for h, start in enumerate(starts):
-                                fetch_v(it, start, v_slot, h)
+                            load_k(j, w)
+                            load_v(j, w)
 
-                pl.loop(0, functools.reduce(jnp.maximum, counts))(fill)
+                def fill_k_ahead(j):
+                    """K tile j and V tile j - 1: with `overlap` a consumer needs K tile j + 2 while it still holds
+                    V tile j, so a K load must not wait behind the release of a V stage (the consumers would wait
+                    on each other through the schedule barrier and the shared producer)."""
+                    for w in range(rings):
+                        pl.when(j < counts[w])(lambda: load_k(j, w))
+                    for w in range(rings):
+                        pl.when((j >= 1) & (j - 1 < counts[w]))(lambda: load_v(j - 1, w))
+
+                most = functools.reduce(jnp.maximum, counts)
+                if cfg.overlap:
+                    pl.loop(0, most + 1)(fill_k_ahead)
+                else:
+                    pl.loop(0, most)(fill)
                 return tuple(d + c for d, c in zip(done, counts, strict=True))
 
             lax.fori_loop(0, my_items, run_item, (jnp.int32(0),) * rings)
@@ -593,7 +696,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            kv_len: int, q_offset: int, block_k: int, causal: bool, gap: int, window: int,
            sm_scale: float, stages: int, block_q: int = BLOCK_Q,
            persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
-           pair: bool = False, profile: tuple[int, str] | None = None) -> tuple[jax.Array, jax.Array]:
+           pair: bool = False, profile: tuple[int, str] | None = None,
+           overlap: bool = False, pingpong: bool = True) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of
     two list entries, ``stages`` K stages and `_pair_v_stages` V stages per ring).
@@ -607,6 +711,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         (keys at positions >= kv_len are never visible).
       ranges: None, or (lo, hi) int32 shaped like blocks: ``blocks`` then holds tile starts (multiples of 8 in
         ``[0, Sp - block_k]``) and entry j computes only the keys ``[lo_j, hi_j)`` of its tile (`window_tiles`).
+      overlap, pingpong: as in `MosaicConfig` (overlap is refused with original positions and one V stage per
+        ring: the next step's key positions arrive with its V tile).
       profile: None, or (ranges, directory): Mosaic GPU's profiler records the kernel's named regions (``qk``,
         ``softmax``, ``wait_v``, ``pv`` / ``next_k`` per consumer step; ``k_free`` / ``v_free`` waits of the
         producer), at most ``ranges`` per warpgroup and CTA (in shared memory, next to the kernel's), into a Chrome
@@ -630,8 +736,13 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
-        pair=pair, v_stages=_pair_v_stages(stages, block_q, block_k) if pair else stages,
+        pair=pair, v_stages=_pair_v_stages(stages, block_q, block_k) if pair else stages, overlap=overlap,
+        pingpong=pingpong,
     )
+    if overlap and has_pos and cfg.v_stages < 2:
+        raise ValueError(f"overlap: needs two V stages per ring with original positions (the next step's key "
+                         f"positions load with its V tile); received a layout with positions, block_q={block_q}, "
+                         f"block_k={block_k}, key_pairs={pair} ({cfg.v_stages} V stage)")
     items = (tp // BLOCK_Q) * n * b
     cfg = dataclasses.replace(cfg, grid=min(items, num_cores()) if persistent else items)
     kernel = plgpu.kernel(
@@ -725,7 +836,7 @@ def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int,
 
 
 def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                profile=None):
+                overlap, pingpong, profile=None):
     """The layout's key blocks; q_in is padded and in the layout's row order."""
     s, kh = k.shape[1], k.shape[2]
     n = q_in.shape[2]
@@ -753,10 +864,12 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
     return launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups,
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
-                  block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile)
+                  block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile,
+                  overlap=overlap, pingpong=pingpong)
 
 
-def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair):
+def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
+                 overlap, pingpong):
     """The layout's single key columns: for each (batch, head, query block) its columns are
     gathered into dense ``block_k`` tiles of one key array (``nq * ceil(max_cols / block_k)``
     tiles per query head), and the kernel runs over the tiles of its query block with the
@@ -786,11 +899,12 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
     return launch(q_in, k_c, v_c, blocks, count, q_pos, k_pos, groups=1, num_kv_blocks=nq * tiles,
                   kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
                   gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
-                  persistent=persistent, pair=pair)
+                  persistent=persistent, pair=pair, overlap=overlap, pingpong=pingpong)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass",
-                                             "key_pairs", "profile"))
+                                             "key_pairs", "profile", "overlap",
+                                             "pingpong"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -804,6 +918,8 @@ def block_sparse_attention_mosaic_gpu(
     column_pass: str = "triton",
     key_pairs: bool | None = None,
     profile: tuple[int, str] | None = None,
+    overlap: bool = False,
+    pingpong: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
@@ -820,6 +936,22 @@ def block_sparse_attention_mosaic_gpu(
     `auto_key_pairs`; 32-key lists always run in pairs (False is refused).
 
     ``profile``: (ranges, directory): a Mosaic GPU profiler trace of the block pass (see `launch`).
+
+    ``overlap``: FlashAttention-3's intra-warpgroup pipelining, with S one step further ahead. Each consumer issues
+    step j's ``P V`` and step j + 2's ``S = Q K^T`` together and runs step j + 1's mask and softmax while they are
+    on the tensor cores (`mosaic_fa3.pv_and_qk`). Refused with original positions (permutations, the column pass)
+    where a ring has one V stage. Off by default: it is correct (GPU tests) but slower, because ptxas serialises its
+    wgmma (note C7511, too few registers for the pipeline: O, two S and two P tiles, and the index tiles of the
+    mask, which runs on every step; `tools/mosaic_ptxas_report.py`). One H100, 2026-11-27, MInference's top-100
+    mask with 64-row query blocks (`minference-side-by-side-overlap*`): 2.63 / 10.89 / 46.87 ms against the
+    default's 1.82 / 7.50 / 32.74 at 32k / 128k / 512k; without the schedule barrier 3.00 / 12.52 ms (default 1.80
+    / 7.54). A first form, step j + 1's S issued before step j's ``P V`` with the mask under a ``lax.cond``, was
+    serialised for another reason (C7513: the condition's result took the registers of the S in flight) and ran
+    at 0.68-1.01x the default's speed, mostly about 0.8x, on dense and random layouts at 32k / 128k
+    (`mosaic-gpu-overlap-first{,-pingpong}_*`).
+
+    ``pingpong`` (default): the two consumers alternate on a schedule barrier, one's softmax while the other's
+    products run (FlashAttention-3's inter-warpgroup schedule); False lets them run freely.
 
     ``column_pass``: how the layout's single key columns are computed: ``"triton"`` (default) runs the Pallas
     Triton kernel on the columns alone (it gathers them inside the kernel); ``"mosaic"`` gathers them into key tiles
@@ -858,7 +990,8 @@ def block_sparse_attention_mosaic_gpu(
         q = _gather_rows(q, q_perm)  # [B, T, N, D] in permuted row order per head
     q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
-          "persistent": persistent, "pair": key_pairs}
+          "persistent": persistent, "pair": key_pairs, "overlap": overlap,
+          "pingpong": pingpong}
     out, lse = _block_pass(q_in, k, v, layout, profile=profile, **kw)
     out, lse = out[:, :t, :, :d], lse[:, :, :t]
     if layout.kv_columns is not None and column_pass == "mosaic":

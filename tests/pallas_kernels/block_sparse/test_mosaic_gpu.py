@@ -157,6 +157,32 @@ def test_key_pairs_lower_for_cuda(bq, perm, windows, bk):
             run(key_pairs=False)
 
 
+@pytest.mark.parametrize("bq,bk,pairs,perm,windows", [(64, 64, False, False, False), (128, 64, True, False, False),
+                                                   (64, 32, True, False, True), (128, 64, False, True, False)])
+def test_overlap_lowers_for_cuda(bq, bk, pairs, perm, windows):
+    """``overlap=True`` (step j + 1's softmax while step j's P V and step j + 2's S run) lowers, with and without
+    the schedule barrier (``pingpong``; also the default steps without it), with 64- and 128-row query blocks, one or two entries per step, key windows and original positions; with positions and one V stage per
+    ring (64-row query blocks, 128-key steps) it is refused before tracing."""
+    t = 1000
+    layout = BlockLayout.dense_causal(t, t, block_q=bq, block_k=bk)
+    if perm:
+        p = jnp.asarray(np.random.default_rng(0).permutation(t), jnp.int32)[None, None]
+        layout = dataclasses.replace(layout, q_perm=p, kv_perm=p)
+    if windows:
+        layout = dataclasses.replace(layout, kv_windows=True, window_align=8)
+    run = functools.partial(_lower, (1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, layout,
+                            block_sparse_attention_mosaic_gpu, sm_scale=0.1, key_pairs=pairs, overlap=True)
+    run()
+    run(pingpong=False)
+    run(overlap=False, pingpong=False)
+    if perm:
+        one_v = BlockLayout.dense_causal(t, t, block_q=64, block_k=64)
+        one_v = dataclasses.replace(one_v, q_perm=layout.q_perm, kv_perm=layout.kv_perm)
+        with pytest.raises(ValueError, match="overlap: needs two V stages"):
+            _lower((1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, one_v, block_sparse_attention_mosaic_gpu,
+                   sm_scale=0.1, key_pairs=True, overlap=True)
+
+
 def test_key_pairs_shared_memory_count():
     """Two K stages and one V stage of 128 keys per consumer (64-row blocks): 231,576 bytes with positions."""
     assert smem_bytes(64, 128, 2, 64, pair=True) == 231_576

@@ -245,3 +245,32 @@ def test_mosaic_key_pairs_match_dense(bq, perm, columns, windows, gap, density, 
     fin = np.isfinite(np.asarray(lse_one))
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_one)[fin], atol=1e-2)
 
+
+
+@needs_hopper
+@pytest.mark.parametrize("bq,bk,pairs,perm,columns,windows,density", [
+    (64, 64, False, False, 0, False, 0.3),   # odd and even list lengths
+    (64, 64, False, False, 0, False, 0.05),  # lists of 0 / 1 entries (no step after the first), empty rows
+    (128, 64, True, False, 0, False, 0.3),   # 128-key steps of two entries
+    (64, 64, False, True, 24, False, 0.3),   # positions (the next step's with its V tile), columns merged
+    (128, 128, False, True, 0, False, 0.5),
+    (64, 32, True, False, 24, True, 0.0),    # 32-key windows, two per step; Mosaic column pass with positions
+])
+def test_mosaic_overlap_matches_dense(bq, bk, pairs, perm, columns, windows, density):
+    """``overlap=True`` (step j + 1's softmax while step j's P V and step j + 2's S run), with and without the
+    schedule barrier, and the default steps without it (``pingpong=False``) give the masked dense result and the
+    lse of the default schedule."""
+    b, t, s, n, kh, d = 1, 1000, 1300, 8, 2, 128
+    rng = np.random.default_rng(bq + bk + 3 * perm + columns + 5 * windows + int(100 * density))
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)
+    if windows:
+        layout = random_window_layout(rng, b, n, t, s, bq, bk, columns=columns, perm=perm, max_windows=13)
+    else:
+        layout = random_layout(rng, b, n, t, s, bq, bk, density=density, perm=perm, columns=columns)
+    kw = dict(sm_scale=d ** -0.5, key_pairs=pairs, column_pass="mosaic")
+    _, lse_default = block_sparse_attention_mosaic_gpu(q, k, v, layout, **kw)
+    fin = np.isfinite(np.asarray(lse_default))
+    for overlap, pingpong in ((True, True), (True, False), (False, False)):
+        out, lse = block_sparse_attention_mosaic_gpu(q, k, v, layout, overlap=overlap, pingpong=pingpong, **kw)
+        _check(out, lse, q, k, v, layout, jnp.bfloat16)
+        np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_default)[fin], atol=1e-2)
