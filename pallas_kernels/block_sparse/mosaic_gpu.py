@@ -616,21 +616,17 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 def starts(j, w):
                     return [it.tile(e, w)[0] for e, _ in it.entries(j, w)]
 
-                def load_k(j, w):
+                def load(j, w, ring_stages, free, fetch, name):
+                    """Tile j of ring w into its stage, once the consumers freed the stage (K or V)."""
                     g = done[w] + j
-                    k_slot = w * stages + lax.rem(g, stages)
-                    with jax.named_scope("k_free"):
-                        pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[k_slot]))
+                    slot = w * ring_stages + lax.rem(g, ring_stages)
+                    with jax.named_scope(name):
+                        pl.when(g >= ring_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
                     for h, start in enumerate(starts(j, w)):
-                        fetch_k(it, start, k_slot, h)
+                        fetch(it, start, slot, h)
 
-                def load_v(j, w):
-                    g = done[w] + j
-                    v_slot = w * v_stages + lax.rem(g, v_stages)
-                    with jax.named_scope("v_free"):
-                        pl.when(g >= v_stages)(lambda: plgpu.barrier_wait(v_free.at[v_slot]))
-                    for h, start in enumerate(starts(j, w)):
-                        fetch_v(it, start, v_slot, h)
+                load_k = functools.partial(load, ring_stages=stages, free=k_free, fetch=fetch_k, name="k_free")
+                load_v = functools.partial(load, ring_stages=v_stages, free=v_free, fetch=fetch_v, name="v_free")
 
                 def fill(j):
                     for w in range(rings):

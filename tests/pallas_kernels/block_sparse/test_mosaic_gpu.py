@@ -128,6 +128,18 @@ def test_most_stages_that_fit_lower_for_cuda(bq, perm):
         _lower((1, 1000, 8, 128), (1, 1000, 8, 128), jnp.bfloat16, layout, num_stages=st + 1)
 
 
+def _dense_variant(t, bq, bk, perm, windows, **window_kw):
+    """The dense causal layout of ``t`` tokens, with one random permutation of rows and keys (``perm``) and read as
+    key windows (``windows``, extra fields ``window_kw``)."""
+    layout = BlockLayout.dense_causal(t, t, block_q=bq, block_k=bk)
+    if perm:
+        p = jnp.asarray(np.random.default_rng(0).permutation(t), jnp.int32)[None, None]
+        layout = dataclasses.replace(layout, q_perm=p, kv_perm=p)
+    if windows:
+        layout = dataclasses.replace(layout, kv_windows=True, **window_kw)
+    return layout
+
+
 @pytest.mark.parametrize("bq,perm,windows,bk", [(64, False, False, 64), (64, True, False, 64), (128, True, False, 64),
                                                 (64, False, True, 64), (64, True, True, 32), (128, False, False, 32)])
 def test_key_pairs_lower_for_cuda(bq, perm, windows, bk):
@@ -136,12 +148,7 @@ def test_key_pairs_lower_for_cuda(bq, perm, windows, bk):
     shared memory Mosaic GPU counts (as `smem_bytes` says) and is refused before tracing. 32-key entries one per
     step do not lower (wgmma's K of 64 with the 128-byte swizzle) and are refused."""
     t = 1000
-    layout = BlockLayout.dense_causal(t, t, block_q=bq, block_k=bk)
-    if perm:
-        p = jnp.asarray(np.random.default_rng(0).permutation(t), jnp.int32)[None, None]
-        layout = dataclasses.replace(layout, q_perm=p, kv_perm=p)
-    if windows:
-        layout = dataclasses.replace(layout, kv_windows=True)
+    layout = _dense_variant(t, bq, bk, perm, windows)
     run = functools.partial(_lower, (1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, layout,
                             block_sparse_attention_mosaic_gpu, sm_scale=0.1, key_pairs=True)
     run()
@@ -161,23 +168,18 @@ def test_key_pairs_lower_for_cuda(bq, perm, windows, bk):
                                                    (64, 32, True, False, True), (128, 64, False, True, False)])
 def test_overlap_lowers_for_cuda(bq, bk, pairs, perm, windows):
     """``overlap=True`` (step j + 1's softmax while step j's P V and step j + 2's S run) lowers, with and without
-    the schedule barrier (``pingpong``; also the default steps without it), with 64- and 128-row query blocks, one or two entries per step, key windows and original positions; with positions and one V stage per
-    ring (64-row query blocks, 128-key steps) it is refused before tracing."""
+    the schedule barrier (``pingpong``; also the default steps without it), with 64- and 128-row query blocks, one
+    or two entries per step, key windows and original positions; with positions and one V stage per ring (64-row
+    query blocks, 128-key steps) it is refused before tracing."""
     t = 1000
-    layout = BlockLayout.dense_causal(t, t, block_q=bq, block_k=bk)
-    if perm:
-        p = jnp.asarray(np.random.default_rng(0).permutation(t), jnp.int32)[None, None]
-        layout = dataclasses.replace(layout, q_perm=p, kv_perm=p)
-    if windows:
-        layout = dataclasses.replace(layout, kv_windows=True, window_align=8)
+    layout = _dense_variant(t, bq, bk, perm, windows, window_align=8)
     run = functools.partial(_lower, (1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, layout,
                             block_sparse_attention_mosaic_gpu, sm_scale=0.1, key_pairs=pairs, overlap=True)
     run()
     run(pingpong=False)
     run(overlap=False, pingpong=False)
     if perm:
-        one_v = BlockLayout.dense_causal(t, t, block_q=64, block_k=64)
-        one_v = dataclasses.replace(one_v, q_perm=layout.q_perm, kv_perm=layout.kv_perm)
+        one_v = _dense_variant(t, 64, 64, perm=True, windows=False)
         with pytest.raises(ValueError, match="overlap: needs two V stages"):
             _lower((1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, one_v, block_sparse_attention_mosaic_gpu,
                    sm_scale=0.1, key_pairs=True, overlap=True)
