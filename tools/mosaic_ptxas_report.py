@@ -24,6 +24,16 @@ import re
 import shutil
 import sys
 
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jsonl_log import write_atomic  # noqa: E402
+
+from pallas_kernels import BlockLayout  # noqa: E402
+from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu  # noqa: E402
+
 VARIANTS = {  # name: (block_q, block_k, kernel options)
     "bq64-bk64": (64, 64, {}),
     "bq64-bk64-overlap": (64, 64, dict(overlap=True)),
@@ -87,13 +97,6 @@ def inflight_writes(ptx: str) -> list[dict]:
 
 def compile_variant(name: str, out: str) -> dict:
     """Compile and run variant ``name`` once with Mosaic GPU's dumps on (an sm90 GPU)."""
-    import jax
-    import jax.numpy as jnp
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from pallas_kernels import BlockLayout
-    from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
-
     bq, bk, opts = VARIANTS[name]
     dump = os.path.join(out, name)
     os.makedirs(dump, exist_ok=True)
@@ -119,8 +122,7 @@ def compile_variant(name: str, out: str) -> dict:
     sass = read("*.sass")
     ptx = read("*.ptx")
     if ptx:
-        with open(os.path.join(out, f"{name}.ptx"), "w") as fh:
-            fh.write(ptx)
+        write_atomic(os.path.join(out, f"{name}.ptx"), lambda fh: fh.write(ptx))
     shutil.rmtree(dump)
     return {"variant": name, "block_q": bq, "block_k": bk, "options": opts, "ptxas": ptxas,
             "serialised": [ln for ln in ptxas if re.search(r"C751\d", ln)],
@@ -157,12 +159,8 @@ def main(argv=None) -> int:
         for ln in row.get("ptxas", []):
             if re.search(r"registers|spill|C75", ln):
                 print("   ", ln[:200], flush=True)
-    import jax
-
-    tmp = os.path.join(args.out, "ptxas_report.json.tmp")
-    with open(tmp, "w") as fh:
-        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, fh, indent=1)
-    os.replace(tmp, os.path.join(args.out, "ptxas_report.json"))
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}
+    write_atomic(os.path.join(args.out, "ptxas_report.json"), lambda fh: json.dump(report, fh, indent=1))
     return 0
 
 

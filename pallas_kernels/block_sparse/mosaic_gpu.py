@@ -461,11 +461,14 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     keys = None if w0 is None else (pick(w0[0], w1[0]), pick(w0[1], w1[1]))
                     return pick(s0, s1 - bk), pick(l0, l1), keys
 
-                def masked(j, s):
-                    """S of step j with its masked pairs -inf."""
+                def masked(j, s, *, only_where_needed=True):
+                    """S of step j with its masked pairs -inf; by index, only for a tile that can hold a masked pair
+                    (a ``lax.cond``) unless ``only_where_needed`` is False (see `fa3.pv_and_qk`)."""
                     halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
                     if cfg.has_pos:
                         return mask_by_position(s, v_stage(j), *per_column(s, halves))
+                    if not only_where_needed:
+                        return mask_by_index(s, *per_column(s, halves))
                     need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
                     return lax.cond(need, lambda x: mask_by_index(x, *per_column(x, halves)), lambda x: x, s)
 
@@ -508,11 +511,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
                     def soft(j, s, m, l):
                         """Step j's mask (on every step: see `fa3.pv_and_qk`) and softmax."""
-                        halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
-                        if cfg.has_pos:
-                            s = mask_by_position(s, v_stage(j), *per_column(s, halves))
-                        else:
-                            s = mask_by_index(s, *per_column(s, halves))
+                        s = masked(j, s, only_where_needed=False)
                         sm = fa3.softmax_step(s, m, l, None, scale=scale, dtype=dtype)
                         handshake()
                         return sm
@@ -564,23 +563,18 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     return lax.cond(count > 0, last, lambda a: a, acc), m, l
 
                 acc, m, l = fa3.init_rows(dp)
-                if cfg.overlap:
-                    pl.when(wg == 1)(handshake)  # the two consumers run half a step apart
+                if not cfg.overlap:
+                    pl.when(count > 0)(lambda: plgpu.barrier_wait(k_bar.at[k_stage(0)]))
+                pl.when(wg == 1)(handshake)  # the two consumers run half a step apart
+                if cfg.overlap:  # count + 1 units of two handshakes (the last P V is one of its own)
                     acc, m, l = overlapped(acc, m, l)
-                    if split and cfg.pingpong:  # count + 1 units of two handshakes (the last P V is one of its own)
-                        units = lambda c: c + (c > 0).astype(c.dtype)  # noqa: E731
-                        lax.fori_loop(units(count), units(steps), idle, jnp.int32(0))
-                    pl.when(wg == 0)(handshake)
+                    units = lambda c: c + (c > 0).astype(c.dtype)  # noqa: E731
                 else:
-                    @pl.when(count > 0)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[k_stage(0)])
-
-                    pl.when(wg == 1)(handshake)  # the two consumers run half a step apart
                     acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
-                    if split and cfg.pingpong:
-                        lax.fori_loop(count, steps, idle, jnp.int32(0))
-                    pl.when(wg == 0)(handshake)
+                    units = lambda c: c  # noqa: E731
+                if split and cfg.pingpong:
+                    lax.fori_loop(units(count), units(steps), idle, jnp.int32(0))
+                pl.when(wg == 0)(handshake)
 
                 fa3.write_rows(acc, m, l, q_smem, l_smem, out_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head],
                                lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)], dtype)
