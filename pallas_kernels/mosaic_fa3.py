@@ -120,7 +120,7 @@ def softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array | None
     """One tile of the online softmax: ``s`` the masked logits (``-inf`` where masked), ``scale`` = sm_scale *
     log2(e). ``parts``: the row max and sum are also kept per equal key range of the tile (``parts`` of
     ``block_k / parts >= 8`` keys, e.g. two 64-key blocks of a 128-key tile), reduced range by range.
-    ``acc`` None: O is not rescaled here (it is in flight in a ``P V`` product, `pv_and_qk`); the caller
+    ``acc`` None: O is not rescaled here (it is in flight in a ``P V`` product, `qk_then_pv`); the caller
     multiplies it by ``alpha`` once the product is done."""
     width = s.shape[1] // parts
 
@@ -156,39 +156,38 @@ def by_row(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
     return lax.broadcast_in_dim(x, shape, [0])
 
 
-def pv_and_qk(acc: jax.Array, p: jax.Array, v_tile, work: Callable[[], R], q_smem=None, k_tile=None,
-              block_k: int | None = None, sched=None) -> tuple[jax.Array, jax.Array | None, R]:
-    """FlashAttention-3's intra-warpgroup overlap: issue ``O += P V`` (P ``[64, keys]`` from registers, V tile
-    ``[keys, Dp]``) and, given a K tile ``[block_k, Dp]``, a later step's ``S = Q K^T`` behind it; run ``work()``
-    (the softmax of a step in between, whose S is already in registers) while both are on the tensor cores.
-    Returns (``O + P V``, S ``[64, block_k]`` float32 or None, ``work()``'s result) once both are done.
+def qk_then_pv(acc: jax.Array, p: jax.Array, v_tile, q_smem, k_tile, block_k: int, work: Callable[[jax.Array], R],
+               sched=None, s_loaded: Callable[[], None] | None = None) -> tuple[jax.Array, R]:
+    """FlashAttention-3's intra-warpgroup overlap in its paper's order (Algorithm 2): issue the next step's ``S = Q
+    K^T`` (K tile ``[block_k, Dp]``), then this step's ``O += P V`` (P ``[64, keys]`` from registers, V tile ``[keys,
+    Dp]``); wait for S alone and run ``work(S)`` (the next step's mask and softmax) while ``P V`` is on the tensor
+    cores. ``s_loaded()`` runs once S is in registers (e.g. freeing the K stage), ``sched``: the schedule handshake
+    once both products are issued. Returns (``O + P V``, ``work(S)``).
 
-    ``work`` must not branch on values (no ``lax.cond``): LLVM, which does not know that wgmma reads and writes its
-    registers asynchronously, gave the result of the mask's ``lax.cond`` the registers of the S in flight, and
-    ptxas then serialised every wgmma of the kernel (its note C7513, "non wgmma instructions defining input
-    registers of a wgmma between start and end of the pipeline stage"; `tools/mosaic_ptxas_report.py` finds such
-    writes in the PTX). For the same reason P goes through an optimization barrier after the wait, so that its
-    registers stay P's while ``P V`` reads them. ``sched``: the schedule handshake runs once both products are
-    issued."""
+    LLVM does not know that wgmma reads its register operands asynchronously; ptxas serialises every wgmma of
+    the kernel (note C7513) if an instruction writes a register of P (or of O) between the first product's issue
+    and the wait. Two rules keep it asynchronous (`tools/mosaic_ptxas_report.py --ptx` finds such writes):
+    P is not used after the wait (Mosaic's fence on a register operand then copies it in place of the product,
+    after ``Q K^T`` was issued), and ``work``'s new P must not become the caller's P register: a loop carrying P
+    runs two steps an iteration, and a step's P is not returned through a ``lax.cond`` (see the block-sparse
+    kernel's ``overlapped``)."""
 
-    def scope(acc_ref, *s_ref):
+    def scope(acc_ref, s_ref):
         acc_ref[...] = acc
+        plgpu.wgmma(s_ref, q_smem, k_tile.transpose((1, 0)))
         plgpu.wgmma(acc_ref, p, v_tile)
-        if k_tile is not None:
-            plgpu.wgmma(s_ref[0], q_smem, k_tile.transpose((1, 0)))
         if sched is not None:
             with jax.named_scope("sched"):
                 schedule(sched)
-        out = work()
-        o = acc_ref[...]  # waits for both
-        # P used once more after the wait: LLVM, which does not know the product reads P asynchronously, could
-        # otherwise give P's registers to values ``work`` computes (and ptxas would serialise every wgmma, C7513).
-        o, _, out = lax.optimization_barrier((o, p, out))
-        return o, (s_ref[0][...] if s_ref else None), out
+        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S done; P V may still run
+        if s_loaded is not None:
+            s_loaded()
+        out = work(s)
+        o = acc_ref[...]  # waits for P V
+        o, out = lax.optimization_barrier((o, out))
+        return o, out
 
-    accs = [plgpu.ACC(acc.shape, jnp.float32)] + ([plgpu.ACC((WG_ROWS, block_k), jnp.float32)] if k_tile is not None
-                                                 else [])
-    return pl.run_scoped(scope, *accs)
+    return pl.run_scoped(scope, plgpu.ACC(acc.shape, jnp.float32), plgpu.ACC((WG_ROWS, block_k), jnp.float32))
 
 
 def pv(acc: jax.Array, p: jax.Array, v_tile, while_running: Callable[[], None] | None = None) -> jax.Array:

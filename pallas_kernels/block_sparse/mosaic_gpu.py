@@ -118,8 +118,8 @@ class MosaicConfig:
       pair: each step computes two consecutive list entries as one tile of ``2 * block_k`` keys (a list of odd
         length ends with a masked half).
       v_stages: V stages per ring (0: ``stages``); K keeps ``stages``.
-      overlap: each consumer issues step j's ``P V`` and step j + 2's ``S = Q K^T`` together and runs step
-        j + 1's softmax while they are in flight (`mosaic_fa3.pv_and_qk`).
+      overlap: each consumer issues step j + 1's ``S = Q K^T`` and step j's ``P V`` and runs step j + 1's mask and
+        softmax while ``P V`` is in flight (`mosaic_fa3.qk_then_pv`).
       pingpong: the consumers alternate on the schedule barrier (one's softmax while the other's products run):
         two handshakes per step, after issuing ``S = Q K^T`` and after the softmax.
     """
@@ -404,14 +404,15 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
                 def mask_by_index(s, start, limit, keys):
                     """Positions are indices: row r at q_first + r, key c at start + c."""
-                    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                     ok = in_window(cols < limit - start, cols, start, keys)
-                    if cfg.causal:
-                        rel = cols - rows  # key pos - query pos = rel + start - q_first
-                        ok = ok & (rel <= q_first - start - cfg.gap)
+                    if cfg.causal:  # a bound per row (not a tile of c - r: fewer registers live across steps)
+                        rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0, layout=fa3.ROW)
+                        # key c - base against row r + q_first - base (a per-column start: base 0)
+                        base, key = (start, cols) if jnp.ndim(start) == 0 else (0, cols + start)
+                        ok = ok & (key <= fa3.by_row(rows + (q_first - base - cfg.gap), s.shape))
                         if cfg.window:
-                            ok = ok & (rel > q_first - start - cfg.window)
+                            ok = ok & (key > fa3.by_row(rows + (q_first - base - cfg.window), s.shape))
                     return jnp.where(ok, s, -jnp.inf)
 
                 def mask_by_position(s, slot, start, limit, keys):
@@ -461,14 +462,12 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     keys = None if w0 is None else (pick(w0[0], w1[0]), pick(w0[1], w1[1]))
                     return pick(s0, s1 - bk), pick(l0, l1), keys
 
-                def masked(j, s, *, only_where_needed=True):
+                def masked(j, s):
                     """S of step j with its masked pairs -inf; by index, only for a tile that can hold a masked pair
-                    (a ``lax.cond``) unless ``only_where_needed`` is False (see `fa3.pv_and_qk`)."""
+                    (a ``lax.cond``)."""
                     halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
                     if cfg.has_pos:
                         return mask_by_position(s, v_stage(j), *per_column(s, halves))
-                    if not only_where_needed:
-                        return mask_by_index(s, *per_column(s, halves))
                     need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
                     return lax.cond(need, lambda x: mask_by_index(x, *per_column(x, halves)), lambda x: x, s)
 
@@ -505,54 +504,44 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     return carry
 
                 def overlapped(acc, m, l):
-                    """Steps 0 .. count - 1 pipelined within the warpgroup: step j's ``P V`` and step j + 2's ``S =
-                    Q K^T`` run on the tensor cores while step j + 1's mask and softmax run (`fa3.pv_and_qk`)."""
-                    s_zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, kt), jnp.float32), plgpu.Layout.WGMMA)
+                    """Steps 0 .. count - 1 pipelined within the warpgroup in FlashAttention-3's order: step j + 1's
+                    ``S = Q K^T``, then step j's ``P V``; step j + 1's mask and softmax while ``P V`` runs
+                    (`fa3.qk_then_pv`)."""
 
                     def soft(j, s, m, l):
-                        """Step j's mask (on every step: see `fa3.pv_and_qk`) and softmax."""
-                        s = masked(j, s, only_where_needed=False)
-                        sm = fa3.softmax_step(s, m, l, None, scale=scale, dtype=dtype)
+                        sm = fa3.softmax_step(masked(j, s), m, l, None, scale=scale, dtype=dtype)
                         handshake()
                         return sm
 
-                    def blocking_qk(j, sched_ref):
-                        ks = k_stage(j)
-                        plgpu.barrier_wait(k_bar.at[ks])
-                        s = fa3.qk(q_smem, k_smem.at[ks], sched_ref, kt)
-                        plgpu.barrier_arrive(k_free.at[ks])
-                        return s
-
                     def first(_):
-                        """Step 0's S and softmax, then step 1's S (count > 0)."""
-                        sm = soft(0, blocking_qk(0, pp), m, l)
-                        s1 = lax.cond(count > 1, lambda: blocking_qk(1, None), lambda: s_zero)
-                        return sm.m, sm.l, sm.p, s1  # O is still 0: nothing to rescale
+                        """Step 0's S and softmax (count > 0); O is still 0: nothing to rescale."""
+                        ks = k_stage(0)
+                        plgpu.barrier_wait(k_bar.at[ks])
+                        s = fa3.qk(q_smem, k_smem.at[ks], pp, kt)
+                        plgpu.barrier_arrive(k_free.at[ks])
+                        sm = soft(0, s, m, l)
+                        return sm.m, sm.l, sm.p
 
-                    def ostep(j, carry, *, ahead=True):
-                        """Step j's P V (and step j + 2's S if ``ahead``) while step j + 1's softmax runs."""
-                        acc, m, l, p, s = carry
-                        vs = v_stage(j)
+                    def ostep(j, carry):
+                        """Step j + 1's S, then step j's P V; step j + 1's softmax while P V runs."""
+                        acc, m, l, p = carry
+                        vs, ks = v_stage(j), k_stage(j + 1)
+                        plgpu.barrier_wait(k_bar.at[ks])
                         plgpu.barrier_wait(v_bar.at[vs])
-                        k_tile = None
-                        if ahead:
-                            ks = k_stage(j + 2)
-                            plgpu.barrier_wait(k_bar.at[ks])
-                            k_tile = k_smem.at[ks]
-                        acc, s2, sm = fa3.pv_and_qk(acc, p, v_smem.at[vs], lambda: soft(j + 1, s, m, l), q_smem,
-                                                    k_tile, kt, pp)
+                        acc, sm = fa3.qk_then_pv(acc, p, v_smem.at[vs], q_smem, k_smem.at[ks], kt,
+                                                 lambda s: soft(j + 1, s, m, l), pp,
+                                                 lambda: plgpu.barrier_arrive(k_free.at[ks]))
                         plgpu.barrier_arrive(v_free.at[vs])
-                        if ahead:
-                            plgpu.barrier_arrive(k_free.at[ks])
-                        return acc * fa3.by_row(sm.alpha, acc.shape), sm.m, sm.l, sm.p, (s2 if ahead else s)
+                        return acc * fa3.by_row(sm.alpha, acc.shape), sm.m, sm.l, sm.p
 
-                    p0 = plgpu.layout_cast(jnp.zeros((WG_ROWS, kt), dtype), plgpu.Layout.WGMMA)
-                    m, l, p, s = lax.cond(count > 0, first, lambda _: (m, l, p0, s_zero), None)
-                    carry = lax.fori_loop(0, count - 2, ostep, (acc, m, l, p, s))
-                    acc, m, l, p, _ = lax.cond(count > 1, lambda c: ostep(count - 2, c, ahead=False), lambda c: c,
-                                               carry)
+                    def two_steps(i, carry):
+                        """Steps 2i and 2i + 1, so that each step's new P has registers of its own (one step a
+                        loop iteration would write it into the loop's P, which that step's P V reads in flight:
+                        ptxas then serialises every wgmma, note C7513)."""
+                        return ostep(2 * i + 1, ostep(2 * i, carry))
 
-                    def last(a):
+                    def last(a, p):
+                        """The last step's P V."""
                         vs = v_stage(count - 1)
                         plgpu.barrier_wait(v_bar.at[vs])
                         a = fa3.pv(a, p, v_smem.at[vs], handshake)
@@ -560,7 +549,18 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                         plgpu.barrier_arrive(v_free.at[vs])
                         return a
 
-                    return lax.cond(count > 0, last, lambda a: a, acc), m, l
+                    def odd_step_and_last(c):
+                        """The step `two_steps` leaves and the last P V in one branch (a step's P returned by a
+                        ``lax.cond`` shares the registers of the cond's input P, which its P V reads in flight)."""
+                        acc, m, l, p = ostep(count - 2, c)
+                        return last(acc, p), m, l
+
+                    p0 = plgpu.layout_cast(jnp.zeros((WG_ROWS, kt), dtype), plgpu.Layout.WGMMA)
+                    m, l, p = lax.cond(count > 0, first, lambda _: (m, l, p0), None)
+                    carry = lax.fori_loop(0, (count - 1) // 2, two_steps, (acc, m, l, p))
+                    which = jnp.where(count == 0, 0, jnp.where(count % 2 == 1, 1, 2))
+                    return lax.switch(which, [lambda c: c[:3], lambda c: (last(c[0], c[3]), *c[1:3]),
+                                              odd_step_and_last], carry)
 
                 acc, m, l = fa3.init_rows(dp)
                 if not cfg.overlap:
@@ -630,9 +630,10 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                             load_v(j, w)
 
                 def fill_k_ahead(j):
-                    """K tile j and V tile j - 1: with `overlap` a consumer needs K tile j + 2 while it still holds
-                    V tile j, so a K load must not wait behind the release of a V stage (the consumers would wait
-                    on each other through the schedule barrier and the shared producer)."""
+                    """K tile j and V tile j - 1: with `overlap` a consumer waits for K tile j + 1 with V tile j,
+                    before it frees V tile j, so a K load must not wait behind the release of a V stage (with one
+                    producer for both rings, the consumers would wait on each other through the schedule barrier
+                    and the producer)."""
                     for w in range(rings):
                         pl.when(j < counts[w])(lambda: load_k(j, w))
                     for w in range(rings):
@@ -927,18 +928,15 @@ def block_sparse_attention_mosaic_gpu(
 
     ``profile``: (ranges, directory): a Mosaic GPU profiler trace of the block pass (see `launch`).
 
-    ``overlap``: FlashAttention-3's intra-warpgroup pipelining, with S one step further ahead. Each consumer issues
-    step j's ``P V`` and step j + 2's ``S = Q K^T`` together and runs step j + 1's mask and softmax while they are
-    on the tensor cores (`mosaic_fa3.pv_and_qk`). Refused with original positions (permutations, the column pass)
-    where a ring has one V stage. Off by default: it is correct (GPU tests) but slower, because ptxas serialises its
-    wgmma (note C7511, too few registers for the pipeline: O, two S and two P tiles, and the index tiles of the
-    mask, which runs on every step; `tools/mosaic_ptxas_report.py`). One H100, 2026-11-27, MInference's top-100
-    mask with 64-row query blocks (`minference-side-by-side-overlap*`): 2.63 / 10.89 / 46.87 ms against the
-    default's 1.82 / 7.50 / 32.74 at 32k / 128k / 512k; without the schedule barrier 3.00 / 12.52 ms (default 1.80
-    / 7.54). A first form, step j + 1's S issued before step j's ``P V`` with the mask under a ``lax.cond``, was
-    serialised for another reason (C7513: the condition's result took the registers of the S in flight) and ran
-    at 0.68-1.01x the default's speed, mostly about 0.8x, on dense and random layouts at 32k / 128k
-    (`mosaic-gpu-overlap-first{,-pingpong}_*`).
+    ``overlap``: FlashAttention-3's intra-warpgroup pipelining in its paper's order. Each consumer issues step j +
+    1's ``S = Q K^T``, then step j's ``P V``, waits for S alone and runs step j + 1's mask and softmax while ``P V``
+    is on the tensor cores (`mosaic_fa3.qk_then_pv`). Refused with original positions (permutations, the column
+    pass) where a ring has one V stage. ptxas keeps its wgmma asynchronous (`mosaic-ptxas-fa3-order_*`; each
+    step's new P needs registers of its own, see `overlapped`), but it is not faster, so it is off by default. One
+    H100, 2026-11-27, MInference's top-100 mask with 64-row query blocks
+    (`minference-side-by-side-fa3-order_*`): 1.88 / 7.93 / 33.65 ms against the default's 1.83 / 7.71 / 33.29 at
+    32k / 128k / 512k (same run). An earlier form, S two steps ahead of ``P V`` (`minference-side-by-side-overlap*`,
+    2.63 / 10.89 / 46.87 ms), had too few registers for the wgmma pipeline (ptxas note C7511).
 
     ``pingpong`` (default): the two consumers alternate on a schedule barrier, one's softmax while the other's
     products run (FlashAttention-3's inter-warpgroup schedule); False lets them run freely.

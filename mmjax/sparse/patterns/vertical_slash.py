@@ -14,9 +14,11 @@ pairs 1.097 -> 1.067 at 32k and 1.101 -> 1.075 at 128k, 4% faster on Triton (one
 `tools/minference_side_by_side.py`). On the Mosaic GPU kernel (sm90) windows from multiples of 8 are one tile each
 and the fastest form measured: ``VerticalSlash(block_q=64, block_k=32, windows=True, window_align=8,
 window_tail=12, window_tail_cap=4096)`` ran 1.28 / 1.31 / 1.40x MInference's kernel on its index at 32k / 128k /
-512k, computing 1.06 / 1.07 / 1.08x the named pairs (one H100, 2026-11-27; README). It is not the default yet: its
+512k, computing 1.06 / 1.07 / 1.08x the named pairs (one H100, 2026-11-27; README). It is not the default: its
 lists are about 3x the default's at 1M tokens (768 windows per 64-row query block against 512 blocks per 128-row
-one) and its recall on the fidelity inputs is not measured.
+one), and on `bench patterns`' video input at 128k it kept less attention (recall 0.548 against 0.580) and ran
+slower (kernel 65.4 against 60.4 ms) while computing fewer pairs (density 0.201 against 0.258; one H100,
+2026-11-27, `patterns-vs-windows-128k_*`).
 
 Conversion to aligned blocks (the default; vectorised, per head): with ``block_q = r * block_k``, the key blocks a slash
 at offset o touches for query block i are ``i * r + u`` for u in a range that does not

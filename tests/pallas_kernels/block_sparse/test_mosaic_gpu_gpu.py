@@ -257,7 +257,7 @@ def test_mosaic_key_pairs_match_dense(bq, perm, columns, windows, gap, density, 
     (64, 32, True, False, 24, True, 0.0),    # 32-key windows, two per step; Mosaic column pass with positions
 ])
 def test_mosaic_overlap_matches_dense(bq, bk, pairs, perm, columns, windows, density):
-    """``overlap=True`` (step j + 1's softmax while step j's P V and step j + 2's S run), with and without the
+    """``overlap=True`` (step j + 1's S, then step j's P V; step j + 1's softmax while P V runs), with and without the
     schedule barrier, and the default steps without it (``pingpong=False``) give the masked dense result and the
     lse of the default schedule."""
     b, t, s, n, kh, d = 1, 1000, 1300, 8, 2, 128
