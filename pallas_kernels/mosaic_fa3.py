@@ -80,12 +80,22 @@ def schedule(sched) -> None:
     plgpu.barrier_wait(sched)
 
 
-def init_rows(head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(O ``[64, head_dim]`` zeros, running max m ``[64]`` -inf, running sum l ``[64]`` zeros), float32."""
+def init_rows(head_dim: int, sum_columns: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(O ``[64, head_dim]`` zeros, running max m ``[64]`` -inf, running sum l zeros), float32. l is ``[64]``, or
+    with ``sum_columns`` (8) ``[64, 8]`` column partials (WGMMA layout) that `softmax_step` adds without reducing
+    across threads; `row_sums` reduces them once at the end."""
     acc = plgpu.layout_cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), ROW)
-    l = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), ROW)
+    if sum_columns:
+        l = plgpu.layout_cast(jnp.full((WG_ROWS, sum_columns), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    else:
+        l = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), ROW)
     return acc, m, l
+
+
+def row_sums(l: jax.Array) -> jax.Array:
+    """The running sum ``[64]`` of l as `init_rows` made it (``[64]``, or ``[64, c]`` column partials)."""
+    return l.sum(axis=1) if l.ndim == 2 else l
 
 
 def qk(q_smem, k_tile, sched, block_k: int) -> jax.Array:
@@ -108,10 +118,10 @@ class SoftmaxStep(NamedTuple):
     l: jax.Array  # running sum relative to m_use
     p: jax.Array  # P = exp2(S * scale - m_use) in the kernel's dtype, for `pv`
     block_max: jax.Array  # the tile's own row max (base 2, scaled); -inf for a fully masked row
-    block_sum: jax.Array  # the tile's row sum of P (relative to m_use)
+    block_sum: jax.Array | None  # the tile's row sum of P (relative to m_use); None with column partials l
     m_use: jax.Array  # the shift P is relative to (0 where every key so far is masked)
     part_max: tuple[jax.Array, ...]  # block_max of each of the ``parts`` equal key ranges of the tile
-    part_sum: tuple[jax.Array, ...]  # block_sum of each of them
+    part_sum: tuple[jax.Array, ...] | None  # block_sum of each of them
     alpha: jax.Array  # the factor O (and l) are rescaled by: exp2(m_old - m_use)
 
 
@@ -139,9 +149,15 @@ def softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array | None
         with jax.named_scope("rescale"):
             acc = acc * by_row(alpha, acc.shape)
     with jax.named_scope("sum"):
-        part_sum = tuple(x.sum(axis=1) for x in split(p))
-        block_sum = functools.reduce(jnp.add, part_sum)
-        l = l * alpha + block_sum
+        if l.ndim == 2:  # column partials (`init_rows`): P's column slices added, no reduction across threads
+            c = l.shape[1]
+            part_sum = block_sum = None
+            l = l * by_row(alpha, l.shape) + functools.reduce(
+                jnp.add, [p[:, i * c:(i + 1) * c] for i in range(p.shape[1] // c)])
+        else:
+            part_sum = tuple(x.sum(axis=1) for x in split(p))
+            block_sum = functools.reduce(jnp.add, part_sum)
+            l = l * alpha + block_sum
     with jax.named_scope("cvt"):
         p16 = p.astype(dtype)
     if acc is None:
