@@ -80,7 +80,6 @@ def main() -> None:
                     help="also time every Mosaic row with overlap=True (the next step's softmax while P V runs), "
                          "with and without the schedule barrier (pingpong), and random 3%% layouts (64- and "
                          "128-key blocks)")
-    ap.add_argument("--rowsum", action="store_true", help="also time every Mosaic row with sum_columns=0")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     lens = [int(x) for x in args.lens.split(",")]
@@ -127,7 +126,7 @@ def main() -> None:
         rows.append(("mosaic_gpu", "random 10% bk64", kernel_fn("mosaic_gpu"), (q, k, v, sparse)))
         if args.pairs:
             rows.append(("mosaic_gpu", "random 10% bk64 1-entry", mosaic_fn(key_pairs=False), (q, k, v, sparse)))
-        if args.overlap or args.rowsum:
+        if args.overlap:
             for bk in (64, 128):
                 lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.03, block_q=128, block_k=bk,
                                                 heads=N)
@@ -136,9 +135,6 @@ def main() -> None:
             rows += [(impl, f"{what} {name}", mosaic_fn(overlap=True, pingpong=pp), fargs)
                      for impl, what, _, fargs in list(rows) if impl == "mosaic_gpu"
                      for name, pp in (("overlap", True), ("overlap free", False))]
-        if args.rowsum:
-            rows += [(impl, f"{what} rowsum", mosaic_fn(sum_columns=0), fargs)
-                     for impl, what, _, fargs in list(rows) if impl == "mosaic_gpu"]
         if args.grids:
             for keep in (None, 0.1, 0.03):
                 lay = (BlockLayout.dense_causal(s, s, block_q=128, block_k=128) if keep is None else

@@ -164,7 +164,6 @@ def block_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing
                             ("mosaic_gpu+pairs", lay64, "same 64x64 mask"),
                             ("mosaic_gpu+overlap", lay64, "same 64x64 mask"),
                             ("mosaic_gpu+overlap+free", lay64, "same 64x64 mask"),
-                            ("mosaic_gpu+rowsum", lay64, "same 64x64 mask"),
                             ("mosaic_gpu+pairs+overlap", lay64, "same 64x64 mask"),
                             ("mosaic_gpu+overlap", lay128, "128-row union of the 64-row lists"),
                             ("mosaic_gpu", lay128, "128-row union of the 64-row lists"),
@@ -268,7 +267,7 @@ def time_ours(q, k, v, lay, impl, what, named, mi_ms, timing, flops) -> dict:
     if impl.startswith("mosaic_gpu+"):
         pairs = True if "+pairs" in impl else False if "+single" in impl else None
         opts = dict(column_pass="triton" if impl.endswith("+triton") else "mosaic", key_pairs=pairs,
-                    overlap="+overlap" in impl, pingpong="+free" not in impl, sum_columns=0 if "+rowsum" in impl else 8)
+                    overlap="+overlap" in impl, pingpong="+free" not in impl)
         fn = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
                                                                              **opts)[0])
     else:
