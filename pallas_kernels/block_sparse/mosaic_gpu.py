@@ -411,7 +411,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     ok = in_window(cols < limit - start, cols, start, keys)
                     if cfg.causal:  # a bound per row (not a tile of c - r: fewer registers live across steps)
                         rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0, layout=fa3.ROW)
-                        # key c - base against row r + q_first - base (a per-column start: base 0)
+                        # key start + c visible to row r iff start + c <= q_first + r - gap: c against a bound per
+                        # row where start is one value, start + c where it is one per column (paired entries)
                         base, key = (start, cols) if jnp.ndim(start) == 0 else (0, cols + start)
                         ok = ok & (key <= fa3.by_row(rows + (q_first - base - cfg.gap), s.shape))
                         if cfg.window:
@@ -935,12 +936,14 @@ def block_sparse_attention_mosaic_gpu(
     ``overlap``: FlashAttention-3's intra-warpgroup pipelining in its paper's order. Each consumer issues step j +
     1's ``S = Q K^T``, then step j's ``P V``, waits for S alone and runs step j + 1's mask and softmax while ``P V``
     is on the tensor cores (`mosaic_fa3.qk_then_pv`). Refused with original positions (permutations, the column
-    pass) where a ring has one V stage. ptxas keeps its wgmma asynchronous (`mosaic-ptxas-fa3-order_*`; each
-    step's new P needs registers of its own, see `overlapped`), but it is not faster, so it is off by default. One
-    H100, 2026-11-27, MInference's top-100 mask with 64-row query blocks
-    (`minference-side-by-side-fa3-order_*`): 1.88 / 7.93 / 33.65 ms against the default's 1.83 / 7.71 / 33.29 at
-    32k / 128k / 512k (same run). An earlier form, S two steps ahead of ``P V`` (`minference-side-by-side-overlap*`,
-    2.63 / 10.89 / 46.87 ms), had too few registers for the wgmma pipeline (ptxas note C7511).
+    pass) where a ring has one V stage. With 64-row query blocks ptxas keeps its wgmma asynchronous
+    (`mosaic-ptxas-fa3-order_*`; each step's new P needs registers of its own, see `overlapped`), but it is not
+    faster, so it is off by default. One H100, 2026-11-27, MInference's top-100 mask with 64-row query blocks
+    (`minference-side-by-side-overlap-fa3_*`): 1.91 / 7.77 / 33.64 ms against the default's 1.71 / 7.57 / 33.15 at
+    32k / 128k / 512k (same run). With 128-row blocks it is slower still (dense 32k 0.62x cuDNN against 0.85x,
+    `mosaic-gpu-overlap-fa3_*`; with 128-key steps ptxas runs out of registers, note C7512). An earlier form, S two
+    steps ahead of ``P V`` (`minference-side-by-side-overlap*`, 2.63 / 10.89 / 46.87 ms), had too few registers
+    for the wgmma pipeline (note C7511).
 
     ``pingpong`` (default): the two consumers alternate on a schedule barrier, one's softmax while the other's
     products run (FlashAttention-3's inter-warpgroup schedule); False lets them run freely.
