@@ -131,7 +131,6 @@ def main() -> None:
                 lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.03, block_q=128, block_k=bk,
                                                 heads=N)
                 rows.append(("mosaic_gpu", f"random 3% bk{bk}", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
-        if args.overlap:
             rows += [(impl, f"{what} {name}", mosaic_fn(overlap=True, pingpong=pp), fargs)
                      for impl, what, _, fargs in list(rows) if impl == "mosaic_gpu"
                      for name, pp in (("overlap", True), ("overlap free", False))]

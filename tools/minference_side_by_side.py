@@ -19,8 +19,8 @@ D=128, bf16, causal, as in the issue. Two indexes per length:
   tails as single columns, ``window_tail``, and windows from multiples of 8, ``window_align``), on Triton and
   Mosaic GPU (``mosaic_gpu+triton``: the Mosaic kernel with the single columns in a Triton pass; ``+pairs``:
   two 64-key entries per 128-key step; 32-key lists always run two entries per 64-key step; ``+overlap``: a
-  step's softmax while the previous step's ``P V`` runs, ``overlap=True``;
-  ``+free``: no schedule barrier between the consumers, ``pingpong=False``).
+  step's softmax while the previous step's ``P V`` runs, ``overlap=True``; ``+free``: no schedule barrier between
+  the consumers, ``pingpong=False``).
 
 ``--select "A;B"``: only our variants whose "impl: layout" name contains A or B (';'-separated: layout names hold
 commas), e.g. ``--select "mosaic_gpu: 64 rows, 32-key windows"``; MInference's kernel runs at every length.

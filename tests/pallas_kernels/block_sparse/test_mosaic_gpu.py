@@ -167,10 +167,10 @@ def test_key_pairs_lower_for_cuda(bq, perm, windows, bk):
 @pytest.mark.parametrize("bq,bk,pairs,perm,windows", [(64, 64, False, False, False), (128, 64, True, False, False),
                                                    (64, 32, True, False, True), (128, 64, False, True, False)])
 def test_overlap_lowers_for_cuda(bq, bk, pairs, perm, windows):
-    """``overlap=True`` (step j + 1's S, then step j's P V; step j + 1's softmax while P V runs) lowers, with and without
-    the schedule barrier (``pingpong``; also the default steps without it), with 64- and 128-row query blocks, one
-    or two entries per step, key windows and original positions; with positions and one V stage per ring (64-row
-    query blocks, 128-key steps) it is refused before tracing."""
+    """``overlap=True`` (step j + 1's S, then step j's P V; step j + 1's softmax while P V runs) lowers, with and
+    without the schedule barrier (``pingpong``; also the default steps without it), with 64- and 128-row query
+    blocks, one or two entries per step, key windows and original positions; with positions and one V stage per ring
+    (64-row query blocks, 128-key steps) it is refused before tracing."""
     t = 1000
     layout = _dense_variant(t, bq, bk, perm, windows, window_align=8)
     run = functools.partial(_lower, (1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, layout,
