@@ -72,14 +72,20 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="also time block_k 128, permuted (shared / per head) and column layouts")
     ap.add_argument("--grids", action="store_true",
-                    help="also time the dense and random 10% / 3% layouts with 128-key blocks on the persistent "
-                         "grid and with one CTA per work item (the default)")
+                    help="also time the dense and random 10%% / 3%% layouts with 64- and 128-key blocks on the "
+                         "persistent grid and with one CTA per work item (the default)")
+    ap.add_argument("--short-rows", action="store_true",
+                    help="also time cuDNN on the same tokens cut into causal sequences of 1k / 2k / 4k (rows as "
+                         "short as a random layout's lists at 32k): its TFLOP/s against its own at full length")
     ap.add_argument("--pairs", action="store_true",
                     help="also time the 64-key layouts with one list entry per step (key_pairs=False)")
     ap.add_argument("--overlap", action="store_true",
                     help="also time every Mosaic row with overlap=True (the next step's softmax while P V runs), "
                          "with and without the schedule barrier (pingpong), and random 3%% layouts (64- and "
                          "128-key blocks)")
+    ap.add_argument("--fma", default="",
+                    help="also time every Mosaic row of the main table with fma_columns=N for each N of this "
+                         "comma list (the last N columns of P by the FMA units' exponential, e.g. 16,32)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     lens = [int(x) for x in args.lens.split(",")]
@@ -134,14 +140,21 @@ def main() -> None:
             rows += [(impl, f"{what} {name}", mosaic_fn(overlap=True, pingpong=pp), fargs)
                      for impl, what, _, fargs in list(rows) if impl == "mosaic_gpu"
                      for name, pp in (("overlap", True), ("overlap free", False))]
+        if args.fma:
+            rows += [(impl, f"{what} fma{c}", mosaic_fn(fma_columns=int(c)), fargs)
+                     for impl, what, _, fargs in list(rows) if impl == "mosaic_gpu"
+                     for c in args.fma.split(",")]
         if args.grids:
-            for keep in (None, 0.1, 0.03):
-                lay = (BlockLayout.dense_causal(s, s, block_q=128, block_k=128) if keep is None else
-                       BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128, block_k=128,
-                                                 heads=N))
-                what = "dense bk128" if keep is None else f"random {keep:.0%} bk128"
-                rows.append(("mosaic_gpu", f"{what} persistent", mosaic_fn(persistent=True), (q, k, v, lay)))
-                rows.append(("mosaic_gpu", f"{what} item grid", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
+            for bk in (64, 128):
+                for keep in (None, 0.1, 0.03):
+                    lay = (BlockLayout.dense_causal(s, s, block_q=128, block_k=bk) if keep is None else
+                           BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128,
+                                                     block_k=bk, heads=N))
+                    what = f"dense bk{bk}" if keep is None else f"random {keep:.0%} bk{bk}"
+                    rows.append(("mosaic_gpu", f"{what} persistent", mosaic_fn(persistent=True), (q, k, v, lay)))
+                    rows.append(("mosaic_gpu", f"{what} persistent natural",
+                                 mosaic_fn(persistent=True, sort_items=False), (q, k, v, lay)))
+                    rows.append(("mosaic_gpu", f"{what} item grid", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
         if args.variants:
             sparse128 = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.1, block_q=128,
                                                   block_k=128, heads=N)
@@ -180,6 +193,20 @@ def main() -> None:
             if "tflops_vs_cudnn" in rec:
                 ratio = f"{rec['tflops_vs_cudnn']:.2f}x cudnn's TFLOP/s"
             print(f"{s:>7} {impl:<10} {what:<16} {t * 1e3:9.2f} ms {rec['tflops']:7.1f} TFLOP/s {ratio}", flush=True)
+        if args.short_rows and base:
+            for seq in (1024, 2048, 4096):
+                if s % seq or seq >= s:
+                    continue
+                cut = [x.reshape(s // seq, seq, *x.shape[2:]) for x in (q, k, v)]
+                t = median_time(cudnn_fn(), cut, reps)
+                work = 4.0 * N * D * (s // seq) * seq * (seq + 1) / 2
+                rec = {"len": s, "impl": "cudnn", "layout": f"dense, {s // seq} x {seq} tokens", "ms": t * 1e3,
+                       "tflops": work / t / 1e12, "density": 1.0,
+                       "tflops_vs_cudnn": work / t / (flops / base)}
+                result["timings"].append(rec)
+                dump()
+                print(f"{s:>7} cudnn      {rec['layout']:<16} {t * 1e3:9.2f} ms {rec['tflops']:7.1f} TFLOP/s "
+                      f"{rec['tflops_vs_cudnn']:.2f}x its own at full length", flush=True)
         del q, k, v
     dump()
 

@@ -125,6 +125,10 @@ class MosaicConfig:
         softmax while ``P V`` is in flight (`mosaic_fa3.qk_then_pv`).
       pingpong: the consumers alternate on the schedule barrier (one's softmax while the other's products run):
         two handshakes per step, after issuing ``S = Q K^T`` and after the softmax.
+      persistent: ``grid`` CTAs (one per multiprocessor) take the items of an ``order`` operand (longest lists
+        first) in rounds of ``grid``, in snake order (round r's position p is CTA p for even r, ``grid - 1 - p``
+        for odd r); each consumer loads its next item's Q once its last ``S = Q K^T`` is done and stores O from
+        an O tile of its own.
     """
 
     block_k: int
@@ -148,6 +152,9 @@ class MosaicConfig:
     v_stages: int = 0
     overlap: bool = False
     pingpong: bool = True
+    persistent: bool = False
+    sort_items: bool = True
+    fma_columns: int = 0
 
 
 def _rings(block_q: int) -> int:
@@ -167,12 +174,14 @@ def _pair_v_stages(stages: int, block_q: int, block_k: int) -> int:
     return 1 if block_q == WG_ROWS and 2 * block_k > 64 else stages
 
 
-def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q, *, pair: bool = False) -> int:
+def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q, *, pair: bool = False,
+               persistent: bool = False) -> int:
     """Shared memory the kernel requests with ``stages`` K/V stages per ring and original positions (the larger
     case): the two Q/O tiles, the K and V rings, the lse / positions buffer, and the barriers, counted as Mosaic
     GPU does (matches its byte count on every configuration we compiled, e.g. 298,344 for 64-row query blocks,
     64-key tiles, D 128, 4 stages). ``pair``: steps of two list entries (``2 * block_k`` keys per stage, V
-    stages `_pair_v_stages`). block_k in `BLOCK_KS`, head_dim a multiple of 64, stages >= 1, block_q in
+    stages `_pair_v_stages`); ``persistent``: the persistent grid's two O tiles of their own (the next item's Q
+    loads while O is stored). block_k in `BLOCK_KS`, head_dim a multiple of 64, stages >= 1, block_q in
     `BLOCK_QS`."""
     for name, value, ok, want in (("block_k", block_k, block_k in BLOCK_KS, f"one of {BLOCK_KS}"),
                                   ("head_dim", head_dim, head_dim > 0 and head_dim % 64 == 0, "a multiple of 64"),
@@ -183,7 +192,7 @@ def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q,
     kt = block_k * (2 if pair else 1)
     k_slots = _rings(block_q) * stages
     v_slots = _rings(block_q) * (_pair_v_stages(stages, block_q, block_k) if pair else stages)
-    tiles = (_align(2 * WG_ROWS * head_dim * 2) + _align(k_slots * kt * head_dim * 2)
+    tiles = ((2 if persistent else 1) * _align(2 * WG_ROWS * head_dim * 2) + _align(k_slots * kt * head_dim * 2)
              + _align(v_slots * kt * head_dim * 2))
     positions = _align(max(2 * WG_ROWS * 4, (2 * WG_ROWS + v_slots * kt) * 4))
     # K ready / K free per K slot; V ready / key positions / V free per V slot; Q tiles and positions; schedule
@@ -191,10 +200,11 @@ def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q,
     return tiles + positions + barriers * _BARRIER_BYTES
 
 
-def max_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q, *, pair: bool = False) -> int:
+def max_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q, *, pair: bool = False,
+               persistent: bool = False) -> int:
     """Most K/V stages per ring (at most 4) that fit in shared memory; 0 when two do not fit."""
     fit = [st for st in range(2, _MAX_STAGES + 1)
-           if smem_bytes(block_k, head_dim, st, block_q, pair=pair) <= _SMEM_LIMIT]
+           if smem_bytes(block_k, head_dim, st, block_q, pair=pair, persistent=persistent) <= _SMEM_LIMIT]
     return max(fit, default=0)
 
 
@@ -223,9 +233,11 @@ def auto_key_pairs(layout: BlockLayout, num_stages: int | None) -> bool:
     return layout.block_k == 32 or (layout.block_q == BLOCK_Q and layout.block_k == 64 and num_stages is None)
 
 
-def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair: bool | None = None) -> None:
+def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair: bool | None = None, *,
+                    persistent: bool = False) -> None:
     """The Mosaic GPU kernel's own limits (raised before anything is traced); ``pair``: `key_pairs` steps (None: as
-    the kernel runs by default, `auto_key_pairs`)."""
+    the kernel runs by default, `auto_key_pairs`); ``persistent``: the persistent grid (two more O tiles in shared
+    memory)."""
     if pair is None:
         pair = auto_key_pairs(layout, stages)
     fa3.check_q(q)
@@ -241,16 +253,21 @@ def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair:
                          f"most 128 keys); received {layout.block_k}")
     d = q.shape[-1]
     d_pad = fa3.padded_head_dim(d)
-    fit = max_stages(layout.block_k, d_pad, layout.block_q, pair=pair)
+    fit = max_stages(layout.block_k, d_pad, layout.block_q, pair=pair, persistent=persistent)
     if not fit:
-        raise ValueError(f"layout.block_k: block_q={layout.block_q} with block_k={layout.block_k} and D={d_pad} needs "
-                         f"{smem_bytes(layout.block_k, d_pad, 2, layout.block_q, pair=pair)} bytes of shared memory "
-                         f"for two K/V stages per consumer (at most {_SMEM_LIMIT}); use block_k=64 or block_q=128")
+        what = ", key_pairs" if pair else ""
+        raise ValueError(f"layout.block_k: block_q={layout.block_q} with block_k={layout.block_k}{what} and "
+                         f"D={d_pad} needs "
+                         f"{smem_bytes(layout.block_k, d_pad, 2, layout.block_q, pair=pair, persistent=persistent)} "
+                         f"bytes of shared memory for two K/V stages per consumer"
+                         f"{' on the persistent grid' if persistent else ''} (at most {_SMEM_LIMIT}); use "
+                         f"block_k=64 or block_q=128{', or key_pairs=False' if pair else ''}")
     if stages is not None:
         if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= fit:
             raise ValueError(f"num_stages: expected an int in [2, {fit}] (K/V stages in shared "
                              f"memory for block_q={layout.block_q}, block_k={layout.block_k}, D={d_pad}"
-                             f"{', key_pairs' if pair else ''}); received {stages!r}")
+                             f"{', key_pairs' if pair else ''}{', persistent' if persistent else ''}); "
+                             f"received {stages!r}")
 
 
 def preferred(q: jax.Array, layout: BlockLayout, kv_heads: int) -> bool:
@@ -294,6 +311,8 @@ def _round_up(x: int, m: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig):
     refs = list(refs)
+    sorted_items = cfg.persistent and cfg.sort_items
+    order_ref = refs.pop(0) if sorted_items else None
     lo_ref, hi_ref = (refs.pop(0), refs.pop(0)) if cfg.windows else (None, None)
     qpos_ref, kpos_ref = (refs.pop(0), refs.pop(0)) if cfg.has_pos else (None, None)
     out_ref, lse_ref = refs
@@ -309,7 +328,15 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     heads = q_ref.shape[2]
     items = ctas * heads * q_ref.shape[0]
     pid = lax.axis_index("items")
-    my_items = (items - pid + cfg.grid - 1) // cfg.grid  # items pid, pid + grid, ... of this CTA
+
+    def position(t):
+        """This CTA's position in the item order of its t-th item (persistent: snake rounds of ``grid``)."""
+        if not cfg.persistent:
+            return pid + t * cfg.grid
+        return t * cfg.grid + jnp.where(lax.rem(t, 2) == 0, pid, cfg.grid - 1 - pid)
+
+    full, rest = divmod(items, cfg.grid)
+    my_items = full + (position(full) < items).astype(jnp.int32) if rest else jnp.int32(full)
 
     class Item(NamedTuple):
         """One (128 query rows, head, batch) work item; items run query blocks fastest, longest causal rows
@@ -321,7 +348,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
         @classmethod
         def of(cls, t):
-            w = pid + t * cfg.grid
+            w = order_ref[position(t)] if sorted_items else position(t)
             head = lax.rem(w // ctas, heads)
             return cls(ctas - 1 - lax.rem(w, ctas), head, w // (ctas * heads), lax.div(head, cfg.groups))
 
@@ -363,7 +390,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             return lo_ref[at], hi_ref[at]
 
     def body(scoped):
-        (qo_smem, k_smem, v_smem, lse_pos), (k_bar, v_bar, q_bar, p_bar), (k_free, v_free), sched = scoped
+        (qo_smem, k_smem, v_smem, lse_pos, *o_tiles), (k_bar, v_bar, q_bar, p_bar), (k_free, v_free), sched = scoped
+        o_smem = o_tiles[0] if cfg.persistent else qo_smem  # the consumers' O tiles (the Q tiles on one item)
         lse_smem, pos_smem = lse_pos if cfg.has_pos else (lse_pos, None)
 
         def q_pos_smem(wg):
@@ -381,16 +409,29 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             ring_k, ring_v = (wg * stages, wg * v_stages) if split else (0, 0)
             scale = cfg.sm_scale * LOG2E
 
+            def load_q(it):
+                """Item ``it``'s Q rows of this consumer into its Q tile."""
+                row0 = it.cta * BLOCK_Q + wg * WG_ROWS
+                plgpu.copy_gmem_to_smem(q_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head], q_smem, q_bar.at[wg])
+
             def run_item(t, done):
                 """Item t of this CTA; ``done``: K/V stages of this consumer's ring used by earlier items."""
                 it = Item.of(t)
                 row0 = it.cta * BLOCK_Q + wg * WG_ROWS
                 count = it.steps(wg)  # steps of this consumer's list
                 steps = jnp.maximum(it.steps(0), it.steps(1)) if split else count
-                # q_smem / l_smem held the previous item's O / lse: its stores have read them (end of run_item).
-                plgpu.copy_gmem_to_smem(q_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head], q_smem, q_bar.at[wg])
+                if cfg.persistent:  # this item's Q was loaded during the last one; the next one's loads after the
+                    # last S = Q K^T of this one (`prefetch_q`)
+                    nxt = Item.of(jnp.minimum(t + 1, my_items - 1))
+
+                    def prefetch_q():
+                        pl.when(t + 1 < my_items)(lambda: load_q(nxt))
+                else:  # q_smem / l_smem held no earlier item's O / lse
+                    load_q(it)
                 q_vec = None
                 if cfg.has_pos:  # the rows' original positions, through shared memory
+                    if cfg.persistent:  # l_smem (over the positions) held the last item's lse: its store read it
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     plgpu.copy_gmem_to_smem(qpos_ref.at[*it.lead("q_pos", 0)[:2], pl.ds(row0, WG_ROWS)],
                                             q_pos_smem(wg), q_bar.at[wg + 2])
                     plgpu.barrier_wait(q_bar.at[wg + 2])
@@ -482,8 +523,11 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     with jax.named_scope("qk"):  # (named regions: the profiler's ranges, see `launch`)
                         s = fa3.qk(q_smem, k_smem.at[ks], pp, kt)
                     plgpu.barrier_arrive(k_free.at[ks])
+                    if cfg.persistent:
+                        pl.when(j == count - 1)(prefetch_q)
                     with jax.named_scope("softmax"):
-                        sm = fa3.softmax_step(masked(j, s), m, l, acc, scale=scale, dtype=dtype)
+                        sm = fa3.softmax_step(masked(j, s), m, l, acc, scale=scale, dtype=dtype,
+                                              fma_columns=cfg.fma_columns)
                     with jax.named_scope("wait_v"):
                         if cfg.pingpong:
                             plgpu.barrier_arrive(sched)  # softmax done
@@ -513,7 +557,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     (`fa3.qk_then_pv`)."""
 
                     def soft(j, s, m, l):
-                        sm = fa3.softmax_step(masked(j, s), m, l, None, scale=scale, dtype=dtype)
+                        sm = fa3.softmax_step(masked(j, s), m, l, None, scale=scale, dtype=dtype,
+                                              fma_columns=cfg.fma_columns)
                         handshake()
                         return sm
 
@@ -576,16 +621,23 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 else:
                     acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
                     units = lambda c: c  # noqa: E731
+                if cfg.persistent and cfg.overlap:
+                    prefetch_q()
+                elif cfg.persistent:  # the last step loaded it (`step`), unless there was none
+                    pl.when(count == 0)(prefetch_q)
                 if split and cfg.pingpong:
                     lax.fori_loop(units(count), units(steps), idle, jnp.int32(0))
                 pl.when(wg == 0)(handshake)
 
-                fa3.write_rows(acc, m, fa3.row_sums(l), q_smem, l_smem,
+                if cfg.persistent:  # the last item's stores have read o_smem / l_smem
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                fa3.write_rows(acc, m, fa3.row_sums(l), o_smem.at[wg], l_smem,
                                out_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head],
                                lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)], dtype)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_smem / l_smem free for the next item
                 return done + count
 
+            if cfg.persistent:
+                load_q(Item.of(0))
             lax.fori_loop(0, my_items, run_item, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
@@ -669,6 +721,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             plgpu.RefUnion(plgpu.SMEM((2, WG_ROWS), jnp.float32),
                            plgpu.SMEM((2 * WG_ROWS + n_v * kt,), jnp.int32))
             if cfg.has_pos else plgpu.SMEM((2, WG_ROWS), jnp.float32),
+            *([plgpu.SMEM((2, WG_ROWS, dp), dtype, transforms=transforms)] if cfg.persistent else []),
         ),
         (  # a paired stage is ready once both its halves arrived
             plgpu.Barrier(num_arrivals=per, num_barriers=n_k),
@@ -684,6 +737,22 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     )
 
 
+def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: int, pair: bool) -> jax.Array:
+    """The persistent grid's item order: int32 ``[batch * heads * ctas]`` item indices (item w is batch ``w // (heads
+    * ctas)``, head ``w // ctas % heads``, 128-row block ``ctas - 1 - w % ctas``), most steps first (a stable sort,
+    so equal items keep that order: query blocks fastest, the last rows first). count int32 ``[B|1, N|1, nq]``;
+    an item's steps are its list's (``block_q`` 128) or the longer of its two 64-row blocks' lists, in entries or
+    (``pair``) pairs of entries."""
+    nq = count.shape[2]
+    steps = jnp.broadcast_to(count, (batch, heads, nq))
+    if pair:
+        steps = (steps + 1) // 2
+    if block_q == WG_ROWS:  # two query blocks per item (a missing last one has no steps)
+        steps = jnp.pad(steps, ((0, 0), (0, 0), (0, 2 * ctas - nq))).reshape(batch, heads, ctas, 2).max(-1)
+    cost = steps[..., ::-1].reshape(-1)  # by item index
+    return jnp.argsort(-cost, stable=True).astype(jnp.int32)
+
+
 def _lead_flags(x: jax.Array) -> tuple[bool, bool, bool]:
     return (x.shape[0] > 1, x.shape[1] > 1, x.shape[2] > 1)
 
@@ -693,7 +762,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            sm_scale: float, stages: int, block_q: int = BLOCK_Q,
            persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
            pair: bool = False, profile: tuple[int, str] | None = None,
-           overlap: bool = False, pingpong: bool = True) -> tuple[jax.Array, jax.Array]:
+           overlap: bool = False, pingpong: bool = True, sort_items: bool = True,
+           fma_columns: int = 0) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of
     two list entries, ``stages`` K stages and `_pair_v_stages` V stages per ring).
@@ -720,6 +790,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
     b, tp, n, dp = q_in.shape
     names = {"kv_blocks": blocks, "kv_block_count": count[..., None]}
     operands = [q_in, k_in, v_in, blocks, count]
+    if persistent and sort_items:
+        operands.append(item_order(count, block_q=block_q, ctas=tp // BLOCK_Q, batch=b, heads=n, pair=pair))
     if ranges is not None:
         names["kv_lo"] = ranges[0]
         operands += list(ranges)
@@ -733,7 +805,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
         pair=pair, v_stages=_pair_v_stages(stages, block_q, block_k) if pair else stages, overlap=overlap,
-        pingpong=pingpong,
+        pingpong=pingpong, persistent=persistent, sort_items=sort_items, fma_columns=fma_columns,
     )
     if overlap and has_pos and cfg.v_stages < 2:
         raise ValueError(f"overlap: needs two V stages per ring with original positions (the next step's key "
@@ -832,7 +904,7 @@ def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int,
 
 
 def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                overlap, pingpong, profile=None):
+                overlap, pingpong, sort_items, fma_columns, profile=None):
     """The layout's key blocks; q_in is padded and in the layout's row order."""
     s, kh = k.shape[1], k.shape[2]
     n = q_in.shape[2]
@@ -861,11 +933,11 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
                   block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile,
-                  overlap=overlap, pingpong=pingpong)
+                  overlap=overlap, pingpong=pingpong, sort_items=sort_items, fma_columns=fma_columns)
 
 
 def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                 overlap, pingpong):
+                 overlap, pingpong, sort_items, fma_columns):
     """The layout's single key columns: for each (batch, head, query block) its columns are
     gathered into dense ``block_k`` tiles of one key array (``nq * ceil(max_cols / block_k)``
     tiles per query head), and the kernel runs over the tiles of its query block with the
@@ -895,12 +967,13 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
     return launch(q_in, k_c, v_c, blocks, count, q_pos, k_pos, groups=1, num_kv_blocks=nq * tiles,
                   kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
                   gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
-                  persistent=persistent, pair=pair, overlap=overlap, pingpong=pingpong)
+                  persistent=persistent, pair=pair, overlap=overlap, pingpong=pingpong, sort_items=sort_items,
+                  fma_columns=fma_columns)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass",
                                              "key_pairs", "profile", "overlap",
-                                             "pingpong"))
+                                             "pingpong", "sort_items", "fma_columns"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -916,6 +989,8 @@ def block_sparse_attention_mosaic_gpu(
     profile: tuple[int, str] | None = None,
     overlap: bool = False,
     pingpong: bool = True,
+    sort_items: bool = True,
+    fma_columns: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
@@ -976,7 +1051,15 @@ def block_sparse_attention_mosaic_gpu(
     elif layout.block_k == 32:
         raise ValueError("key_pairs: expected True or None for layout.block_k=32 (32-key entries run two per step: "
                          "the P V product needs 64 keys); received False")
+    keys = layout.block_k * (2 if key_pairs else 1)  # per step
+    if not (isinstance(fma_columns, int) and 0 <= fma_columns < keys and fma_columns % 8 == 0):
+        raise ValueError(f"fma_columns: expected a multiple of 8 in [0, {keys}) (columns of a step's {keys} keys); "
+                         f"received {fma_columns!r}")
+    if persistent:  # its own O tiles take shared memory
+        check_supported(q, layout, num_stages, pair=key_pairs, persistent=True)
     stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
+    if persistent:
+        stages = min(stages, max_stages(layout.block_k, d_pad, layout.block_q, pair=key_pairs, persistent=True))
     t_pad = _round_up(layout.num_q_blocks * layout.block_q, BLOCK_Q)
     q_orig, k_orig, v_orig = q, k, v
     k, v = poison_keys(k, v)  # a non-finite value row becomes a NaN key
@@ -986,7 +1069,7 @@ def block_sparse_attention_mosaic_gpu(
     q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
-          "pingpong": pingpong}
+          "pingpong": pingpong, "sort_items": sort_items, "fma_columns": fma_columns}
     out, lse = _block_pass(q_in, k, v, layout, profile=profile, **kw)
     out, lse = out[:, :t, :, :d], lse[:, :, :t]
     if layout.kv_columns is not None and column_pass == "mosaic":

@@ -14,6 +14,7 @@ from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse.mosaic_gpu import (
     block_sparse_attention_mosaic_gpu,
     default_stages,
+    item_order,
     max_stages,
     preferred,
     smem_bytes,
@@ -195,13 +196,59 @@ def test_key_pairs_shared_memory_count():
                                           sm_scale=0.1, key_pairs=True)
 
 
-@pytest.mark.parametrize("bq", [128, 64])
-def test_persistent_grid_lowers_for_cuda(bq):
-    """``persistent=True``: one CTA per multiprocessor looping over the work items (more items than the
-    abstract H100's 132 multiprocessors here)."""
-    layout = BlockLayout.dense_causal(3000, 3000, block_q=bq, block_k=64)
-    _lower((1, 3000, 16, 128), (1, 3000, 4, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
-           sm_scale=0.1, persistent=True)
+@pytest.mark.parametrize("bq,bk,perm,windows,extra", [(128, 64, False, False, {}), (64, 64, False, False, {}),
+                                                      (128, 64, True, False, {}), (64, 32, False, True, {}),
+                                                      (64, 64, False, False, {"overlap": True}),
+                                                      (128, 128, True, False, {"column_pass": "mosaic"})])
+def test_persistent_grid_lowers_for_cuda(bq, bk, perm, windows, extra):
+    """``persistent=True``: one CTA per multiprocessor looping over the work items in `item_order` (more items than
+    the abstract H100's 132 multiprocessors here), with its own O tiles: with original positions, key windows,
+    ``overlap`` and the Mosaic column pass; its stages fit the 227 KiB with the O tiles."""
+    t = 3000
+    layout = _dense_variant(t, bq, bk, perm, windows, window_align=8)
+    if extra.get("column_pass"):
+        nq = layout.num_q_blocks
+        layout = layout.replace(kv_columns=jnp.zeros((1, 1, nq, 20), jnp.int32),
+                                kv_column_count=jnp.full((1, 1, nq), 20, jnp.int32))
+    _lower((1, t, 16, 128), (1, t, 4, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+           sm_scale=0.1, persistent=True, **extra)
+    pair = bk == 32 or (bq == 128 and bk == 64)
+    st = max_stages(bk, 128, bq, pair=pair, persistent=True)
+    assert 2 <= st and smem_bytes(bk, 128, st, bq, pair=pair, persistent=True) <= 227 * 1024
+    assert smem_bytes(bk, 128, st, bq, pair=pair, persistent=True) == smem_bytes(bk, 128, st, bq, pair=pair) + 32768
+
+
+def test_persistent_grid_refuses_what_does_not_fit_with_its_o_tiles():
+    """64-row query blocks with 128-key steps fit 227 KiB only without the persistent grid's O tiles."""
+    q, k, v = random_qkv(0, 1, 300, 300, 2, 2, 128, jnp.bfloat16)
+    layout = BlockLayout.dense_causal(300, 300, block_q=64, block_k=64)
+    with pytest.raises(ValueError, match="on the persistent grid"):
+        block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=0.1, key_pairs=True, persistent=True)
+    _lower((1, 300, 2, 128), (1, 300, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+           sm_scale=0.1, key_pairs=True)
+
+
+def test_item_order_puts_the_longest_items_first_and_keeps_ties_in_item_order():
+    """`item_order`: items by steps, descending; item w is (batch w // (N * ctas), head w // ctas % N, 128-row
+    block ctas - 1 - w % ctas); 64-row blocks count the longer list of their pair, pairs of entries count halves."""
+    rng = np.random.default_rng(0)
+    b, n, ctas = 2, 3, 5
+    for bq, nq, pair in ((128, ctas, False), (128, ctas, True), (64, 2 * ctas - 1, False)):
+        count = jnp.asarray(rng.integers(0, 9, (b, n, nq)), jnp.int32)
+        order = np.asarray(item_order(count, block_q=bq, ctas=ctas, batch=b, heads=n, pair=pair))
+        assert sorted(order.tolist()) == list(range(b * n * ctas))
+        c = np.asarray(count)
+        if pair:
+            c = (c + 1) // 2
+        if bq == 64:
+            c = np.pad(c, ((0, 0), (0, 0), (0, 1))).reshape(b, n, ctas, 2).max(-1)
+        steps = [c[w // (n * ctas), w // ctas % n, ctas - 1 - w % ctas] for w in order]
+        assert all(x >= y for x, y in zip(steps, steps[1:])), steps
+        ties = [[w for w, st in zip(order, steps) if st == v] for v in set(steps)]
+        assert all(t == sorted(t) for t in ties)
+    one_head = item_order(jnp.array([[[3, 1, 2]]], jnp.int32), block_q=128, ctas=3, batch=2, heads=2, pair=False)
+    # counts broadcast over batch and heads: block 0 (3 entries) is item 2 of each (batch, head), block 2 item 0
+    assert np.asarray(one_head).tolist() == [2, 5, 8, 11, 0, 3, 6, 9, 1, 4, 7, 10]
 
 
 @pytest.mark.parametrize("profile,match", [((0, "/tmp"), r"profile\[0\]"), ((8, ""), "profile: expected"),
