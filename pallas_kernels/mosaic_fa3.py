@@ -125,34 +125,13 @@ class SoftmaxStep(NamedTuple):
     alpha: jax.Array  # the factor O (and l) are rescaled by: exp2(m_old - m_use)
 
 
-# 2^f on [-1/2, 1/2] with p(0) = 1 exactly: 1 + f (c1 + f (c2 + f c3)), relative error <= 1.02e-4 (a weighted
-# least-squares fit for the least largest relative error on 20,001 points; below half a bf16 / fp16 ulp)
-_EXP2_POLY = (0.6932829004942708, 0.24221037434204784, 0.05500858144334157)
-_ROUNDER = 12582912.0  # 1.5 * 2^23: x + this rounds x to an integer held in the low mantissa bits
-
-
-def exp2_fma(x: jax.Array) -> jax.Array:
-    """``2^x`` for float32 ``x <= 0`` (or -inf: exactly 0; NaN stays NaN) on the FMA and integer units, not the
-    multi-function unit that ``jnp.exp2`` uses (FlashAttention-4's exponential emulation): ``x = j + f`` with j
-    the nearest integer, ``2^f`` by a cubic (relative error <= 1.02e-4), and j added to the result's exponent
-    bits. Arguments below -126 give +0 or a subnormal below 2^-126."""
-    x = jnp.maximum(x, -127.0)
-    t = x + _ROUNDER  # j in the low mantissa bits of t (|j| < 2^22)
-    f = x - (t - _ROUNDER)  # in [-1/2, 1/2]
-    c1, c2, c3 = _EXP2_POLY
-    p = 1.0 + f * (c1 + f * (c2 + f * c3))  # p(0) is 1 exactly, so 2^-127 becomes +0
-    bits = lax.bitcast_convert_type(p, jnp.int32) + lax.shift_left(lax.bitcast_convert_type(t, jnp.int32), 23)
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
 def softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array | None, *, scale: float,
-                 dtype, parts: int = 1, fma_columns: int = 0) -> SoftmaxStep:
+                 dtype, parts: int = 1) -> SoftmaxStep:
     """One tile of the online softmax: ``s`` the masked logits (``-inf`` where masked), ``scale`` = sm_scale *
     log2(e). ``parts``: the row max and sum are also kept per equal key range of the tile (``parts`` of
     ``block_k / parts >= 8`` keys, e.g. two 64-key blocks of a 128-key tile), reduced range by range.
     ``acc`` None: O is not rescaled here (it is in flight in a ``P V`` product, `qk_then_pv`); the caller
-    multiplies it by ``alpha`` once the product is done. ``fma_columns`` (a multiple of 8): P's last columns
-    computed by `exp2_fma` rather than the multi-function unit."""
+    multiplies it by ``alpha`` once the product is done."""
     width = s.shape[1] // parts
 
     def split(x):
@@ -165,12 +144,7 @@ def softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array | None
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
         alpha = jnp.exp2(m - m_use)
     with jax.named_scope("exp"):
-        x = s * scale - by_row(m_use, s.shape)
-        if fma_columns:
-            cut = s.shape[1] - fma_columns
-            p = jnp.concatenate([jnp.exp2(x[:, :cut]), exp2_fma(x[:, cut:])], axis=1)
-        else:
-            p = jnp.exp2(x)
+        p = jnp.exp2(s * scale - by_row(m_use, s.shape))
     if acc is not None:
         with jax.named_scope("rescale"):
             acc = acc * by_row(alpha, acc.shape)

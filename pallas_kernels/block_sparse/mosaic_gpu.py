@@ -154,7 +154,6 @@ class MosaicConfig:
     pingpong: bool = True
     persistent: bool = False
     sort_items: bool = True
-    fma_columns: int = 0
 
 
 def _rings(block_q: int) -> int:
@@ -526,8 +525,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     if cfg.persistent:
                         pl.when(j == count - 1)(prefetch_q)
                     with jax.named_scope("softmax"):
-                        sm = fa3.softmax_step(masked(j, s), m, l, acc, scale=scale, dtype=dtype,
-                                              fma_columns=cfg.fma_columns)
+                        sm = fa3.softmax_step(masked(j, s), m, l, acc, scale=scale, dtype=dtype)
                     with jax.named_scope("wait_v"):
                         if cfg.pingpong:
                             plgpu.barrier_arrive(sched)  # softmax done
@@ -557,8 +555,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     (`fa3.qk_then_pv`)."""
 
                     def soft(j, s, m, l):
-                        sm = fa3.softmax_step(masked(j, s), m, l, None, scale=scale, dtype=dtype,
-                                              fma_columns=cfg.fma_columns)
+                        sm = fa3.softmax_step(masked(j, s), m, l, None, scale=scale, dtype=dtype)
                         handshake()
                         return sm
 
@@ -762,8 +759,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            sm_scale: float, stages: int, block_q: int = BLOCK_Q,
            persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
            pair: bool = False, profile: tuple[int, str] | None = None,
-           overlap: bool = False, pingpong: bool = True, sort_items: bool = True,
-           fma_columns: int = 0) -> tuple[jax.Array, jax.Array]:
+           overlap: bool = False, pingpong: bool = True, sort_items: bool = True) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of
     two list entries, ``stages`` K stages and `_pair_v_stages` V stages per ring).
@@ -805,7 +801,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
         pair=pair, v_stages=_pair_v_stages(stages, block_q, block_k) if pair else stages, overlap=overlap,
-        pingpong=pingpong, persistent=persistent, sort_items=sort_items, fma_columns=fma_columns,
+        pingpong=pingpong, persistent=persistent, sort_items=sort_items,
     )
     if overlap and has_pos and cfg.v_stages < 2:
         raise ValueError(f"overlap: needs two V stages per ring with original positions (the next step's key "
@@ -904,7 +900,7 @@ def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int,
 
 
 def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                overlap, pingpong, sort_items, fma_columns, profile=None):
+                overlap, pingpong, sort_items, profile=None):
     """The layout's key blocks; q_in is padded and in the layout's row order."""
     s, kh = k.shape[1], k.shape[2]
     n = q_in.shape[2]
@@ -933,11 +929,11 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
                   block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile,
-                  overlap=overlap, pingpong=pingpong, sort_items=sort_items, fma_columns=fma_columns)
+                  overlap=overlap, pingpong=pingpong, sort_items=sort_items)
 
 
 def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                 overlap, pingpong, sort_items, fma_columns):
+                 overlap, pingpong, sort_items):
     """The layout's single key columns: for each (batch, head, query block) its columns are
     gathered into dense ``block_k`` tiles of one key array (``nq * ceil(max_cols / block_k)``
     tiles per query head), and the kernel runs over the tiles of its query block with the
@@ -967,13 +963,12 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
     return launch(q_in, k_c, v_c, blocks, count, q_pos, k_pos, groups=1, num_kv_blocks=nq * tiles,
                   kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
                   gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
-                  persistent=persistent, pair=pair, overlap=overlap, pingpong=pingpong, sort_items=sort_items,
-                  fma_columns=fma_columns)
+                  persistent=persistent, pair=pair, overlap=overlap, pingpong=pingpong, sort_items=sort_items)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass",
                                              "key_pairs", "profile", "overlap",
-                                             "pingpong", "sort_items", "fma_columns"))
+                                             "pingpong", "sort_items"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -990,7 +985,6 @@ def block_sparse_attention_mosaic_gpu(
     overlap: bool = False,
     pingpong: bool = True,
     sort_items: bool = True,
-    fma_columns: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
@@ -1051,10 +1045,6 @@ def block_sparse_attention_mosaic_gpu(
     elif layout.block_k == 32:
         raise ValueError("key_pairs: expected True or None for layout.block_k=32 (32-key entries run two per step: "
                          "the P V product needs 64 keys); received False")
-    keys = layout.block_k * (2 if key_pairs else 1)  # per step
-    if not (isinstance(fma_columns, int) and 0 <= fma_columns < keys and fma_columns % 8 == 0):
-        raise ValueError(f"fma_columns: expected a multiple of 8 in [0, {keys}) (columns of a step's {keys} keys); "
-                         f"received {fma_columns!r}")
     if persistent:  # its own O tiles take shared memory
         check_supported(q, layout, num_stages, pair=key_pairs, persistent=True)
     stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
@@ -1069,7 +1059,7 @@ def block_sparse_attention_mosaic_gpu(
     q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
-          "pingpong": pingpong, "sort_items": sort_items, "fma_columns": fma_columns}
+          "pingpong": pingpong, "sort_items": sort_items}
     out, lse = _block_pass(q_in, k, v, layout, profile=profile, **kw)
     out, lse = out[:, :t, :, :d], lse[:, :, :t]
     if layout.kv_columns is not None and column_pass == "mosaic":
