@@ -54,6 +54,22 @@ def median_time(fn, args, reps: int, calls: int = 1) -> float:
     return statistics.median(times)
 
 
+def fixed_lists(key, s: int, n: int, block_k: int, heads: int) -> BlockLayout:
+    """Every 128-row query block lists its diagonal key block and ``n - 1`` other causal ones drawn at random (all of
+    them where it has fewer), ascending: lists of one length, as in A-shape, top-k and local-window layouts."""
+    dense = BlockLayout.dense_causal(s, s, block_q=128, block_k=block_k)
+    nq, nk = dense.num_q_blocks, dense.num_kv_blocks
+    causal = dense.kv_block_count[0, 0]  # [nq]
+    ids = jnp.arange(nk)
+    scores = jax.random.uniform(key, (heads, nq, nk))
+    scores = jnp.where(ids == causal[:, None] - 1, 2.0, jnp.where(ids < causal[:, None], scores, -1.0))
+    _, picked = jax.lax.top_k(scores, n)
+    count = jnp.minimum(causal, n).astype(jnp.int32)
+    picked = jnp.sort(jnp.where(jnp.arange(n) < count[:, None], picked, nk), axis=-1)
+    return dense.replace(kv_blocks=jnp.minimum(picked, nk - 1).astype(jnp.int32)[None],
+                         kv_block_count=jnp.broadcast_to(count, (1, heads, nq)))
+
+
 def cudnn_fn():
     return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
 
@@ -80,6 +96,9 @@ def main() -> None:
     ap.add_argument("--grids", action="store_true",
                     help="also time the dense and random 10%% / 3%% layouts with 64- and 128-key blocks on the "
                          "persistent grid and with one CTA per work item (the default)")
+    ap.add_argument("--fixed-lists", default="",
+                    help="also time layouts whose query blocks all list N key blocks (`fixed_lists`), for each N of "
+                         "this comma list, with 64- and 128-key blocks on the persistent grid and the item grid")
     ap.add_argument("--short-rows", action="store_true",
                     help="also time cuDNN on the same tokens cut into causal sequences of 1k / 2k / 4k (rows as "
                          "short as a random layout's lists at 32k): its TFLOP/s against its own at full length")
@@ -152,9 +171,13 @@ def main() -> None:
                                                      block_k=bk, heads=N))
                     what = f"dense bk{bk}" if keep is None else f"random {keep:.0%} bk{bk}"
                     rows.append(("mosaic_gpu", f"{what} persistent", mosaic_fn(persistent=True), (q, k, v, lay)))
-                    rows.append(("mosaic_gpu", f"{what} persistent natural",
-                                 mosaic_fn(persistent=True, sort_items=False), (q, k, v, lay)))
-                    rows.append(("mosaic_gpu", f"{what} item grid", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
+                    rows.append(("mosaic_gpu", f"{what} item grid", mosaic_fn(persistent=False), (q, k, v, lay)))
+        for n_list in [int(x) for x in args.fixed_lists.split(",") if x]:
+            for bk in (64, 128):
+                lay = fixed_lists(jax.random.PRNGKey(6), s, n_list, bk, N)
+                what = f"random {n_list} blocks bk{bk}"
+                rows.append(("mosaic_gpu", f"{what} persistent", mosaic_fn(persistent=True), (q, k, v, lay)))
+                rows.append(("mosaic_gpu", f"{what} item grid", mosaic_fn(persistent=False), (q, k, v, lay)))
         if args.variants:
             sparse128 = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.1, block_q=128,
                                                   block_k=128, heads=N)

@@ -20,7 +20,8 @@ D=128, bf16, causal, as in the issue. Two indexes per length:
   Mosaic GPU (``mosaic_gpu+triton``: the Mosaic kernel with the single columns in a Triton pass; ``+pairs``:
   two 64-key entries per 128-key step; 32-key lists always run two entries per 64-key step; ``+overlap``: a
   step's softmax while the previous step's ``P V`` runs, ``overlap=True``; ``+free``: no schedule barrier between
-  the consumers, ``pingpong=False``; ``+persistent``: one CTA per multiprocessor, ``persistent=True``).
+  the consumers, ``pingpong=False``; ``+persistent`` / ``+items``: one CTA per multiprocessor / per work item,
+  ``persistent=True`` / ``False``; the plain name: the kernel's choice, `auto_persistent`).
 
 ``--select "A;B"``: only our variants whose "impl: layout" name contains A or B (';'-separated: layout names hold
 commas), e.g. ``--select "mosaic_gpu: 64 rows, 32-key windows"``; MInference's kernel runs at every length.
@@ -165,7 +166,7 @@ def block_row(args, torch, q, k, v, qt, kt, vt, seqlens, mi_block, scale, timing
                             ("mosaic_gpu+overlap", lay64, "same 64x64 mask"),
                             ("mosaic_gpu+overlap+free", lay64, "same 64x64 mask"),
                             ("mosaic_gpu+persistent", lay64, "same 64x64 mask"),
-                            ("mosaic_gpu+persistent+natural", lay64, "same 64x64 mask"),
+                            ("mosaic_gpu+items", lay64, "same 64x64 mask"),
                             ("mosaic_gpu+persistent", lay128, "128-row union of the 64-row lists"),
                             ("mosaic_gpu+pairs+overlap", lay64, "same 64x64 mask"),
                             ("mosaic_gpu+overlap", lay128, "128-row union of the 64-row lists"),
@@ -266,12 +267,12 @@ def time_ours(q, k, v, lay, impl, what, named, mi_ms, timing, flops) -> dict:
     columns in a Triton pass), or the Mosaic GPU kernel called with options: the columns in a Triton pass where the
     name ends in "+triton" and else in its Mosaic pass (``column_pass``), "+pairs" / "+single" (two 64-key entries
     per 128-key step or one, ``key_pairs``; neither: `auto_key_pairs`), "+overlap" (``overlap=True``), "+free"
-    (``pingpong=False``), "+persistent" (``persistent=True``), "+natural" (``sort_items=False``)."""
+    (``pingpong=False``), "+persistent" / "+items" (``persistent=True`` / ``False``; neither: `auto_persistent`)."""
     if impl.startswith("mosaic_gpu+"):
         pairs = True if "+pairs" in impl else False if "+single" in impl else None
         opts = dict(column_pass="triton" if impl.endswith("+triton") else "mosaic", key_pairs=pairs,
-                    overlap="+overlap" in impl, pingpong="+free" not in impl, persistent="+persistent" in impl,
-                    sort_items="+natural" not in impl)
+                    overlap="+overlap" in impl, pingpong="+free" not in impl,
+                    persistent=True if "+persistent" in impl else False if "+items" in impl else None)
         fn = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
                                                                              **opts)[0])
     else:

@@ -13,9 +13,10 @@ One CTA per (128 query rows, query head, batch), three warpgroups:
   in FlashAttention-3.
 
 The grid runs one CTA per work item (128 query rows, head, batch), query blocks fastest and the longest causal
-rows first. ``persistent=True`` runs one CTA per multiprocessor instead, each taking the items ``pid, pid +
-grid, ...`` in turn with its K / V rings carrying over (measured slower except on short lists; see
-`block_sparse_attention_mosaic_gpu`).
+rows first. The persistent grid (``persistent``; by default for short work, `auto_persistent`) runs one CTA per
+multiprocessor instead, each taking its items (longest lists first, `item_order`, in snake rounds) in turn with its
+K / V rings carrying over, each consumer loading its next Q during its last step and storing O from a tile of its
+own.
 
 Two query-block sizes. With ``block_q == 128`` both consumers work on one query block and share its
 list: every K/V tile is loaded once for 128 rows. With ``block_q == 64`` (the granularity of
@@ -153,7 +154,6 @@ class MosaicConfig:
     overlap: bool = False
     pingpong: bool = True
     persistent: bool = False
-    sort_items: bool = True
 
 
 def _rings(block_q: int) -> int:
@@ -230,6 +230,31 @@ def auto_key_pairs(layout: BlockLayout, num_stages: int | None) -> bool:
     235.6 / 3915 ms -> 12.70 / 208.8 / 3434 ms (cuDNN 12.31 / 217.5 / 3914). Always on for 32-key lists (a step of
     one 32-key entry does not lower)."""
     return layout.block_k == 32 or (layout.block_q == BLOCK_Q and layout.block_k == 64 and num_stages is None)
+
+
+PERSISTENT_ITEMS = 8192  # `auto_persistent`: at most this many work items (28 heads x 32k rows: 7,168)
+PERSISTENT_STEPS = 128  # and lists of at most this many steps
+
+
+def auto_persistent(q: jax.Array, layout: BlockLayout, pair: bool, stages: int | None = None) -> bool:
+    """`block_sparse_attention_mosaic_gpu`'s default for ``persistent``: the persistent grid for short work, at most
+    `PERSISTENT_ITEMS` work items (batch x heads x 128-row blocks) with lists of at most `PERSISTENT_STEPS` steps
+    (``layout.max_blocks`` entries, two per step with ``pair``), where its O tiles fit next to two stages (or the
+    ``stages`` asked for).
+
+    One H100, 2026-11-27, same calls (``tools/bench_mosaic_gpu.py --grids --fixed-lists``, `mosaic-gpu-grids-queued-*`,
+    `mosaic-gpu-fixed-lists_*`; ``tools/minference_side_by_side.py``, `minference-side-by-side-persistent_*`), TFLOP/s
+    on computed tiles over cuDNN's dense at 32k tokens, 28 / 4 heads, persistent against one CTA per item: random 3%
+    0.60-0.61 / 0.54 (64-key) and 0.63-0.64 / 0.58 (128-key), random 10% 0.84-0.85 / 0.82-0.85 and 0.89-0.90 /
+    0.89-0.90, lists of 4 / 8 / 16 / 32 / 64 random blocks 2-9% faster (64 128-key blocks 0.97 / 0.98), MInference's
+    top-100 mask (8 heads) 1.65 against 1.73 ms; dense (256 steps) 0.95-0.99x cuDNN against 0.98-1.02x. At 128k /
+    512k (28,672 / 114,688 items) neither grid wins throughout: on the fixed lists at 128k the persistent grid ran
+    up to 27% faster (16 64-key blocks) and 33% slower (16 128-key blocks), at 512k within -4% / +7%; dense 128-key
+    blocks at 128k 0.99x cuDNN against 1.10x."""
+    steps = -(-layout.max_blocks // 2) if pair else layout.max_blocks
+    items = q.shape[0] * q.shape[2] * -(-layout.num_q_blocks * layout.block_q // BLOCK_Q)
+    fits = max_stages(layout.block_k, fa3.padded_head_dim(q.shape[-1]), layout.block_q, pair=pair, persistent=True)
+    return items <= PERSISTENT_ITEMS and steps <= PERSISTENT_STEPS and fits >= max(2, stages or 0)
 
 
 def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair: bool | None = None, *,
@@ -310,8 +335,7 @@ def _round_up(x: int, m: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig):
     refs = list(refs)
-    sorted_items = cfg.persistent and cfg.sort_items
-    order_ref = refs.pop(0) if sorted_items else None
+    order_ref = refs.pop(0) if cfg.persistent else None
     lo_ref, hi_ref = (refs.pop(0), refs.pop(0)) if cfg.windows else (None, None)
     qpos_ref, kpos_ref = (refs.pop(0), refs.pop(0)) if cfg.has_pos else (None, None)
     out_ref, lse_ref = refs
@@ -347,7 +371,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
         @classmethod
         def of(cls, t):
-            w = order_ref[position(t)] if sorted_items else position(t)
+            w = order_ref[position(t)] if cfg.persistent else position(t)
             head = lax.rem(w // ctas, heads)
             return cls(ctas - 1 - lax.rem(w, ctas), head, w // (ctas * heads), lax.div(head, cfg.groups))
 
@@ -759,10 +783,10 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            sm_scale: float, stages: int, block_q: int = BLOCK_Q,
            persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
            pair: bool = False, profile: tuple[int, str] | None = None,
-           overlap: bool = False, pingpong: bool = True, sort_items: bool = True) -> tuple[jax.Array, jax.Array]:
+           overlap: bool = False, pingpong: bool = True) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
-    work items; else one CTA per item, the default: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of
-    two list entries, ``stages`` K stages and `_pair_v_stages` V stages per ring).
+    work items; else one CTA per item: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of two list
+    entries, ``stages`` K stages and `_pair_v_stages` V stages per ring).
 
     Args:
       q_in: ``[B, Tp, N, Dp]`` (Tp a multiple of 128, Dp of 64), rows in the layout's order.
@@ -786,7 +810,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
     b, tp, n, dp = q_in.shape
     names = {"kv_blocks": blocks, "kv_block_count": count[..., None]}
     operands = [q_in, k_in, v_in, blocks, count]
-    if persistent and sort_items:
+    if persistent:
         operands.append(item_order(count, block_q=block_q, ctas=tp // BLOCK_Q, batch=b, heads=n, pair=pair))
     if ranges is not None:
         names["kv_lo"] = ranges[0]
@@ -801,7 +825,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
         pair=pair, v_stages=_pair_v_stages(stages, block_q, block_k) if pair else stages, overlap=overlap,
-        pingpong=pingpong, persistent=persistent, sort_items=sort_items,
+        pingpong=pingpong, persistent=persistent,
     )
     if overlap and has_pos and cfg.v_stages < 2:
         raise ValueError(f"overlap: needs two V stages per ring with original positions (the next step's key "
@@ -900,7 +924,7 @@ def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int,
 
 
 def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                overlap, pingpong, sort_items, profile=None):
+                overlap, pingpong, profile=None):
     """The layout's key blocks; q_in is padded and in the layout's row order."""
     s, kh = k.shape[1], k.shape[2]
     n = q_in.shape[2]
@@ -929,11 +953,11 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
                   block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile,
-                  overlap=overlap, pingpong=pingpong, sort_items=sort_items)
+                  overlap=overlap, pingpong=pingpong)
 
 
 def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                 overlap, pingpong, sort_items):
+                 overlap, pingpong):
     """The layout's single key columns: for each (batch, head, query block) its columns are
     gathered into dense ``block_k`` tiles of one key array (``nq * ceil(max_cols / block_k)``
     tiles per query head), and the kernel runs over the tiles of its query block with the
@@ -963,12 +987,12 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
     return launch(q_in, k_c, v_c, blocks, count, q_pos, k_pos, groups=1, num_kv_blocks=nq * tiles,
                   kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
                   gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
-                  persistent=persistent, pair=pair, overlap=overlap, pingpong=pingpong, sort_items=sort_items)
+                  persistent=persistent, pair=pair, overlap=overlap, pingpong=pingpong)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass",
                                              "key_pairs", "profile", "overlap",
-                                             "pingpong", "sort_items"))
+                                             "pingpong"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -978,22 +1002,22 @@ def block_sparse_attention_mosaic_gpu(
     sm_scale: float,
     causal: bool = True,
     num_stages: int | None = None,
-    persistent: bool = False,
+    persistent: bool | None = None,
     column_pass: str = "triton",
     key_pairs: bool | None = None,
     profile: tuple[int, str] | None = None,
     overlap: bool = False,
     pingpong: bool = True,
-    sort_items: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
-    ``persistent``: one CTA per multiprocessor, each running the work items ``pid, pid + grid, ...`` (its next
-    item's first K / V tiles load while the consumers finish the last one); default: one CTA per item. Measured on
-    one H200 (2026-11-26, ``tools/bench_mosaic_gpu.py --grids``): the persistent grid wins only on short lists
-    (32k, random 10% / 3% with 128-key blocks: 0.68 / 0.42 of cuDNN's TFLOP/s against 0.62 / 0.39) and loses
-    elsewhere (dense 0.89 / 0.92 / 0.95x cuDNN at 32k / 128k / 512k against 0.97 / 1.04 / 1.15x; random 10% at
-    512k 0.92 against 1.09): its static round-robin of items balances worse than the hardware's CTA scheduler.
+    ``persistent``: one CTA per multiprocessor, each running its share of the work items (longest lists first,
+    `item_order`, in snake rounds), its next item's first K / V tiles loading while the consumers finish the last
+    one and each consumer's next Q during its last step; False: one CTA per item; None (default):
+    `auto_persistent` (short work: at most 8,192 items with lists of at most 128 steps). Its first form (items
+    ``pid, pid + grid, ...``, Q loaded at each item's start) lost everywhere but on short lists (one H200, 2026-11-26,
+    ``tools/bench_mosaic_gpu.py --grids``: dense 0.89 / 0.92 / 0.95x cuDNN at 32k / 128k / 512k against 0.97 /
+    1.04 / 1.15x); the numbers of this form are in `auto_persistent`.
 
     ``key_pairs``: each step computes two consecutive entries of a 32- or 64-key list as one tile of 64 / 128 keys
     (one online softmax update and one schedule hand-over per step), with ``num_stages`` stages of that many keys.
@@ -1045,7 +1069,9 @@ def block_sparse_attention_mosaic_gpu(
     elif layout.block_k == 32:
         raise ValueError("key_pairs: expected True or None for layout.block_k=32 (32-key entries run two per step: "
                          "the P V product needs 64 keys); received False")
-    if persistent:  # its own O tiles take shared memory
+    if persistent is None:
+        persistent = auto_persistent(q, layout, key_pairs, num_stages)
+    elif persistent:  # its own O tiles take shared memory
         check_supported(q, layout, num_stages, pair=key_pairs, persistent=True)
     stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
     if persistent:
@@ -1059,7 +1085,7 @@ def block_sparse_attention_mosaic_gpu(
     q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
-          "pingpong": pingpong, "sort_items": sort_items}
+          "pingpong": pingpong}
     out, lse = _block_pass(q_in, k, v, layout, profile=profile, **kw)
     out, lse = out[:, :t, :, :d], lse[:, :, :t]
     if layout.kv_columns is not None and column_pass == "mosaic":

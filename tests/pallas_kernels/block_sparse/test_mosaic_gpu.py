@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse.mosaic_gpu import (
+    auto_persistent,
     block_sparse_attention_mosaic_gpu,
     default_stages,
     item_order,
@@ -226,6 +227,27 @@ def test_persistent_grid_refuses_what_does_not_fit_with_its_o_tiles():
         block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=0.1, key_pairs=True, persistent=True)
     _lower((1, 300, 2, 128), (1, 300, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
            sm_scale=0.1, key_pairs=True)
+
+
+def test_auto_persistent_takes_short_work_that_fits():
+    """`auto_persistent`: at most 8,192 work items with lists of at most 128 steps, where the O tiles fit."""
+    q = lambda t, n, b=1: jax.ShapeDtypeStruct((b, t, n, 128), jnp.bfloat16)  # noqa: E731
+    sparse = lambda t, bq=128, bk=128: BlockLayout.random_causal(  # noqa: E731
+        jax.random.PRNGKey(0), t, t, keep=0.03, block_q=bq, block_k=bk)
+    assert auto_persistent(q(32768, 28), sparse(32768), pair=False)  # 7,168 items, 9 steps
+    assert auto_persistent(q(32768, 28), sparse(32768, bk=64), pair=True)
+    assert not auto_persistent(q(32768, 28, b=2), sparse(32768), pair=False)  # 14,336 items
+    assert not auto_persistent(q(131072, 28), sparse(131072), pair=False)
+    dense = BlockLayout.dense_causal(32768, 32768, block_q=128, block_k=128)
+    assert not auto_persistent(q(32768, 28), dense, pair=False)  # 256 steps
+    short = BlockLayout.dense_causal(16384, 16384, block_q=128, block_k=128)
+    assert auto_persistent(q(16384, 8), short, pair=False)  # 128 steps
+    assert not auto_persistent(q(16384, 8), sparse(16384, bq=64, bk=64), pair=True)  # 128-key steps: no room
+    assert auto_persistent(q(16384, 8), sparse(16384, bq=64, bk=64), pair=False)
+    # 128-key stages: 3 fit one CTA per item, 2 with the O tiles; a third stage asked for keeps the item grid
+    assert max_stages(128, 128, 128) == 3 and max_stages(128, 128, 128, persistent=True) == 2
+    assert auto_persistent(q(4096, 8), sparse(4096), pair=False, stages=2)
+    assert not auto_persistent(q(4096, 8), sparse(4096), pair=False, stages=3)
 
 
 def test_item_order_puts_the_longest_items_first_and_keeps_ties_in_item_order():
