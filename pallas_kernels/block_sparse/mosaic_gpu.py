@@ -232,7 +232,7 @@ def auto_key_pairs(layout: BlockLayout, num_stages: int | None) -> bool:
     return layout.block_k == 32 or (layout.block_q == BLOCK_Q and layout.block_k == 64 and num_stages is None)
 
 
-PERSISTENT_ITEMS = 8192  # `auto_persistent`: at most this many work items (28 heads x 32k rows: 7,168)
+PERSISTENT_ITEMS = 7168  # `auto_persistent`: at most this many work items (28 heads x 32k rows, the size measured)
 PERSISTENT_STEPS = 128  # and lists of at most this many steps
 
 
@@ -247,10 +247,11 @@ def auto_persistent(q: jax.Array, layout: BlockLayout, pair: bool, stages: int |
     on computed tiles over cuDNN's dense at 32k tokens, 28 / 4 heads, persistent against one CTA per item: random 3%
     0.60-0.61 / 0.54 (64-key) and 0.63-0.64 / 0.58 (128-key), random 10% 0.84-0.85 / 0.82-0.85 and 0.89-0.90 /
     0.89-0.90, lists of 4 / 8 / 16 / 32 / 64 random blocks 2-9% faster (64 128-key blocks 0.97 / 0.98), MInference's
-    top-100 mask (8 heads) 1.65 against 1.73 ms; dense (256 steps) 0.95-0.99x cuDNN against 0.98-1.02x. At 128k /
-    512k (28,672 / 114,688 items) neither grid wins throughout: on the fixed lists at 128k the persistent grid ran
-    up to 27% faster (16 64-key blocks) and 33% slower (16 128-key blocks), at 512k within -4% / +7%; dense 128-key
-    blocks at 128k 0.99x cuDNN against 1.10x."""
+    top-100 mask (8 heads, 2,048 items) 1.65 / 1.71 against 1.73 / 1.70 ms in two calls; dense (256 steps)
+    0.95-0.99x cuDNN against 0.98-1.02x. At 128k / 512k (28,672 / 114,688 items) neither grid wins throughout: on
+    the fixed lists at 128k the persistent grid ran up to 27% faster (16 64-key blocks) and 33% slower (16 128-key
+    blocks), at 512k within -4% / +7%; dense 128-key blocks at 128k 0.99x cuDNN against 1.10x; the top-100 mask at
+    128k (8,192 items) 7.19 against 7.12 ms."""
     steps = -(-layout.max_blocks // 2) if pair else layout.max_blocks
     items = q.shape[0] * q.shape[2] * -(-layout.num_q_blocks * layout.block_q // BLOCK_Q)
     fits = max_stages(layout.block_k, fa3.padded_head_dim(q.shape[-1]), layout.block_q, pair=pair, persistent=True)
@@ -1014,7 +1015,7 @@ def block_sparse_attention_mosaic_gpu(
     ``persistent``: one CTA per multiprocessor, each running its share of the work items (longest lists first,
     `item_order`, in snake rounds), its next item's first K / V tiles loading while the consumers finish the last
     one and each consumer's next Q during its last step; False: one CTA per item; None (default):
-    `auto_persistent` (short work: at most 8,192 items with lists of at most 128 steps). Its first form (items
+    `auto_persistent` (short work: at most 7,168 items with lists of at most 128 steps). Its first form (items
     ``pid, pid + grid, ...``, Q loaded at each item's start) lost everywhere but on short lists (one H200, 2026-11-26,
     ``tools/bench_mosaic_gpu.py --grids``: dense 0.89 / 0.92 / 0.95x cuDNN at 32k / 128k / 512k against 0.97 /
     1.04 / 1.15x); the numbers of this form are in `auto_persistent`.

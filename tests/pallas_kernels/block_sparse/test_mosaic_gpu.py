@@ -230,7 +230,7 @@ def test_persistent_grid_refuses_what_does_not_fit_with_its_o_tiles():
 
 
 def test_auto_persistent_takes_short_work_that_fits():
-    """`auto_persistent`: at most 8,192 work items with lists of at most 128 steps, where the O tiles fit."""
+    """`auto_persistent`: at most 7,168 work items with lists of at most 128 steps, where the O tiles fit."""
     q = lambda t, n, b=1: jax.ShapeDtypeStruct((b, t, n, 128), jnp.bfloat16)  # noqa: E731
     sparse = lambda t, bq=128, bk=128: BlockLayout.random_causal(  # noqa: E731
         jax.random.PRNGKey(0), t, t, keep=0.03, block_q=bq, block_k=bk)
@@ -242,6 +242,7 @@ def test_auto_persistent_takes_short_work_that_fits():
     assert not auto_persistent(q(32768, 28), dense, pair=False)  # 256 steps
     short = BlockLayout.dense_causal(16384, 16384, block_q=128, block_k=128)
     assert auto_persistent(q(16384, 8), short, pair=False)  # 128 steps
+    assert not auto_persistent(q(131072, 8), sparse(131072, bq=64, bk=64), pair=False)  # 8,192 items
     assert not auto_persistent(q(16384, 8), sparse(16384, bq=64, bk=64), pair=True)  # 128-key steps: no room
     assert auto_persistent(q(16384, 8), sparse(16384, bq=64, bk=64), pair=False)
     # 128-key stages: 3 fit one CTA per item, 2 with the O tiles; a third stage asked for keeps the item grid
