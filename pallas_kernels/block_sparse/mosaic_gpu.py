@@ -246,12 +246,12 @@ def auto_persistent(q: jax.Array, layout: BlockLayout, pair: bool, stages: int |
     `mosaic-gpu-fixed-lists_*`; ``tools/minference_side_by_side.py``, `minference-side-by-side-persistent_*`), TFLOP/s
     on computed tiles over cuDNN's dense at 32k tokens, 28 / 4 heads, persistent against one CTA per item: random 3%
     0.60-0.61 / 0.54 (64-key) and 0.63-0.64 / 0.58 (128-key), random 10% 0.84-0.85 / 0.82-0.85 and 0.89-0.90 /
-    0.89-0.90, lists of 4 / 8 / 16 / 32 / 64 random blocks 2-9% faster (64 128-key blocks 0.97 / 0.98), MInference's
-    top-100 mask (8 heads, 2,048 items) 1.65 / 1.71 against 1.73 / 1.70 ms in two calls; dense (256 steps)
-    0.95-0.99x cuDNN against 0.98-1.02x. At 128k / 512k (28,672 / 114,688 items) neither grid wins throughout: on
-    the fixed lists at 128k the persistent grid ran up to 27% faster (16 64-key blocks) and 33% slower (16 128-key
-    blocks), at 512k within -4% / +7%; dense 128-key blocks at 128k 0.99x cuDNN against 1.10x; the top-100 mask at
-    128k (8,192 items) 7.19 against 7.12 ms."""
+    0.89-0.90, lists of 4 / 8 / 16 / 32 / 64 random blocks 1-12% faster (but 64 128-key blocks: 1% slower),
+    MInference's top-100 mask (8 heads, 2,048 items) 1.65 / 1.71 against 1.73 / 1.70 ms in two calls; dense (256
+    steps) 0.95-0.99x cuDNN against 0.98-1.02x. At 128k / 512k (28,672 / 114,688 items) neither grid wins
+    throughout: on the fixed lists at 128k the persistent grid ran up to 27% faster (16 64-key blocks) and 33%
+    slower (16 128-key blocks), at 512k within -4% / +7%; dense 128-key blocks at 128k 0.99x cuDNN against 1.10x;
+    the top-100 mask at 128k (8,192 items) 7.19 against 7.12 ms."""
     steps = -(-layout.max_blocks // 2) if pair else layout.max_blocks
     items = q.shape[0] * q.shape[2] * -(-layout.num_q_blocks * layout.block_q // BLOCK_Q)
     fits = max_stages(layout.block_k, fa3.padded_head_dim(q.shape[-1]), layout.block_q, pair=pair, persistent=True)
@@ -363,8 +363,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     my_items = full + (position(full) < items).astype(jnp.int32) if rest else jnp.int32(full)
 
     class Item(NamedTuple):
-        """One (128 query rows, head, batch) work item; items run query blocks fastest, longest causal rows
-        first."""
+        """One (128 query rows, head, batch) work item. Item indices run query blocks fastest, the last rows (the
+        longest causal ones) first; the item grid takes them in that order, the persistent grid in `item_order`'s."""
         cta: jax.Array
         head: jax.Array
         batch: jax.Array
