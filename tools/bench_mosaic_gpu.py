@@ -5,9 +5,10 @@ Checks the dense causal layout through the Mosaic kernel against cuDNN at 4k and
 random 10% layout against the Triton kernel at 32k, then times (median of device-synchronised
 runs after a warm-up, each of 10 queued calls up to 32k tokens) cuDNN causal, Triton (128x64
 tiles) and Mosaic (block_k 64 and 128) on the dense causal layout, and Triton / Mosaic on a
-random 10% layout (with ``--variants`` also permuted and column layouts); B=1, N=28, K=4,
-D=128, bf16. The density of a random layout counts its computed tiles plus its columns. Writes
-``mosaic_gpu.json`` into ``--out`` and prints a table.
+random 10% layout (with ``--variants`` also permuted and column layouts; the Mosaic rows with
+the kernel's own grid choice, `auto_persistent`); B=1, N=28, K=4, D=128, bf16. The density of a
+random layout counts its computed tiles plus its columns. Writes ``mosaic_gpu.json`` into
+``--out`` and prints a table.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def kernel_fn(impl: str, **kw):
 
 
 def mosaic_fn(**options):
-    """The Mosaic GPU kernel called directly with ``options`` off its defaults, e.g. ``persistent=True`` (one CTA
-    per multiprocessor; the default is one per item) or ``key_pairs=False`` (one 64-key list entry per step; the
-    default pairs them on 128-row query blocks)."""
+    """The Mosaic GPU kernel called directly with ``options`` off its defaults, e.g. ``persistent=True`` / ``False``
+    (one CTA per multiprocessor / per work item; the default chooses, `auto_persistent`) or ``key_pairs=False`` (one
+    64-key list entry per step; the default pairs them on 128-row query blocks)."""
     return jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
                                                                           **options)[0])
 
@@ -95,7 +96,7 @@ def main() -> None:
                     help="also time block_k 128, permuted (shared / per head) and column layouts")
     ap.add_argument("--grids", action="store_true",
                     help="also time the dense and random 10%% / 3%% layouts with 64- and 128-key blocks on the "
-                         "persistent grid and with one CTA per work item (the default)")
+                         "persistent grid and with one CTA per work item")
     ap.add_argument("--fixed-lists", default="",
                     help="also time layouts whose query blocks all list N key blocks (`fixed_lists`), for each N of "
                          "this comma list, with 64- and 128-key blocks on the persistent grid and the item grid")
