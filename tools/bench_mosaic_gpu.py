@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from compare import rel_err
+from gpu_timing import queued_median_ms
 
 from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
@@ -41,18 +41,9 @@ def inputs(s: int, seed: int):
 
 
 def median_time(fn, args, reps: int, calls: int = 1) -> float:
-    """Median seconds per call over ``reps`` samples of ``calls`` calls queued before one wait (launch and
-    synchronisation spread over them: sub-millisecond kernels are not timed with the host's round trip)."""
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
+    """Median seconds per call over ``reps`` samples of ``calls`` calls queued before one wait, after one warm-up
+    (`gpu_timing.queued_median_ms`: sub-millisecond kernels are not timed with the host's round trip)."""
+    return queued_median_ms(lambda: fn(*args), calls=calls, reps=reps, warmup=1) / 1e3
 
 
 def fixed_lists(key, s: int, n: int, block_k: int, heads: int) -> BlockLayout:
