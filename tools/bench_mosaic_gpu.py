@@ -25,6 +25,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from compare import rel_err
 from gpu_timing import queued_median_ms
+from jsonl_log import write_atomic
 
 from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
@@ -109,8 +110,7 @@ def main() -> None:
               "checks": {}, "timings": []}
 
     def dump():
-        with open(os.path.join(args.out, "mosaic_gpu.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_atomic(os.path.join(args.out, "mosaic_gpu.json"), lambda f: json.dump(result, f, indent=1))
 
     if not args.skip_checks:
         for s in (4096, 32768):

@@ -237,10 +237,10 @@ PERSISTENT_STEPS = 128  # and lists of at most this many steps
 
 
 def auto_persistent(q: jax.Array, layout: BlockLayout, pair: bool, stages: int | None = None) -> bool:
-    """`block_sparse_attention_mosaic_gpu`'s default for ``persistent``: the persistent grid for short work, at most
-    `PERSISTENT_ITEMS` work items (batch x heads x 128-row blocks) with lists of at most `PERSISTENT_STEPS` steps
-    (``layout.max_blocks`` entries, two per step with ``pair``), where its O tiles fit next to two stages (or the
-    ``stages`` asked for).
+    """`block_sparse_attention_mosaic_gpu`'s default for ``persistent`` (q ``[B, T, N, D]``, its layout): the
+    persistent grid for short work, at most `PERSISTENT_ITEMS` work items (batch x heads x 128-row blocks) with lists
+    of at most `PERSISTENT_STEPS` steps (``layout.max_blocks`` entries, two per step with ``pair``), where its O
+    tiles fit next to two stages (or the ``stages`` asked for).
 
     One H100, 2026-11-27, same calls (``tools/bench_mosaic_gpu.py --grids --fixed-lists``, `mosaic-gpu-grids-queued-*`,
     `mosaic-gpu-fixed-lists_*`; ``tools/minference_side_by_side.py``, `minference-side-by-side-persistent_*`), TFLOP/s
