@@ -4,11 +4,13 @@ Run on an sm90 GPU: ``python tools/bench_mosaic_gpu.py --out DIR [--lens 32768,1
 Checks the dense causal layout through the Mosaic kernel against cuDNN at 4k and 32k and a
 random 10% layout against the Triton kernel at 32k, then times (median of device-synchronised
 runs after a warm-up, each of 10 queued calls up to 32k tokens) cuDNN causal, Triton (128x64
-tiles) and Mosaic (block_k 64 and 128) on the dense causal layout, and Triton / Mosaic on a
-random 10% layout (with ``--variants`` also permuted and column layouts; the Mosaic rows with
-the kernel's own grid choice, `auto_persistent`); B=1, N=28, K=4, D=128, bf16. The density of a
-random layout counts its computed tiles plus its columns. Writes ``mosaic_gpu.json`` into
-``--out`` and prints a table.
+tiles) and Mosaic (block_k 64 and 128) on the dense causal layout, Triton on a random 10% layout
+and Mosaic on random 10% and 3% layouts with 64- and 128-key blocks (issue 16's rows; with
+``--variants`` also permuted and column layouts; the Mosaic rows with the kernel's own grid
+choice, `auto_persistent`); B=1, N=28, K=4, D=128, bf16. The density of a random layout counts
+its computed tiles plus its columns. Writes ``mosaic_gpu.json`` and ``mosaic_gpu.png`` (each
+row's ratio to cuDNN by length: dense time ratios, sparse TFLOP/s ratios) into ``--out`` and
+prints a table.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import matplotlib
+import matplotlib.pyplot as plt
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from compare import rel_err
@@ -31,6 +35,7 @@ from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
 
 N, K, D = 28, 4, 128
+matplotlib.use("Agg")
 
 
 def inputs(s: int, seed: int):
@@ -63,6 +68,29 @@ def fixed_lists(key, s: int, n: int, block_k: int, heads: int) -> BlockLayout:
                          kv_block_count=jnp.broadcast_to(count, (1, heads, nq)))
 
 
+def figure(result: dict):
+    """Each Mosaic / Triton row's ratio to cuDNN by length (dense: cuDNN's time over the row's; random: the row's
+    TFLOP/s on computed tiles over cuDNN's dense TFLOP/s), with the issue's 1.0 and 0.9 target lines."""
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r in result["timings"]:
+        ratio = r.get("tflops_vs_cudnn") or r.get("cudnn_ratio")
+        if "ms" in r and r["impl"] != "cudnn" and ratio:
+            series.setdefault((r["impl"], r["layout"]), []).append((r["len"], ratio))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for (impl, layout), points in sorted(series.items()):
+        ax.plot(*zip(*sorted(points)), marker="o", ls="-" if layout.startswith("dense") else "--",
+                label=f"{impl}: {layout}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(0.9, color="gray", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("x cuDNN (dense: time; random: TFLOP/s on computed tiles)")
+    ax.set_title(f"{result['device']}, {result['date']}, B=1 N={N} K={K} D={D} bf16 causal")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def cudnn_fn():
     return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
 
@@ -85,7 +113,7 @@ def main() -> None:
     ap.add_argument("--lens", default="32768,131072,524288")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--variants", action="store_true",
-                    help="also time block_k 128, permuted (shared / per head) and column layouts")
+                    help="also time permuted (shared / per head) and column layouts")
     ap.add_argument("--grids", action="store_true",
                     help="also time the dense and random 10%% / 3%% layouts with 64- and 128-key blocks on the "
                          "persistent grid and with one CTA per work item")
@@ -99,8 +127,7 @@ def main() -> None:
                     help="also time the 64-key layouts with one list entry per step (key_pairs=False)")
     ap.add_argument("--overlap", action="store_true",
                     help="also time every Mosaic row with overlap=True (the next step's softmax while P V runs), "
-                         "with and without the schedule barrier (pingpong), and random 3%% layouts (64- and "
-                         "128-key blocks)")
+                         "with and without the schedule barrier (pingpong)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     lens = [int(x) for x in args.lens.split(",")]
@@ -145,13 +172,12 @@ def main() -> None:
         sparse = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.1, block_q=128, block_k=64, heads=N)
         rows.append(("triton", "random 10% bk64", kernel_fn("triton"), (q, k, v, sparse)))
         rows.append(("mosaic_gpu", "random 10% bk64", kernel_fn("mosaic_gpu"), (q, k, v, sparse)))
+        for keep, bk in ((0.1, 128), (0.03, 64), (0.03, 128)):  # issue 16's other sparse target rows
+            lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128, block_k=bk, heads=N)
+            rows.append(("mosaic_gpu", f"random {keep:.0%} bk{bk}", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
         if args.pairs:
             rows.append(("mosaic_gpu", "random 10% bk64 1-entry", mosaic_fn(key_pairs=False), (q, k, v, sparse)))
         if args.overlap:
-            for bk in (64, 128):
-                lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.03, block_q=128, block_k=bk,
-                                                heads=N)
-                rows.append(("mosaic_gpu", f"random 3% bk{bk}", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
             rows += [(impl, f"{what} {name}", mosaic_fn(overlap=True, pingpong=pp), fargs)
                      for impl, what, _, fargs in list(rows) if impl == "mosaic_gpu"
                      for name, pp in (("overlap", True), ("overlap free", False))]
@@ -171,9 +197,6 @@ def main() -> None:
                 rows.append(("mosaic_gpu", f"{what} persistent", mosaic_fn(persistent=True), (q, k, v, lay)))
                 rows.append(("mosaic_gpu", f"{what} item grid", mosaic_fn(persistent=False), (q, k, v, lay)))
         if args.variants:
-            sparse128 = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.1, block_q=128,
-                                                  block_k=128, heads=N)
-            rows.append(("mosaic_gpu", "random 10% bk128", kernel_fn("mosaic_gpu"), (q, k, v, sparse128)))
             for heads in (1, N):  # one permutation for all heads / one per query head
                 perms = jnp.stack([jax.random.permutation(jax.random.PRNGKey(10 + h), s) for h in range(heads)])
                 perms = perms.astype(jnp.int32)[None]
@@ -224,6 +247,9 @@ def main() -> None:
                       f"{rec['tflops_vs_cudnn']:.2f}x its own at full length", flush=True)
         del q, k, v
     dump()
+    fig = figure(result)
+    write_atomic(os.path.join(args.out, "mosaic_gpu.png"), lambda f: fig.savefig(f, format="png", dpi=120),
+                 binary=True)
 
 
 if __name__ == "__main__":
