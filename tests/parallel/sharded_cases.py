@@ -5,10 +5,10 @@ subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set befo
 the rest of the suite keeps its single device. Tiny models: Qwen2.5-VL with 8 query / 4 key-value
 heads (tp 4, and tp 2 x sp 2) and the committed Llama / Qwen3 fixtures (tp 2, loaded straight into
 the layout). The default selection covers tp 2 x sp 2 (dense and sparse) and tp 2 (text LM loaded into the
-layout), `mmjax generate --devices 2` and the greedy step of `mmjax bench decode --devices N`; ``-m slow`` adds tp 4 (dense and sparse), tp 2 and sp 4
-alone, ring attention (2 key-value heads over sp 4 and tp 2 x sp 2), chunked prefill, the frame
-split of the vision tower alone, left-padded text-LM batches (Llama with biases, Qwen3-MoE) and the
-collectives of a decode step.
+layout), `mmjax generate --devices 2` and the greedy step of `mmjax bench decode` on tp 2 x sp 2;
+``-m slow`` adds tp 4 (dense and sparse), tp 2 and sp 4 alone (the decode step on tp 2 too), ring attention
+(2 key-value heads over sp 4 and tp 2 x sp 2), chunked prefill, the frame split of the vision tower alone,
+left-padded text-LM batches (Llama with biases, Qwen3-MoE) and the collectives of a decode step.
 """
 
 import json
@@ -384,7 +384,7 @@ def test_sequence_parallel_prefill_and_decode_never_gather_the_cache():
         assert gathered == [], gathered
 
 
-@pytest.mark.parametrize("tp, sp", [(2, 1), (2, 2)])
+@pytest.mark.parametrize("tp, sp", [pytest.param(2, 1, marks=pytest.mark.slow), (2, 2)])  # (2, 2) splits tp too
 def test_bench_decode_step_on_mesh_equals_one_device(tp, sp):
     """`mmjax bench decode --devices N`'s greedy step: the cache made in its layout, the same tokens as
     the one-device step for 3 steps."""

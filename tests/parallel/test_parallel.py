@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run_cases(marks: str):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-m", "pytest", sharded_cases.__file__, "-q", "-x", "-n", "0", "-m", marks,
                         "-p", "no:cacheprovider"], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)

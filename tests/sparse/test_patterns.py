@@ -207,7 +207,7 @@ def test_last_q_longer_than_queries_and_bad_pattern():
         mmjax.sparse_attention(q, k, v, "grid")
 
 
-@pytest.mark.parametrize("t,s,bound", [(4096, 4096, 1.1), (3000, 4200, 1.15)])
+@pytest.mark.parametrize("t,s,bound", [(4096, 4096, 1.1), pytest.param(3000, 4200, 1.15, marks=pytest.mark.slow)])
 def test_vertical_slash_windows_compute_about_the_named_pairs(t, s, bound):
     """Slash ranges start anywhere: windows compute about the pairs the index names (blocks of 128
     rows; a run of slash keys costs whole 64-key windows, so two lines a few offsets apart cost a
