@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from compare import rel_err
 from gpu_timing import queued_median_ms
 from jsonl_log import write_atomic
+from token_axes import finish_token_axes
 
 from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
@@ -82,13 +83,9 @@ def figure(result: dict):
                 label=f"{impl}: {layout}")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.axhline(0.9, color="gray", lw=0.8, ls=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("x cuDNN (dense: time; random: TFLOP/s on computed tiles)")
-    ax.set_title(f"{result['device']}, {result['date']}, B=1 N={N} K={K} D={D} bf16 causal")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return finish_token_axes(fig, ax, ylabel="x cuDNN (dense: time; random: TFLOP/s on computed tiles)",
+                             title=f"{result['device']}, {result['date']}, B=1 N={N} K={K} D={D} bf16 causal",
+                             legend_size=7)
 
 
 def cudnn_fn():

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_timing import queued_median_ms  # noqa: E402
 from jsonl_log import write_atomic  # noqa: E402
 from minference_index import block_index_counts, pooled_block_index  # noqa: E402
+from token_axes import finish_token_axes  # noqa: E402
 
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
 from pallas_kernels import BlockLayout  # noqa: E402
@@ -71,13 +72,8 @@ def figure(rows: list[dict], device: str):
     for name in dict.fromkeys(r["mask"] for r in rows):
         pts = sorted((r["tokens"], r["tflops"]) for r in rows if r["mask"] == name and "ms" in r)
         ax.plot(*zip(*pts), marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("TFLOP/s on computed pairs")
-    ax.set_title(f"Mosaic GPU kernel, top-100 list lengths, 8 heads, {device}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return finish_token_axes(fig, ax, ylabel="TFLOP/s on computed pairs",
+                             title=f"Mosaic GPU kernel, top-100 list lengths, 8 heads, {device}")
 
 
 def main(argv=None) -> int:
