@@ -2,10 +2,10 @@
 
 * XLA compiles the suite's CPU programs without LLVM's optimisation passes: the suite compiles far more than it
   runs (tiny shapes), and those passes take much of each compile. Fresh-clone `make test` on the 2-core CI-size
-  machine, 2026-11-27: pytest 29.7-33.8 -> 19.1 min, user CPU 62.2 -> 34.6 min. The flags go into ``XLA_FLAGS``
-  before JAX starts its CPU backend (flags already there are kept; subprocesses inherit them), on machines without
-  an NVIDIA GPU only (the GPU backend's code generation is left as users get it). Unoptimised code may
-  round differently in the last float32 bit (see the float8 tie in ``test_swiglu_quantize.py``).
+  machine, 2026-11-27: pytest 29.7-33.8 -> 19.1-20.3 min, user CPU 62.2 -> 34.6-37.3 min. The flags go into
+  ``XLA_FLAGS`` before JAX starts its CPU backend (flags already there are kept; subprocesses inherit them), on
+  machines without an NVIDIA GPU only (the GPU backend's code generation is left as users get it). Unoptimised
+  code may round differently in the last float32 bit (see the float8 tie in ``test_swiglu_quantize.py``).
 * Compiled programs are dropped after each test module, so a pytest worker's memory (XLA's CPU executables,
   traced jaxprs) does not grow over the whole suite.
 """
