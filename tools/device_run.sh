@@ -4,12 +4,7 @@
 # line, e.g.  tools/device_run.sh "bench prefill --tokens 1048576 --configs ashape --out \$OUT"
 # A failing command does not stop the next; the exit status is the number of failures.
 set -u
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:${PWD}
-else
-  export PYTHONPATH=${PWD}
-fi
+source "$(dirname "$0")/carried_wheels.sh" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 fails=0
 for cmd in "$@"; do

@@ -8,10 +8,8 @@
 # with the tree). Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:${PWD}:${PWD}/tools
+source "$(dirname "$0")/carried_wheels.sh" || exit 1
+export PYTHONPATH=${PYTHONPATH}:${PWD}/tools
 mkdir -p "$OUT/$part"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/$part/gpu.txt"
 case $part in

@@ -42,10 +42,20 @@ def pooled_block_index(q: jax.Array, k: jax.Array, top_k: int, block: int = BLOC
     nb = s // block
     qp = q.astype(jnp.float32).reshape(b, nb, block, n, d).mean(2)  # [B, nb, N, D]
     kp = k.astype(jnp.float32).reshape(b, nb, block, n, d).mean(2)
-    score = jnp.einsum("bmnd,bjnd->bnmj", qp, kp)
+    return causal_top_k(jnp.einsum("bmnd,bjnd->bnmj", qp, kp), top_k)
+
+
+def causal_top_k(score: jax.Array, top_k: int) -> jax.Array:
+    """score float ``[..., nb, nb]`` (query block m, key block j) -> int32 ``[..., nb, min(top_k, nb)]``: per query
+    block the ``top_k`` key blocks ``j <= m`` of the largest score, ascending (entries past a row's ``m + 1``
+    causal blocks are non-causal leftovers)."""
+    if getattr(score, "ndim", 0) < 2 or score.shape[-1] != score.shape[-2]:
+        raise ValueError(f"score: expected an array [..., nb, nb]; received shape {getattr(score, 'shape', None)}")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k: expected an int >= 1; received {top_k!r}")
+    nb = score.shape[-1]
     causal = jnp.arange(nb)[:, None] >= jnp.arange(nb)[None, :]
-    score = jnp.where(causal, score, -jnp.inf)
-    _, ids = lax.top_k(score, min(top_k, nb))
+    _, ids = lax.top_k(jnp.where(causal, score, -jnp.inf), min(top_k, nb))
     return jnp.sort(ids, axis=-1).astype(jnp.int32)
 
 

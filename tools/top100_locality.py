@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_timing import queued_median_ms  # noqa: E402
 from jsonl_log import write_atomic  # noqa: E402
-from minference_index import block_index_counts, pooled_block_index  # noqa: E402
+from minference_index import block_index_counts, causal_top_k, pooled_block_index  # noqa: E402
 from token_axes import finish_token_axes  # noqa: E402
 
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
@@ -62,12 +62,10 @@ def variants(idx: jax.Array, count: jax.Array, seed: int) -> dict[str, jax.Array
     pos = jnp.broadcast_to(jnp.arange(k, dtype=jnp.float32), idx.shape)
     k1, k2 = jax.random.split(jax.random.key(seed))
     shared = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), idx.shape)  # j < count <= m + 1: causal
-    scores = jax.random.uniform(k2, (b, n, nq, nq))
-    scores = jnp.where(jnp.arange(nq)[:, None] >= jnp.arange(nq)[None, :], scores, -1.0)
-    drawn = jnp.sort(jax.lax.top_k(scores, k)[1], axis=-1).astype(jnp.int32)
-    live = jnp.arange(k) < count[..., None]
-    named = jax.vmap(jax.vmap(lambda i, w: jnp.zeros(nq, jnp.float32).at[i.reshape(-1)].add(w.reshape(-1))))(
-        idx, live.astype(jnp.float32))  # [B, N, nq]: how many lists of the head name each key block
+    drawn = causal_top_k(jax.random.uniform(k2, (b, n, nq, nq)), k)
+    live = (jnp.arange(k) < count[..., None]).astype(jnp.float32)
+    heads = (jnp.arange(b)[:, None, None, None], jnp.arange(n)[None, :, None, None])
+    named = jnp.zeros((b, n, nq)).at[(*heads, idx)].add(live)  # how many lists of the head name each key block
     popular = reorder(idx, count, -jnp.take_along_axis(named[:, :, None, :], idx, axis=-1) + pos / k)
     return {"as given": idx, "descending": reorder(idx, count, -pos),
             "shuffled": reorder(idx, count, jax.random.uniform(k1, idx.shape)), "popular first": popular,
@@ -100,24 +98,25 @@ def main(argv=None) -> int:
         q, k, v = video_qkv(jax.random.key(s), s, heads=HEADS, kv_heads=HEADS, head_dim=D, dtype=jnp.bfloat16)
         idx = jax.jit(pooled_block_index, static_argnums=2)(q, k, args.top_k)
         count = block_index_counts(idx)
+        rows = []  # this length's
         for name, ids in variants(idx, count, s).items():
             lay = BlockLayout(kv_blocks=ids, kv_block_count=count, block_q=BLOCK, block_k=BLOCK, q_len=s, kv_len=s)
             pairs = float(jnp.sum(lay.density())) * causal_pairs(s, s)
             try:
                 ms = queued_median_ms(lambda: fn(q, k, v, lay), calls=args.calls, reps=args.reps)
             except Exception as e:  # noqa: BLE001 -- one failing mask must not hide the others
-                result["rows"].append({"tokens": s, "mask": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                rows.append({"tokens": s, "mask": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
                 print(f"{s:>7} {name:<11} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            row = {"tokens": s, "mask": name, "ms": ms, "pairs": pairs, "tflops": 4 * D * pairs / (ms / 1e3) / 1e12}
-            result["rows"].append(row)
-        shared_ms = next((r["ms"] for r in result["rows"] if r["tokens"] == s and r["mask"] == "shared"
-                          and "ms" in r), None)
-        for r in result["rows"]:
-            if r["tokens"] == s and "ms" in r:
+            rows.append({"tokens": s, "mask": name, "ms": ms, "pairs": pairs,
+                         "tflops": 4 * D * pairs / (ms / 1e3) / 1e12})
+        shared_ms = next((r["ms"] for r in rows if r["mask"] == "shared" and "ms" in r), None)
+        for r in rows:
+            if "ms" in r:
                 r["over_shared"] = r["ms"] / shared_ms if shared_ms else None
                 ratio = f"{r['over_shared']:.3f}x shared" if shared_ms else ""
                 print(f"{s:>7} {r['mask']:<11} {r['ms']:9.3f} ms {r['tflops']:6.1f} TFLOP/s {ratio}", flush=True)
+        result["rows"] += rows
         write_atomic(os.path.join(args.out, "top100_locality.json"), lambda f: json.dump(result, f, indent=1))
     fig = figure(result["rows"], dev)
     write_atomic(os.path.join(args.out, "top100_locality.png"), lambda f: fig.savefig(f, format="png", dpi=120),
