@@ -4,7 +4,8 @@ One op per folder, each with ``api.py`` (validation, dispatch by ``implementatio
 ``reference.py`` (pure JAX, the definition of correct) and ``triton.py`` (Pallas Triton):
 
 * ``block_sparse/``: attention over the (query block, key block) pairs of a `BlockLayout`;
-  `merge_attention` combines results over disjoint key sets.
+  `merge_attention` combines results over disjoint key sets; `block_sparse_attention_rows` computes a layout
+  whose work lies in a few query blocks (``q_block_range``) for those rows alone, `merge_rows` merges them in.
 * ``qsa_topk/``: MOMO's fused query-sparse attention with an online top-k of key blocks.
 * ``tree_decode/``: split-K attention of a few new tokens (a draft tree) over a long cache.
 * ``candidate_mass/``: the softmax mass a query block's rows put on listed key blocks (MOMO's re-rank).

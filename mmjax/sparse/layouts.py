@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import BlockLayout, block_sparse_attention, merge_attention
+from pallas_kernels.block_sparse import block_sparse_attention_rows, merge_rows, scatter_rows
 from pallas_kernels.checks import check_sm_scale
 
 
@@ -145,9 +146,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
             lse = jnp.where(own[:, None, :], l, lse)
         return out, lse
     out, lse = None, None
+    kw = dict(sm_scale=options.sm_scale, implementation=options.implementation, interpret=options.interpret,
+              check_finite=options.check_finite)
     for part in block_parts(layout):
-        o, l = block_sparse_attention(q, k, v, part, sm_scale=options.sm_scale,
-                                      implementation=options.implementation, interpret=options.interpret,
-                                      check_finite=options.check_finite)
+        if part.q_block_range is not None:  # work in a few query blocks: computed and merged for those rows only
+            rows, o, l = block_sparse_attention_rows(q, k, v, part, **kw)
+            out, lse = scatter_rows(rows, o, l, q.shape[1]) if out is None else merge_rows(out, lse, rows, o, l)
+            continue
+        o, l = block_sparse_attention(q, k, v, part, **kw)
         out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
     return out, lse

@@ -7,9 +7,12 @@ import jax
 from pallas_kernels import nonfinite
 from pallas_kernels.block_sparse import validation
 from pallas_kernels.block_sparse.layout import BlockLayout
+from pallas_kernels.block_sparse.merge import gather_rows
 from pallas_kernels.block_sparse.mosaic_gpu import (
     block_sparse_attention_mosaic_gpu,
+    block_sparse_attention_rows_mosaic_gpu,
     check_supported,
+    row_range_pass,
 )
 from pallas_kernels.block_sparse.mosaic_gpu import preferred as mosaic_preferred
 from pallas_kernels.block_sparse.reference import block_sparse_attention_reference
@@ -65,6 +68,24 @@ def block_sparse_attention(
       columns outside ``[0, S)`` contribute nothing (checked when the layout is concrete);
       repeated ids must not occur (see `BlockLayout.check`).
     """
+    implementation, sm_scale = _resolve(q, k, v, layout, sm_scale=sm_scale, causal=causal,
+                                        implementation=implementation, interpret=interpret, num_warps=num_warps,
+                                        num_stages=num_stages, check_finite=check_finite)
+    if implementation == "reference":
+        return block_sparse_attention_reference(q, k, v, layout, sm_scale=sm_scale, causal=causal)
+    if implementation == "mosaic_gpu":
+        return block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=sm_scale, causal=causal,
+                                                 num_stages=num_stages)
+    return block_sparse_attention_triton(
+        q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def _resolve(q, k, v, layout: BlockLayout, *, sm_scale, causal, implementation, interpret, num_warps, num_stages,
+             check_finite) -> tuple[str, float]:
+    """Checks of `block_sparse_attention`'s arguments (before anything is traced) and its implementation choice:
+    (implementation, sm_scale)."""
     check_qkv(q, k, v)
     b, t, n, d = q.shape
     validation.check_layout_shapes(layout, b, n, t, k.shape[1])
@@ -92,12 +113,37 @@ def block_sparse_attention(
     sm_scale = check_sm_scale(sm_scale, d)
     if check_finite:
         nonfinite.check_finite(q=q, k=k, v=v)
-    if implementation == "reference":
-        return block_sparse_attention_reference(q, k, v, layout, sm_scale=sm_scale, causal=causal)
-    if implementation == "mosaic_gpu":
-        return block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=sm_scale, causal=causal,
-                                                 num_stages=num_stages)
-    return block_sparse_attention_triton(
-        q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    return implementation, sm_scale
+
+
+def block_sparse_attention_rows(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layout: BlockLayout,
+    *,
+    sm_scale: float | None = None,
+    causal: bool = True,
+    implementation: str | None = None,
+    interpret: bool = False,
+    check_finite: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`block_sparse_attention` of a layout with a ``q_block_range``, for the rows of those query blocks only:
+    (rows int32 ``[B|1, N|1, R]``, `BlockLayout.range_rows`: the query index of each row, T for none; out ``[B, R,
+    N, D]`` in q's dtype; lse ``[B, N, R]`` float32). `merge.merge_rows` merges them into a result over all rows.
+
+    On the Mosaic GPU kernel (layouts of key blocks only) the rows are computed alone, each query block's list in
+    chunks of `mosaic_gpu.ROW_CHUNK` entries, one work item each, merged by lse; the other implementations compute
+    the whole layout and return its rows. Arguments as in `block_sparse_attention` (no Triton launch parameters)."""
+    implementation, sm_scale = _resolve(q, k, v, layout, sm_scale=sm_scale, causal=causal,
+                                        implementation=implementation, interpret=interpret, num_warps=None,
+                                        num_stages=None, check_finite=check_finite)
+    if layout.q_block_range is None:
+        raise ValueError("layout.q_block_range: expected (lo, hi) (the query blocks that list anything) for "
+                         "block_sparse_attention_rows; received None")
+    if implementation == "mosaic_gpu" and row_range_pass(layout):
+        return block_sparse_attention_rows_mosaic_gpu(q, k, v, layout, sm_scale=sm_scale, causal=causal)
+    out, lse = block_sparse_attention(q, k, v, layout, sm_scale=sm_scale, causal=causal,
+                                      implementation=implementation, interpret=interpret)
+    rows = layout.range_rows()
+    return (rows, *gather_rows(out, lse, rows))

@@ -92,6 +92,11 @@ class BlockLayout:
         >= 1; 1 = any start; a start <= 0 computes from key 0). A promise the builder makes (checked on
         concrete layouts): the Mosaic GPU kernel loads a window starting on a multiple of 8 as one tile,
         else as two, so `mosaic_gpu.preferred` takes window layouts only with ``window_align % 8 == 0``.
+      q_block_range: None, or static ``(lo, hi)`` with ``0 <= lo < hi <= nq``: a promise that only the query blocks
+        ``[lo, hi)`` list anything (every other count, of blocks and of columns, is 0; checked on concrete
+        layouts). A part with work in a few query blocks (TriShape's last rows, Grid's horizontal lines) then runs
+        on those rows alone: the Mosaic GPU kernel takes their lists in chunks, one work item each, and merges
+        the chunks (`mosaic_gpu.ROW_CHUNK`), and `mmjax.sparse.layouts.attend` merges only those rows.
     """
 
     kv_blocks: jax.Array
@@ -108,6 +113,7 @@ class BlockLayout:
     window: int = dataclasses.field(default=0, metadata=dict(static=True))
     kv_windows: bool = dataclasses.field(default=False, metadata=dict(static=True))
     window_align: int = dataclasses.field(default=1, metadata=dict(static=True))
+    q_block_range: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -286,6 +292,19 @@ class BlockLayout:
         )
         return q_idx + self.q_offset, k_idx
 
+    def range_rows(self) -> jax.Array:
+        """int32 ``[B|1, N|1, R]``: the original query index of each row of the query blocks ``q_block_range``
+        names (``R = (hi - lo) * block_q``, in permuted row order), ``q_len`` for rows past the last query."""
+        if self.q_block_range is None:
+            raise ValueError("layout.q_block_range: expected (lo, hi) for range_rows; received None")
+        lo, hi = self.q_block_range
+        t = self.q_len
+        r = lo * self.block_q + jnp.arange((hi - lo) * self.block_q, dtype=jnp.int32)
+        if self.q_perm is None:
+            return jnp.where(r < t, r, t)[None, None]
+        perm = jnp.take(self.q_perm.astype(jnp.int32), jnp.minimum(r, t - 1), axis=-1)
+        return jnp.where(r < t, jnp.clip(perm, 0, t - 1), t)
+
     def computed_pairs_permuted(self) -> jax.Array:
         """bool ``[B|1, N|1, T, S]`` in permuted order: (row, key) pairs the layout computes,
         before the causal mask. Materialises T x S: for tests and small inputs only."""
@@ -447,6 +466,13 @@ class BlockLayout:
             checkify.check(~jnp.any(hit & (cblk >= 0)),
                            "layout.kv_columns: expected columns outside the listed key blocks; received a "
                            "column inside one (it would be counted twice)")
+        if self.q_block_range is not None:
+            lo, hi = self.q_block_range
+            outside = (jnp.arange(self.num_q_blocks) < lo) | (jnp.arange(self.num_q_blocks) >= hi)
+            for name, c in (("kv_block_count", count), ("kv_column_count", self.kv_column_count)):
+                if c is not None:
+                    checkify.check(~jnp.any(outside & (c > 0)),
+                                   f"layout.{name}: expected 0 outside q_block_range={self.q_block_range}")
         for name, length in (("q_perm", self.q_len), ("kv_perm", self.kv_len)):
             perm = getattr(self, name)
             if perm is not None:

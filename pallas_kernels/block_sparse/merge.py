@@ -1,9 +1,32 @@
-"""Exact combination of two partial attention results over disjoint key sets."""
+"""Exact combination of partial attention results over disjoint key sets."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def _combine(outs: list[jax.Array], lses: list[jax.Array], dtype) -> tuple[jax.Array, jax.Array]:
+    """The lse-weighted sum of partial outputs ``[B,T,N,D]`` with lses float32 ``[B,N,T]`` (rules of
+    `merge_attention`)."""
+    lses = [x.astype(jnp.float32) for x in lses]
+    m = lses[0]
+    for x in lses[1:]:
+        m = jnp.maximum(m, x)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    ws = [jnp.exp(x - m_safe) for x in lses]
+    total = ws[0]
+    for w in ws[1:]:
+        total = total + w
+    empty = total == 0.0  # NaN weights are not empty: they propagate
+    lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
+    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
+    out = None
+    for w, o in zip(ws, outs, strict=True):
+        w = jnp.einsum("bnt->btn", w * inv)[..., None]
+        term = jnp.where(w == 0.0, 0.0, w * o.astype(jnp.float32))
+        out = term if out is None else out + term
+    return out.astype(dtype), lse
 
 
 def merge_attention(
@@ -26,18 +49,53 @@ def merge_attention(
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
         if x.shape != (b, n, t):
             raise ValueError(f"{name}: expected shape {(b, n, t)} ([B, N, T] from out_a); received {x.shape}")
-    lse_a = lse_a.astype(jnp.float32)
-    lse_b = lse_b.astype(jnp.float32)
-    m = jnp.maximum(lse_a, lse_b)
-    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
-    w_a = jnp.exp(lse_a - m_safe)
-    w_b = jnp.exp(lse_b - m_safe)
-    total = w_a + w_b
-    empty = total == 0.0  # NaN weights are not empty: they propagate
-    lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
-    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
-    wa = jnp.einsum("bnt->btn", w_a * inv)[..., None]
-    wb = jnp.einsum("bnt->btn", w_b * inv)[..., None]
-    out = (jnp.where(wa == 0.0, 0.0, wa * out_a.astype(jnp.float32))
-           + jnp.where(wb == 0.0, 0.0, wb * out_b.astype(jnp.float32)))
-    return out.astype(out_a.dtype), lse
+    return _combine([out_a, out_b], [lse_a, lse_b], out_a.dtype)
+
+
+def merge_chunks(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`merge_attention` over C parts at once: out ``[B, C, T, N, D]``, lse float32 ``[B, N, C, T]`` (part c: the
+    same T rows over the c-th of C disjoint key sets) -> (out ``[B, T, N, D]`` in out's dtype, lse ``[B, N, T]``)."""
+    if out.ndim != 5 or lse.ndim != 4 or lse.shape != (out.shape[0], out.shape[3], out.shape[1], out.shape[2]):
+        raise ValueError(f"out, lse: expected [B, C, T, N, D] and [B, N, C, T]; received {out.shape} and {lse.shape}")
+    c = out.shape[1]
+    return _combine([out[:, i] for i in range(c)], [lse[:, :, i] for i in range(c)], out.dtype)
+
+
+def _row_index(rows: jax.Array, b: int, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(batch, row, head) index arrays ``[B, R, N]`` of rows ``[B|1, N|1, R]``."""
+    r = rows.shape[-1]
+    rows_t = jnp.einsum("bnr->brn", jnp.broadcast_to(rows, (b, n, r)))
+    return jnp.arange(b)[:, None, None], rows_t, jnp.arange(n)[None, None, :]
+
+
+def scatter_rows(rows: jax.Array, out_rows: jax.Array, lse_rows: jax.Array, t: int) -> tuple[jax.Array, jax.Array]:
+    """Attention of some rows as a whole result: rows int32 ``[B|1, N|1, R]`` (query indices; ``t`` or more: none),
+    out_rows ``[B, R, N, D]``, lse_rows ``[B, N, R]`` -> out ``[B, t, N, D]`` (0 on the other rows), lse ``[B, N, t]``
+    (-inf there)."""
+    b, _, n, d = out_rows.shape
+    bi, ri, ni = _row_index(rows, b, n)
+    out = jnp.zeros((b, t, n, d), out_rows.dtype).at[bi, ri, ni].set(out_rows, mode="drop")
+    lse = jnp.full((b, n, t), -jnp.inf, jnp.float32).at[bi, ni, ri].set(
+        jnp.einsum("bnr->brn", lse_rows.astype(jnp.float32)), mode="drop")
+    return out, lse
+
+
+def gather_rows(out: jax.Array, lse: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """out ``[B, T, N, D]``, lse ``[B, N, T]`` at rows ``[B|1, N|1, R]`` (indices clamped into ``[0, T)``) ->
+    ``[B, R, N, D]``, ``[B, N, R]``."""
+    b, t, n, _ = out.shape
+    bi, ri, ni = _row_index(jnp.clip(rows, 0, t - 1), b, n)
+    return out[bi, ri, ni], jnp.einsum("brn->bnr", lse[bi, ni, ri])
+
+
+def merge_rows(out: jax.Array, lse: jax.Array, rows: jax.Array, out_rows: jax.Array, lse_rows: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """`merge_attention` of a result over all rows (out ``[B, T, N, D]``, lse ``[B, N, T]``) with one over some rows
+    (rows int32 ``[B|1, N|1, R]``, distinct per (batch, head); indices ``>= T`` are dropped; out_rows ``[B, R, N,
+    D]``, lse_rows ``[B, N, R]``): only those rows are read and written."""
+    b, t, n, _ = out.shape
+    o_old, l_old = gather_rows(out, lse, rows)
+    o_new, l_new = merge_attention(o_old, l_old, out_rows.astype(out.dtype), lse_rows)
+    bi, ri, ni = _row_index(rows, b, n)
+    return (out.at[bi, ri, ni].set(o_new, mode="drop"),
+            lse.at[bi, ni, ri].set(jnp.einsum("bnr->brn", l_new), mode="drop"))

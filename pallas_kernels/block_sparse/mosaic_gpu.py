@@ -65,7 +65,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_fa3 as fa3
 from pallas_kernels.block_sparse.layout import BlockLayout
-from pallas_kernels.block_sparse.merge import merge_attention
+from pallas_kernels.block_sparse.merge import merge_attention, merge_chunks, scatter_rows
 from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
 from pallas_kernels.checks import check_int
 from pallas_kernels.nonfinite import poison_keys
@@ -87,6 +87,9 @@ TMA_ROWS = 8  # TMA copies a key tile from a row that is a multiple of this
 # Each consumer keeps its rows' sums as [64, SUM_COLUMNS] column partials (`mosaic_fa3.init_rows`), reduced once at
 # the end: 2-7% faster than a shuffle reduction every step (one H100, 2026-11-27, commit 2850066; README).
 SUM_COLUMNS = 8
+# A layout with a `BlockLayout.q_block_range` runs its rows alone with lists cut into chunks of at most this many
+# entries, one work item each (`_rows_pass`), so a few query blocks with long lists fill the GPU.
+ROW_CHUNK = 128
 
 
 def one_tile_windows(layout: BlockLayout) -> bool:
@@ -924,22 +927,27 @@ def window_tiles(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int,
     return tiles, lo_t, hi_t, new_count.astype(jnp.int32)
 
 
-def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                overlap, pingpong, profile=None):
-    """The layout's key blocks; q_in is padded and in the layout's row order."""
-    s, kh = k.shape[1], k.shape[2]
-    n = q_in.shape[2]
-    groups = n // kh
-    bk, nk = layout.block_k, layout.num_kv_blocks
-    s_pad = nk * bk
-    has_pos = layout.q_perm is not None or layout.kv_perm is not None
+def _prepared_kv(k, v, layout: BlockLayout, groups: int, d_pad: int) -> tuple[jax.Array, jax.Array, int]:
+    """(k, v, groups) as the kernel reads them: in the layout's key order (a permutation per query head over grouped
+    heads copies k / v once per query head, groups 1), head dim padded to ``d_pad``, keys to whole blocks."""
+    s = k.shape[1]
+    s_pad = layout.num_kv_blocks * layout.block_k
     if layout.kv_perm is not None:
         kv_perm = jnp.clip(layout.kv_perm, 0, s - 1)
         if kv_perm.shape[1] > 1 and groups > 1:  # a permutation per query head: one copy per head
             k, v, groups = _expand_heads(k, groups), _expand_heads(v, groups), 1
         k, v = _gather_rows(k, kv_perm), _gather_rows(v, kv_perm)
-    k_in = _pad_to(_pad_to(k, 3, d_pad), 1, s_pad)
-    v_in = _pad_to(_pad_to(v, 3, d_pad), 1, s_pad)
+    return _pad_to(_pad_to(k, 3, d_pad), 1, s_pad), _pad_to(_pad_to(v, 3, d_pad), 1, s_pad), groups
+
+
+def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
+                overlap, pingpong, profile=None):
+    """The layout's key blocks; q_in is padded and in the layout's row order."""
+    s = k.shape[1]
+    bk, nk = layout.block_k, layout.num_kv_blocks
+    s_pad = nk * bk
+    has_pos = layout.q_perm is not None or layout.kv_perm is not None
+    k_in, v_in, groups = _prepared_kv(k, v, layout, q_in.shape[2] // k.shape[2], d_pad)
     q_pos = k_pos = None
     if has_pos:
         q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
@@ -955,6 +963,57 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
                   block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile,
                   overlap=overlap, pingpong=pingpong)
+
+
+def row_range_pass(layout: BlockLayout) -> bool:
+    """`block_sparse_attention_mosaic_gpu` runs the layout as `_rows_pass`: it names a ``q_block_range`` and lists
+    key blocks only (no single columns, no key windows)."""
+    return layout.q_block_range is not None and layout.kv_columns is None and not layout.kv_windows
+
+
+def _chunk_lists(layout: BlockLayout, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """The lists of the query blocks in ``q_block_range`` cut into ``C = ceil(max_blocks / e)`` chunks of ``e <=
+    chunk`` entries (``e`` even): (blocks int32 ``[B|1, N|1, C * nb, e]``, counts ``[B|1, N|1, C * nb]``), chunk
+    c of query block i at ``c * nb + i``."""
+    lo, hi = layout.q_block_range
+    nb, m = hi - lo, layout.max_blocks
+    c = -(-m // chunk)
+    e = _round_up(-(-m // c), 2)
+    count = jnp.clip(jnp.broadcast_to(layout.kv_block_count, layout.kv_block_count.shape[:2] + (layout.num_q_blocks,)),
+                     0, m)[..., lo:hi]
+    blocks = layout.kv_blocks if layout.kv_blocks.shape[2] == 1 else layout.kv_blocks[:, :, lo:hi]
+    lead = blocks.shape[:2]
+    blocks = jnp.pad(jnp.broadcast_to(blocks, lead + (nb, m)), ((0, 0), (0, 0), (0, 0), (0, c * e - m)))
+    blocks = jnp.moveaxis(blocks.reshape(lead + (nb, c, e)), 3, 2).reshape(lead + (c * nb, e))
+    counts = jnp.stack([jnp.clip(count - j * e, 0, e) for j in range(c)], axis=2)
+    return blocks, counts.reshape(count.shape[:2] + (c * nb,)).astype(jnp.int32)
+
+
+def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad, pair, overlap, pingpong,
+               chunk: int = 0):
+    """The layout over the rows of its ``q_block_range`` alone: (rows int32 ``[B|1, N|1, R]`` as `range_rows`,
+    out ``[B, R, N, D]`` in q's dtype, lse ``[B, N, R]``). The rows are gathered once (through ``q_perm``) and
+    repeated once per chunk of their lists (`_chunk_lists`, ``chunk`` entries, default `ROW_CHUNK`): each (query
+    block, chunk) is one work item, with the rows' original positions; the chunks are merged by lse."""
+    b, t, n, d = q.shape
+    s = k.shape[1]
+    bk, nk = layout.block_k, layout.num_kv_blocks
+    rows = layout.range_rows()
+    r = rows.shape[-1]
+    blocks, count = _chunk_lists(layout, chunk or ROW_CHUNK)
+    c = count.shape[2] // (r // layout.block_q)
+    t_pad = _round_up(c * r, BLOCK_Q)
+    q_in = _pad_to(_pad_to(jnp.tile(_gather_rows(q, jnp.minimum(rows, t - 1)), (1, c, 1, 1)), 3, d_pad), 1, t_pad)
+    q_pos = _pad_to(jnp.tile(rows + layout.q_offset, (1, 1, c)), 2, t_pad)
+    k_in, v_in, groups = _prepared_kv(k, v, layout, n // k.shape[2], d_pad)
+    k_pos = _positions_or_iota(layout.kv_perm, s, nk * bk, 0)
+    out, lse = launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups, num_kv_blocks=nk,
+                      kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal, gap=layout.gap,
+                      window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q, pair=pair,
+                      overlap=overlap, pingpong=pingpong)
+    out = out[:, :c * r, :, :d].reshape(b, c, r, n, d)
+    lse = lse[:, :, :c * r].reshape(b, n, c, r)
+    return (rows, *merge_chunks(out, lse))
 
 
 def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
@@ -1070,6 +1129,10 @@ def block_sparse_attention_mosaic_gpu(
     elif layout.block_k == 32:
         raise ValueError("key_pairs: expected True or None for layout.block_k=32 (32-key entries run two per step: "
                          "the P V product needs 64 keys); received False")
+    if row_range_pass(layout):  # its rows alone, the long lists in chunks (`_rows_pass`)
+        rows, out, lse = _rows_result(q, k, v, layout, sm_scale=sm_scale, causal=causal, num_stages=num_stages,
+                                      key_pairs=key_pairs, overlap=overlap, pingpong=pingpong)
+        return scatter_rows(rows, out, lse, t)
     if persistent is None:
         persistent = auto_persistent(q, layout, key_pairs, num_stages)
     elif persistent:  # its own O tiles take shared memory
@@ -1102,3 +1165,32 @@ def block_sparse_attention_mosaic_gpu(
                                                      causal=causal)
         out, lse = merge_attention(out, lse, out_c, lse_c)
     return out, lse
+
+
+def _rows_result(q, k, v, layout: BlockLayout, *, sm_scale, causal, num_stages, key_pairs, overlap, pingpong):
+    """`_rows_pass` with the kernel's defaults (stages, poisoned keys); key_pairs resolved."""
+    d_pad = fa3.padded_head_dim(q.shape[3])
+    stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
+    return _rows_pass(q, *poison_keys(k, v), layout, sm_scale=sm_scale, causal=causal, stages=stages, d_pad=d_pad,
+                      pair=key_pairs, overlap=overlap, pingpong=pingpong)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "key_pairs", "overlap", "pingpong"))
+def block_sparse_attention_rows_mosaic_gpu(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayout, *,
+                                           sm_scale: float, causal: bool = True, num_stages: int | None = None,
+                                           key_pairs: bool | None = None, overlap: bool = False,
+                                           pingpong: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The rows of a layout with a ``q_block_range`` (`row_range_pass`): q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` ->
+    (rows int32 ``[B|1, N|1, R]``, `BlockLayout.range_rows`: the query index of each row, T for none; out ``[B, R,
+    N, D]``; lse ``[B, N, R]``). Each (query block, chunk of `ROW_CHUNK` list entries) is one work item and the
+    chunks are merged by lse, so a few query blocks with long lists (TriShape's last rows, Grid's horizontal lines)
+    fill the GPU; `pallas_kernels.block_sparse.merge.merge_rows` merges the rows into a whole result. Options as in
+    `block_sparse_attention_mosaic_gpu`; inputs assumed validated."""
+    if not row_range_pass(layout):
+        raise ValueError("layout: expected a q_block_range and key blocks only (no kv_columns, no kv_windows); "
+                         f"received q_block_range={layout.q_block_range}, kv_columns "
+                         f"{'set' if layout.kv_columns is not None else None}, kv_windows={layout.kv_windows}")
+    if key_pairs is None:
+        key_pairs = auto_key_pairs(layout, num_stages)
+    return _rows_result(q, k, v, layout, sm_scale=sm_scale, causal=causal, num_stages=num_stages,
+                        key_pairs=key_pairs, overlap=overlap, pingpong=pingpong)

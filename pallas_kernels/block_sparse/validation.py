@@ -80,6 +80,7 @@ def check_layout_values(layout: BlockLayout) -> None:
     if layout.window_align > 1 and not layout.kv_windows:
         raise ValueError(f"layout.window_align: expected 1 for a layout without kv_windows; received "
                          f"{layout.window_align}")
+    _check_q_block_range(layout)
     nk = layout.num_kv_blocks
     blocks, count = _concrete(layout.kv_blocks), _concrete(layout.kv_block_count)
     if blocks is not None and count is not None:
@@ -136,6 +137,29 @@ def check_layout_values(layout: BlockLayout) -> None:
         perm = _concrete(getattr(layout, name))
         if perm is not None and not (np.sort(perm, axis=-1) == np.arange(n)).all():
             raise ValueError(f"layout.{name}: expected a permutation of 0..{n - 1} per (batch, head)")
+
+
+def _check_q_block_range(layout: BlockLayout) -> None:
+    """``q_block_range``: None or ``(lo, hi)`` ints with ``0 <= lo < hi <= nq``; on concrete counts, nothing listed
+    outside it."""
+    rng, nq = layout.q_block_range, layout.num_q_blocks
+    if rng is None:
+        return
+    if not (isinstance(rng, tuple) and len(rng) == 2
+            and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in rng)
+            and 0 <= rng[0] < rng[1] <= nq):
+        raise ValueError(f"layout.q_block_range: expected None or (lo, hi) ints with 0 <= lo < hi <= {nq} (query "
+                         f"blocks); received {rng!r}")
+    outside = (np.arange(nq) < rng[0]) | (np.arange(nq) >= rng[1])
+    for name in ("kv_block_count", "kv_column_count"):
+        c = _concrete(getattr(layout, name))
+        if c is None:
+            continue
+        c = np.broadcast_to(c, c.shape[:-1] + (nq,))
+        bad = np.nonzero((c > 0).any(axis=(0, 1)) & outside)[0]
+        if bad.size:
+            raise ValueError(f"layout.{name}: expected 0 for the query blocks outside q_block_range={rng}; "
+                             f"received a count > 0 at query block {int(bad[0])}")
 
 
 def _check_windows(layout: BlockLayout, starts: np.ndarray, used: np.ndarray, ids: np.ndarray) -> None:

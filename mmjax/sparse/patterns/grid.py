@@ -43,8 +43,10 @@ A `LayoutSet` of up to three parts whose pairs are disjoint by construction:
 1. band: original order, causal ``window = local`` (pairs at distance < local);
 2. lines: permuted, causal ``gap = local`` (distance >= local): per query block the causal
    prefix of each vertical-line group and the slash range of its groups;
-3. rows: permuted, ``gap = local``: the horizontal-line blocks list every key block
-   (one shared ``arange`` list; part 2 lists nothing for them).
+3. rows: permuted rows, ``gap = local``: the horizontal-line blocks list every key block
+   (one shared ``arange`` list over the keys in original order, or, in a placement, over the packed keys;
+   part 2 lists nothing for them). They are the first query blocks, at most
+   `Grid.max_line_rows` rows: the part names them as its ``q_block_range`` and runs on them alone.
 
 Inside a boundary wrapper (`build_placed`) keys are packed by (invalid, key group, phase
 group, position) and rows by phase group within the wrapper's row order; the rules stay on
@@ -183,6 +185,12 @@ class Grid(Pattern):
         if not self.phases <= stride <= s:
             raise ValueError(f"stride: expected phases={self.phases} <= stride <= S={s}; received {stride}")
         return stride
+
+    def max_line_rows(self, t: int, min_stride: int) -> int:
+        """A static bound on the rows of the horizontal lines (and the sink rows) among ``t`` queries: at most
+        ``sink`` rows below the sink and ``ceil(t / stride)`` rows per line phase. The rows part names the query
+        blocks they fill first in its ``q_block_range``."""
+        return min(t, self.sink + self.phases * cdiv(t, min_stride))
 
     def stride_bounds(self, s: int, modality=None) -> tuple[int, int]:
         """(smallest, largest) stride this head can use at S = s (static)."""
@@ -323,9 +331,13 @@ class Grid(Pattern):
             h_rows = jnp.arange(nq) * bq < n_rows[..., None]
             count = jnp.where(h_rows, 0, count)
             n_full = nk if n_valid is None else (n_valid + bk - 1) // bk
+            # every key: in the original key order (no copy of k / v per head) unless a placement packs the valid
+            # keys first
+            rows_common = dict(common, kv_perm=None) if n_valid is None else common
             full = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32)[None, None, None],
                                kv_block_count=jnp.where(h_rows, jnp.broadcast_to(n_full, n_rows.shape)[..., None],
-                                                        0).astype(jnp.int32), **common)
+                                                        0).astype(jnp.int32),
+                               q_block_range=(0, cdiv(self.max_line_rows(t, bounds[0]), bq)), **rows_common)
         if kept_groups or self.use_slash:
             parts.append(BlockLayout(kv_blocks=blocks, kv_block_count=count.astype(jnp.int32), **common))
         if self.use_hline:

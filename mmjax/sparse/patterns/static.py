@@ -122,7 +122,8 @@ class AShape(Pattern):
 @dataclasses.dataclass(frozen=True)
 class TriShape(Pattern):
     """A-shape plus dense rows for the last ``last`` queries (a `LayoutSet`: A-shape lists
-    for the other query blocks, one shared dense list for the blocks holding the last rows)."""
+    for the other query blocks, one shared dense list for the blocks holding the last rows; that part names them
+    as its ``q_block_range``, so it runs on those rows alone)."""
 
     sink: int = 128
     local: int = 4096
@@ -145,7 +146,8 @@ class TriShape(Pattern):
         dense = BlockLayout.dense_causal(t, s, block_q=self.block_q, block_k=self.block_k)
         return LayoutSet((
             _layout(blocks, jnp.where(dense_rows, 0, count), self, t, s),
-            dense.replace(kv_block_count=jnp.where(dense_rows, dense.kv_block_count, 0)),
+            dense.replace(kv_block_count=jnp.where(dense_rows, dense.kv_block_count, 0),
+                          q_block_range=((t - self.last) // self.block_q, nq)),
         ))
 
     def build_placed(self, q, k, placement) -> LayoutSet:
@@ -161,7 +163,8 @@ class TriShape(Pattern):
         a = placed_ashape(self, self.sink, self.local, order, q_perm, q_pos, t, s)
         d = _placed_prefix(self, order, q_perm, q_max, t, s)
         return LayoutSet((a.replace(kv_block_count=jnp.where(dense_rows, 0, a.kv_block_count)),
-                          d.replace(kv_block_count=jnp.where(dense_rows, d.kv_block_count, 0))))
+                          d.replace(kv_block_count=jnp.where(dense_rows, d.kv_block_count, 0),
+                                    q_block_range=((t - self.last) // self.block_q, cdiv(t, self.block_q)))))
 
 
 @dataclasses.dataclass(frozen=True)

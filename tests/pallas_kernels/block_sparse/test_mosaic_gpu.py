@@ -52,6 +52,15 @@ def test_block_layout_lowers_for_cuda(dtype, d, bq, bk, causal):
     _lower((1, 1000, 28, d), (1, 1500, 4, d), dtype, layout, causal=causal)
 
 
+def test_q_block_range_lowers_for_cuda():
+    """A layout with work in a few query blocks runs them alone, lists in chunks (`mosaic_gpu._rows_pass`)."""
+    layout = BlockLayout.dense_causal(1000, 20000, block_q=128, block_k=64)
+    layout = layout.replace(kv_block_count=jnp.where(jnp.arange(8) >= 6, layout.kv_block_count, 0),
+                            q_block_range=(6, 8))
+    text = _lower((1, 1000, 8, 128), (1, 20000, 2, 128), jnp.bfloat16, layout)
+    assert text.count("mosaic_gpu") >= 1
+
+
 @pytest.mark.parametrize("columns,perm_heads,kv_heads,want", [
     (False, 8, 2, True),  # block lists, permuted per head: the kernel copies k / v per head, still preferred
     (True, 0, 2, True),  # single columns, no permutation

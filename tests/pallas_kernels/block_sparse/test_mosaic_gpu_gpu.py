@@ -279,3 +279,27 @@ def test_mosaic_overlap_matches_dense(bq, bk, pairs, perm, columns, windows, den
         out, lse = block_sparse_attention_mosaic_gpu(q, k, v, layout, overlap=overlap, pingpong=pingpong, **kw)
         _check(out, lse, q, k, v, layout, jnp.bfloat16)
         np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_default)[fin], atol=1e-2)
+
+
+@needs_hopper
+@pytest.mark.parametrize("t,s,n,kh,bq,lo,hi,perm,gap", [
+    (300, 20000, 8, 2, 128, 2, 3, False, 0),  # the last (ragged) block over 313 64-key blocks: 3 chunks
+    (1000, 12000, 4, 2, 64, 0, 4, True, 128),  # permuted, a causal gap, 64-row blocks (Grid's horizontal lines)
+])
+def test_mosaic_q_block_range_matches_dense(t, s, n, kh, bq, lo, hi, perm, gap):
+    """A layout naming a q_block_range: its rows alone, lists in chunks merged by lse (`mosaic_gpu._rows_pass`),
+    through `block_sparse_attention` (a whole result) and `block_sparse_attention_rows` (its rows)."""
+    from pallas_kernels.block_sparse import block_sparse_attention_rows
+    from tests.pallas_kernels.block_sparse.test_rows import range_layout
+
+    rng = np.random.default_rng(t + s)
+    q, k, v = random_qkv(11, 1, t, s, n, kh, 128, jnp.bfloat16)
+    layout = range_layout(rng, 1, n, t, s, bq, 64, lo, hi, perm=perm, density=0.7).replace(gap=gap)
+    assert layout.max_blocks > 128  # more than one chunk
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)
+    rows, o, l = block_sparse_attention_rows(q, k, v, layout, implementation="mosaic_gpu")
+    r = np.broadcast_to(np.asarray(rows), (1, n, rows.shape[-1]))
+    for h in range(n):
+        ok = r[0, h] < t
+        np.testing.assert_array_equal(np.asarray(o)[0, ok, h], np.asarray(out)[0, r[0, h][ok], h])

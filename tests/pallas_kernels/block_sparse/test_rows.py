@@ -1,0 +1,174 @@
+"""Layouts whose work lies in a few query blocks (`BlockLayout.q_block_range`): their checks, the rows API on the
+reference, the row merges, and the Mosaic GPU rows pass (chunked lists, gathered rows) with its kernel emulated on
+the CPU (the kernel itself runs in test_mosaic_gpu_gpu.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels.block_sparse import (
+    block_sparse_attention_rows,
+    merge_attention,
+    merge_rows,
+    mosaic_gpu,
+    scatter_rows,
+)
+from pallas_kernels.block_sparse.merge import merge_chunks
+from tests.pallas_kernels.helpers import masked_dense_attention, random_layout, random_qkv, rel_err
+
+
+def range_layout(rng, b, n, t, s, bq, bk, lo, hi, **kw) -> BlockLayout:
+    """A random layout with lists only in the query blocks ``[lo, hi)`` (none empty), naming that range."""
+    lay = random_layout(rng, b, n, t, s, bq, bk, empty_rows=False, **kw)
+    nq = lay.num_q_blocks
+    inside = (np.arange(nq) >= lo) & (np.arange(nq) < hi)
+    count = jnp.where(inside, lay.kv_block_count, 0)
+    ccount = None if lay.kv_column_count is None else jnp.where(inside, lay.kv_column_count, 0)
+    return lay.replace(kv_block_count=count, kv_column_count=ccount, q_block_range=(lo, hi))
+
+
+def test_q_block_range_checks():
+    rng = np.random.default_rng(0)
+    q, k, v = random_qkv(1, 1, 300, 300, 2, 1, 64)
+    lay = range_layout(rng, 1, 2, 300, 300, 128, 64, 1, 3)
+    for bad in ((2, 2), (0, 4), (-1, 1), [0, 1], (0.0, 1)):
+        with pytest.raises(ValueError, match="q_block_range"):
+            block_sparse_attention(q, k, v, lay.replace(q_block_range=bad), implementation="reference")
+    with pytest.raises(ValueError, match=r"kv_block_count: expected 0 for the query blocks outside .* block 1"):
+        block_sparse_attention(q, k, v, lay.replace(q_block_range=(2, 3)), implementation="reference")
+    err, _ = checkify.checkify(lambda x: x.check())(lay.replace(q_block_range=(2, 3)))
+    with pytest.raises(checkify.JaxRuntimeError, match="outside q_block_range"):
+        err.throw()
+    err, _ = checkify.checkify(lambda x: x.check())(lay)
+    err.throw()
+    with pytest.raises(ValueError, match="q_block_range: expected"):
+        block_sparse_attention_rows(q, k, v, lay.replace(q_block_range=None), implementation="reference")
+
+
+@pytest.mark.parametrize("b,t,s,n,kh,bq,lo,hi,perm", [
+    (1, 300, 300, 4, 2, 128, 2, 3, False),  # the last (ragged) block
+    (2, 200, 450, 2, 2, 64, 0, 2, True),  # the first blocks, permuted rows, suffix queries
+])
+def test_rows_on_the_reference_are_the_full_result_rows(b, t, s, n, kh, bq, lo, hi, perm):
+    rng = np.random.default_rng(t + s)
+    q, k, v = random_qkv(3, b, t, s, n, kh, 64)
+    lay = range_layout(rng, b, n, t, s, bq, 64, lo, hi, perm=perm)
+    rows, o, l = block_sparse_attention_rows(q, k, v, lay, implementation="reference")
+    out, lse = block_sparse_attention(q, k, v, lay, implementation="reference")
+    r = np.broadcast_to(np.asarray(rows), (b, n, (hi - lo) * bq))
+    want = np.arange(lo * bq, hi * bq)
+    if perm:
+        perm_rows = np.broadcast_to(np.asarray(lay.q_perm), (b, n, t))
+        want = np.take_along_axis(perm_rows, np.broadcast_to(np.minimum(want, t - 1), (b, n, want.size)), -1)
+    want = np.where(np.arange(lo * bq, hi * bq) < t, want, t)
+    np.testing.assert_array_equal(r, np.broadcast_to(want, r.shape))
+    valid = r < t
+    for bi, ni in np.ndindex(b, n):
+        sel = r[bi, ni][valid[bi, ni]]
+        np.testing.assert_array_equal(np.asarray(o)[bi, valid[bi, ni], ni], np.asarray(out)[bi, sel, ni])
+        np.testing.assert_array_equal(np.asarray(l)[bi, ni, valid[bi, ni]], np.asarray(lse)[bi, ni, sel])
+
+
+def _partial(rng, b, t, n, d):
+    """A random attention result with row 1 empty (out 0, lse -inf, as the kernels give)."""
+    out = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32)
+    lse = jnp.asarray(rng.normal(size=(b, n, t)), jnp.float32)
+    return out.at[:, 1].set(0.0), lse.at[:, :, 1].set(-jnp.inf)
+
+
+def test_row_merges_match_merge_attention_on_whole_results():
+    rng = np.random.default_rng(1)
+    b, t, n, d, r = 2, 20, 3, 8, 6
+    out, lse = _partial(rng, b, t, n, d)
+    o_r, l_r = _partial(rng, b, r, n, d)
+    rows = jnp.asarray(np.stack([np.stack([rng.permutation(t + 3)[:r] for _ in range(n)]) for _ in range(b)]),
+                       jnp.int32)  # per (batch, head), some >= t (dropped)
+    full_o, full_l = scatter_rows(rows, o_r, l_r, t)
+    for bi, ni, ri in np.ndindex(b, n, r):
+        if rows[bi, ni, ri] < t:
+            assert full_l[bi, ni, rows[bi, ni, ri]] == l_r[bi, ni, ri]
+    assert int((full_l > -jnp.inf).sum()) == int(((rows < t) & (l_r > -jnp.inf)).sum())
+    want = merge_attention(out, lse, full_o, full_l)
+    got = merge_rows(out, lse, rows, o_r, l_r)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_merge_chunks_is_merge_attention_in_turn():
+    rng = np.random.default_rng(2)
+    parts = [_partial(rng, 2, 5, 3, 4) for _ in range(3)]
+    o, l = parts[0]
+    for o2, l2 in parts[1:]:
+        o, l = merge_attention(o, l, o2, l2)
+    got = merge_chunks(jnp.stack([p[0] for p in parts], 1), jnp.stack([p[1] for p in parts], 2))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(o), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(l), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"\[B, C, T, N, D\]"):
+        merge_chunks(parts[0][0], parts[0][1])
+
+
+def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups, block_k, block_q, kv_len, causal,
+                    gap, window, sm_scale, **_):
+    """What `mosaic_gpu.launch` computes with original positions, as masked dense attention: row r of q_in (query
+    block r // block_q) sees key c of k_in when c's block is among its block's first ``count`` ids and the positions
+    allow it."""
+    b, tp, n, dp = q_in.shape
+    sp = k_in.shape[1]
+    nqb = count.shape[2]
+    lead = (b, n)
+    blk = jnp.broadcast_to(blocks, lead + (nqb, blocks.shape[-1]))
+    cnt = jnp.broadcast_to(count, lead + (nqb,))
+    listed = jnp.zeros(lead + (nqb, sp // block_k + 1), bool)
+    used = jnp.arange(blk.shape[-1]) < cnt[..., None]
+    listed = jax.vmap(jax.vmap(jax.vmap(lambda z, i, u: z.at[jnp.where(u, i, z.shape[0] - 1)].set(True))))(
+        listed, blk, used)[..., :-1]
+    rows_blk = jnp.minimum(jnp.arange(tp) // block_q, nqb - 1)
+    mask = jnp.repeat(listed[:, :, rows_blk], block_k, axis=-1)  # [B, N, Tp, Sp]
+    mask &= (jnp.arange(tp) // block_q < nqb)[:, None]
+    qp = jnp.broadcast_to(q_pos, lead + (tp,))[..., :, None]
+    kp = jnp.broadcast_to(k_pos, lead + (sp,))[..., None, :]
+    mask &= kp < kv_len
+    if causal:
+        mask &= kp + gap <= qp
+        if window:
+            mask &= kp + window > qp
+    out, lse = masked_dense_attention(q_in, k_in, v_in, mask, sm_scale=sm_scale)
+    return out.astype(q_in.dtype), lse
+
+
+@pytest.mark.parametrize("t,s,n,kh,bq,lo,hi,perm,gap,chunk", [
+    (300, 2000, 4, 2, 128, 2, 3, False, 0, 6),  # the last (ragged) block, lists in 6-entry chunks
+    (256, 1200, 2, 1, 64, 0, 3, True, 64, 4),  # permuted rows and keys, a causal gap, 64-row blocks
+    (128, 700, 2, 2, 128, 0, 1, True, 0, 128),  # one chunk
+])
+def test_rows_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, bq, lo, hi, perm, gap, chunk):
+    monkeypatch.setattr(mosaic_gpu, "launch", emulated_launch)
+    rng = np.random.default_rng(t + s + gap)
+    q, k, v = random_qkv(4, 1, t, s, n, kh, 64, jnp.float32)
+    lay = range_layout(rng, 1, n, t, s, bq, 64, lo, hi, perm=perm, density=0.5).replace(gap=gap)
+    if chunk < lay.max_blocks:
+        assert -(-lay.max_blocks // chunk) > 1
+    rows, o, l = mosaic_gpu._rows_pass(q, k, v, lay, sm_scale=64 ** -0.5, causal=True, stages=2, d_pad=64,
+                                       pair=False, overlap=False, pingpong=True, chunk=chunk)
+    ref_o, ref_l = masked_dense_attention(q, k, v, lay.to_dense_mask())
+    got_o, got_l = scatter_rows(rows, o, l, t)
+    assert rel_err(np.asarray(got_o), np.asarray(ref_o)) < 1e-5
+    fin = np.isfinite(np.asarray(ref_l))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got_l)), fin)
+    np.testing.assert_allclose(np.asarray(got_l)[fin], np.asarray(ref_l)[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_lists_keep_every_entry_once():
+    rng = np.random.default_rng(5)
+    lay = range_layout(rng, 1, 2, 600, 5000, 128, 64, 1, 4, density=0.6)
+    blocks, counts = mosaic_gpu._chunk_lists(lay, 8)
+    nb, m = 3, lay.max_blocks
+    c = counts.shape[2] // nb
+    assert c == -(-m // 8) and blocks.shape[-1] % 2 == 0 and blocks.shape[-1] <= 8
+    for h, i in np.ndindex(2, nb):
+        got = np.concatenate([np.asarray(blocks)[0, h, j * nb + i, :int(counts[0, h, j * nb + i])] for j in range(c)])
+        want = np.asarray(lay.kv_blocks)[0, h, 1 + i, :int(lay.kv_block_count[0, h, 1 + i])]
+        np.testing.assert_array_equal(got, want)

@@ -1,0 +1,192 @@
+"""Where each pattern's sparse attention spends its time on a GPU (issue 16: "each pattern's real layout at 128k / 1M:
+TFLOP/s on computed blocks >= 0.9x cuDNN's dense TFLOP/s").
+
+Run on a GPU: ``python tools/pattern_parts_profile.py --out DIR [--seq-len 131072] [--patterns Grid TriShape ...]``.
+On `bench patterns`' video-like input (B = 1, 28 / 4 heads, D = 128, bf16, causal), for each pattern:
+
+* ``attend`` on the built layout (the bench's "kernel ms"), by default implementation and on Triton, and its
+  TFLOP/s on the tiles all its launches compute (``density`` x cuDNN's causal FLOPs) over cuDNN's in the same run;
+  where a part names a ``q_block_range``, also without it (the part over all rows, merged over all rows);
+* each `BlockLayout` part alone (`block_sparse_attention`, the implementation it picks, with its own gathers):
+  density, work items, list lengths, time; and the Mosaic GPU kernel on the persistent grid where it takes the part;
+* a `jax.profiler` trace of ``attend`` summed by kernel (`mmjax.drivers.bench.trace_summary`): how much of the time
+  is attention kernels and how much gathers, transposes and merges.
+
+And one synthetic pair (``--split``): 128 query rows per head over every earlier key block as one query block (a
+list of ``S / 64`` entries: 28 work items), against the same work as ``--split`` query blocks of one chunk each
+(the rows repeated, lists cut into chunks) plus the lse merge of the chunks: what splitting a long list across
+work items gains.
+
+Writes ``pattern_parts_profile.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jsonl_log import write_atomic  # noqa: E402
+
+from mmjax.drivers.bench import trace_summary  # noqa: E402
+from mmjax.drivers.bench.patterns import gpu_patterns  # noqa: E402
+from mmjax.sparse.layouts import KernelOptions, attend, block_parts, with_parts  # noqa: E402
+from mmjax.sparse.synthetic import video_qkv  # noqa: E402
+from mmjax.timing import device_name, time_fn  # noqa: E402
+from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
+from pallas_kernels.block_sparse.layout import causal_pairs  # noqa: E402
+from pallas_kernels.block_sparse.mosaic_gpu import (  # noqa: E402
+    block_sparse_attention_mosaic_gpu,
+    check_supported,
+    preferred,  # noqa: E402
+)
+
+HEADS, KV_HEADS, D = 28, 4, 128
+
+
+def part_stats(p: BlockLayout) -> dict:
+    count = np.broadcast_to(np.asarray(p.kv_block_count), (1, HEADS, p.num_q_blocks))
+    return {"block_q": p.block_q, "block_k": p.block_k, "density": float(np.mean(np.asarray(p.density()))),
+            "items": int(count.size), "items_with_work": int((count > 0).sum()),
+            "count_mean": float(count.mean()), "count_max": int(count.max()),
+            "q_perm": None if p.q_perm is None else list(p.q_perm.shape),
+            "kv_perm": None if p.kv_perm is None else list(p.kv_perm.shape),
+            "columns": None if p.kv_columns is None else list(p.kv_columns.shape), "gap": p.gap, "window": p.window}
+
+
+def traced(fn, log_dir: str) -> dict:
+    jax.block_until_ready(fn())
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        for _ in range(3):
+            out = fn()
+        jax.block_until_ready(out)
+    s = trace_summary.summarize_dir(log_dir, top=15)
+    print(trace_summary.format_summary(s, top=15), flush=True)
+    return s["devices"]
+
+
+def split_pair(q_all, k, v, chunks: int) -> list[dict]:
+    """The synthetic long-list pair of the module docstring (not causal: every key block is earlier)."""
+    s = k.shape[1]
+    nk = s // 64
+    q = q_all[:, -128:]
+    sm = D ** -0.5
+    one = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32)[None, None, None],
+                      kv_block_count=jnp.full((1, 1, 1), nk, jnp.int32), block_q=128, block_k=64, q_len=128, kv_len=s)
+    per = nk // chunks
+    many = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32).reshape(1, 1, chunks, per),
+                       kv_block_count=jnp.full((1, 1, chunks), per, jnp.int32), block_q=128, block_k=64,
+                       q_len=128 * chunks, kv_len=s)
+
+    @jax.jit
+    def run_one(q, k, v):
+        return block_sparse_attention_mosaic_gpu(q, k, v, one, sm_scale=sm, causal=False)
+
+    @jax.jit
+    def run_many(q, k, v):
+        out, lse = block_sparse_attention_mosaic_gpu(jnp.tile(q, (1, chunks, 1, 1)), k, v, many, sm_scale=sm,
+                                                     causal=False)
+        out = out.reshape(1, chunks, 128, HEADS, D).astype(jnp.float32)
+        lse = lse.reshape(1, HEADS, chunks, 128)
+        top = lse.max(axis=2, keepdims=True)
+        w = jnp.exp(lse - top)  # [1, N, c, 128]
+        tot = w.sum(axis=2)
+        o = jnp.einsum("bnct,bctnd->btnd", w, out) / jnp.einsum("bnt->btn", tot)[..., None]
+        return o.astype(q.dtype), (jnp.log(tot) + top[:, :, 0])
+
+    a, b = run_one(q, k, v), run_many(q, k, v)
+    err = float(jnp.max(jnp.abs(a[0].astype(jnp.float32) - b[0].astype(jnp.float32))))
+    lse_err = float(jnp.max(jnp.abs(a[1] - b[1])))
+    t1 = time_fn(lambda: run_one(q, k, v), reps=5)["ms"]
+    t2 = time_fn(lambda: run_many(q, k, v), reps=5)["ms"]
+    flops = 4.0 * D * HEADS * 128 * s
+    rows = [{"case": "one query block, whole list", "ms": t1, "tflops": flops / t1 / 1e9},
+            {"case": f"{chunks} chunks + lse merge", "ms": t2, "tflops": flops / t2 / 1e9,
+             "max_abs_err_vs_one": err, "max_lse_err_vs_one": lse_err}]
+    for r in rows:
+        print(f"split: {r}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seq-len", type=int, default=131072)
+    p.add_argument("--patterns", nargs="+", default=["AShape", "TriShape", "SFFixed", "Grid"])
+    p.add_argument("--split", type=int, default=32, help="chunks of the synthetic long list (0: skip)")
+    p.add_argument("--no-trace", action="store_true")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    s = args.seq_len
+    q, k, v = video_qkv(jax.random.PRNGKey(s), s, heads=HEADS, kv_heads=KV_HEADS, head_dim=D)
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    t_cudnn = time_fn(lambda: cudnn(q, k, v), reps=3)["ms"]
+    flops = 4.0 * D * HEADS * causal_pairs(s, s)
+    tf_cudnn = flops / t_cudnn / 1e9
+    print(f"{device_name()}: S={s} cuDNN {t_cudnn:.2f} ms ({tf_cudnn:.0f} TFLOP/s)", flush=True)
+    result = {"meta": {"device": device_name(), "jax": jax.__version__, "seq_len": s, "heads": HEADS,
+                       "kv_heads": KV_HEADS, "head_dim": D},
+              "cudnn_ms": t_cudnn, "cudnn_tflops": tf_cudnn, "patterns": {}}
+    pats = gpu_patterns()
+    for name in args.patterns:
+        pat = pats[name]
+        layout = jax.jit(pat.build_layout)(q, k)
+        density = float(np.mean(np.asarray(layout.density())))
+        row = {"pattern": repr(pat), "density": density}
+        for impl in (None, "triton"):
+            opts = KernelOptions(implementation=impl)
+            run = jax.jit(lambda q, k, v, lay, opts=opts: attend(q, k, v, lay, opts))
+            t = time_fn(lambda: run(q, k, v, layout), reps=3)["ms"]
+            key = impl or "default"
+            row[f"attend_ms_{key}"] = t
+            row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
+            print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
+                  f"cuDNN's TFLOP/s", flush=True)
+        if any(part.q_block_range is not None for part in block_parts(layout)):  # the same without the ranges
+            plain = with_parts(layout, [part.replace(q_block_range=None) for part in block_parts(layout)])
+            run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
+            t = time_fn(lambda: run(q, k, v, plain), reps=3)["ms"]
+            row["attend_ms_without_q_block_range"] = t
+            print(f"{name}: without q_block_range {t:.2f} ms = {density * t_cudnn / t:.2f} of cuDNN's TFLOP/s",
+                  flush=True)
+        parts = []
+        for i, part in enumerate(block_parts(layout)):
+            st = part_stats(part)
+            st["mosaic_preferred"] = bool(preferred(q, part, KV_HEADS))
+            one = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay)[0])
+            t = time_fn(lambda: one(q, k, v, part), reps=3)["ms"]
+            st["ms"] = t
+            st["of_cudnn_tflops"] = st["density"] * t_cudnn / t
+            try:
+                check_supported(q, part, None, persistent=True)
+                pers = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(
+                    q, k, v, lay, sm_scale=D ** -0.5, persistent=True)[0])
+                st["ms_persistent"] = time_fn(lambda: pers(q, k, v, part), reps=3)["ms"]
+            except Exception as e:  # noqa: BLE001  (reported, not fatal)
+                st["persistent_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"  part {i}: {st}", flush=True)
+            parts.append(st)
+        row["parts"] = parts
+        if not args.no_trace:
+            run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
+            with tempfile.TemporaryDirectory() as d:
+                row["trace"] = traced(lambda: run(q, k, v, layout), d)
+        result["patterns"][name] = row
+    if args.split:
+        result["split"] = split_pair(q, k, v, args.split)
+    path = os.path.join(args.out, "pattern_parts_profile.json")
+    write_atomic(path, lambda f: json.dump(result, f, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
