@@ -8,7 +8,8 @@ On `bench patterns`' video-like input (B = 1, 28 / 4 heads, D = 128, bf16, causa
   TFLOP/s on the tiles all its launches compute (``density`` x cuDNN's causal FLOPs) over cuDNN's in the same run;
   where a part names a ``q_block_range``, also without it (the part over all rows, merged over all rows);
 * each `BlockLayout` part alone (`block_sparse_attention`, the implementation it picks, with its own gathers):
-  density, work items, list lengths, time; and the Mosaic GPU kernel on the persistent grid where it takes the part;
+  density, work items, list lengths, time; and the Mosaic GPU kernel on the persistent grid where it takes the part,
+  and with each column pass where the part has single columns;
 * a `jax.profiler` trace of ``attend`` summed by kernel (`mmjax.drivers.bench.trace_summary`): how much of the time
   is attention kernels and how much gathers, transposes and merges.
 
@@ -165,6 +166,11 @@ def main(argv=None) -> int:
             t = time_fn(lambda: one(q, k, v, part), reps=3)["ms"]
             st["ms"] = t
             st["of_cudnn_tflops"] = st["density"] * t_cudnn / t
+            if part.kv_columns is not None and st["mosaic_preferred"]:
+                for cp in ("triton", "mosaic"):
+                    f = jax.jit(lambda q, k, v, lay, cp=cp: block_sparse_attention_mosaic_gpu(
+                        q, k, v, lay, sm_scale=D ** -0.5, column_pass=cp)[0])
+                    st[f"ms_column_pass_{cp}"] = time_fn(lambda: f(q, k, v, part), reps=3)["ms"]
             try:
                 check_supported(q, part, None, persistent=True)
                 pers = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(

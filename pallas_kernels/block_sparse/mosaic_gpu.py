@@ -1016,12 +1016,52 @@ def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad,
     return (rows, *merge_chunks(out, lse))
 
 
+def shared_columns(layout: BlockLayout) -> bool:
+    """The layout's single columns are one list for every query block and head (each block reads a prefix of it,
+    its count), in a key order shared by the heads: `_column_pass` gathers them once per key / value head."""
+    return (layout.kv_columns is not None and layout.kv_columns.shape[1:3] == (1, 1)
+            and (layout.kv_perm is None or layout.kv_perm.shape[1] == 1))
+
+
+def _shared_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
+                        pair, overlap, pingpong):
+    """`_column_pass` for `shared_columns`: the list's keys gathered once into ``ceil(max_cols / block_k)`` tiles
+    per key / value head, each query block reading the first ``count`` of them as key windows (its last tile only
+    up to its count), with the original position of every gathered key."""
+    s, kh = k.shape[1], k.shape[2]
+    bk, mc = layout.block_k, layout.max_columns
+    tiles = -(-mc // bk)
+    cols = _pad_to(layout.kv_columns, 3, tiles * bk)[:, :, 0]  # [B|1, 1, mcp]
+    ok = (cols >= 0) & (cols < s)
+    orig = jnp.where(ok, cols, 0)
+    if layout.kv_perm is not None:
+        orig = jnp.take_along_axis(jnp.clip(layout.kv_perm, 0, s - 1), orig, axis=-1)
+    k_c = _pad_to(_gather_rows(k, orig), 3, d_pad)  # [B, mcp, K, Dp]
+    v_c = _pad_to(_gather_rows(v, orig), 3, d_pad)
+    starts = jnp.arange(tiles, dtype=jnp.int32) * bk
+    ccount = jnp.clip(layout.kv_column_count, 0, mc)  # [B|1, N|1, nq|1]
+    hi = (starts + jnp.clip(ccount[..., None] - starts, 0, bk)).astype(jnp.int32)
+    lo = jnp.broadcast_to(starts, hi.shape)
+    k_pos = jnp.where(ok, orig, layout.kv_len).astype(jnp.int32)
+    q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
+    return launch(q_in, k_c, v_c, lo, ((ccount + bk - 1) // bk).astype(jnp.int32), q_pos, k_pos,
+                  groups=q_in.shape[2] // kh, num_kv_blocks=tiles, kv_len=layout.kv_len, q_offset=layout.q_offset,
+                  block_k=bk, causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
+                  block_q=layout.block_q, persistent=persistent, ranges=(lo, hi), pair=pair, overlap=overlap,
+                  pingpong=pingpong)
+
+
 def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
                  overlap, pingpong):
     """The layout's single key columns: for each (batch, head, query block) its columns are
     gathered into dense ``block_k`` tiles of one key array (``nq * ceil(max_cols / block_k)``
     tiles per query head), and the kernel runs over the tiles of its query block with the
-    original position of every gathered key (unused slots get a position no query sees)."""
+    original position of every gathered key (unused slots get a position no query sees).
+    Columns shared by every query block and head: `_shared_column_pass`."""
+    if shared_columns(layout):
+        return _shared_column_pass(q_in, k, v, layout, sm_scale=sm_scale, causal=causal, stages=stages,
+                                   t_pad=t_pad, d_pad=d_pad, persistent=persistent, pair=pair, overlap=overlap,
+                                   pingpong=pingpong)
     b, s, kh, _ = k.shape
     n = q_in.shape[2]
     groups = n // kh
@@ -1063,7 +1103,7 @@ def block_sparse_attention_mosaic_gpu(
     causal: bool = True,
     num_stages: int | None = None,
     persistent: bool | None = None,
-    column_pass: str = "triton",
+    column_pass: str | None = None,
     key_pairs: bool | None = None,
     profile: tuple[int, str] | None = None,
     overlap: bool = False,
@@ -1101,12 +1141,14 @@ def block_sparse_attention_mosaic_gpu(
     ``pingpong`` (default): the two consumers alternate on a schedule barrier, one's softmax while the other's
     products run (FlashAttention-3's inter-warpgroup schedule); False lets them run freely.
 
-    ``column_pass``: how the layout's single key columns are computed: ``"triton"`` (default) runs the Pallas
-    Triton kernel on the columns alone (it gathers them inside the kernel); ``"mosaic"`` gathers them into key tiles
-    per query block and runs this kernel over them (`_column_pass`; ``nq * max_cols`` gathered keys per head, out
-    of memory at 512k on an H100). Either pass is merged with the block pass by `merge_attention`. One H100,
-    2026-11-27, Vertical-Slash 64-row windows: Triton column pass 3.50 / 38.8 / 256 ms, Mosaic 3.93 / 41.5 / 275 ms
-    at 32k / 128k / 512k.
+    ``column_pass``: how the layout's single key columns are computed: ``"triton"`` runs the Pallas Triton kernel on
+    the columns alone (it gathers them inside the kernel); ``"mosaic"`` gathers them into key tiles per query block
+    and runs this kernel over them (`_column_pass`; ``nq * max_cols`` gathered keys per head, out of memory at 512k
+    on an H100), or, for columns shared by every query block and head (`shared_columns`, e.g. SF-fixed's summary
+    columns), once per key / value head (`_shared_column_pass`). None (default): ``"mosaic"`` for shared columns,
+    else ``"triton"``. Either pass is merged with the block pass by `merge_attention`. One H100, 2026-11-27,
+    Vertical-Slash 64-row windows: Triton column pass 3.50 / 38.8 / 256 ms, Mosaic 3.93 / 41.5 / 275 ms at 32k /
+    128k / 512k.
 
     Inputs are assumed validated (see `api.block_sparse_attention` and `check_supported`).
     Traced layouts cannot make the kernel read out of bounds: ids out of range are loaded
@@ -1118,8 +1160,10 @@ def block_sparse_attention_mosaic_gpu(
             raise ValueError(f"profile: expected None or (ranges per warpgroup, trace directory); received "
                              f"{profile!r}")
         check_int("profile[0] (profiler ranges per warpgroup)", profile[0], 1)
+    if column_pass is None:
+        column_pass = "mosaic" if shared_columns(layout) else "triton"
     if column_pass not in COLUMN_PASSES:
-        raise ValueError(f"column_pass: expected one of {COLUMN_PASSES}; received {column_pass!r}")
+        raise ValueError(f"column_pass: expected None or one of {COLUMN_PASSES}; received {column_pass!r}")
     t, d = q.shape[1], q.shape[3]
     d_pad = fa3.padded_head_dim(d)
     if key_pairs is None:

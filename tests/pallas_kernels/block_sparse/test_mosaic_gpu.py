@@ -52,6 +52,15 @@ def test_block_layout_lowers_for_cuda(dtype, d, bq, bk, causal):
     _lower((1, 1000, 28, d), (1, 1500, 4, d), dtype, layout, causal=causal)
 
 
+def test_shared_columns_lower_for_cuda():
+    """Columns shared by every query block and head: gathered once per key / value head, read as windows."""
+    layout = BlockLayout.dense_causal(1000, 1500, block_q=128, block_k=64)
+    layout = layout.replace(kv_block_count=jnp.minimum(layout.kv_block_count, 2),
+                            kv_columns=jnp.arange(1000, 1300, dtype=jnp.int32)[None, None, None],
+                            kv_column_count=jnp.full((1, 1, 8), 300, jnp.int32))
+    _lower((1, 1000, 8, 128), (1, 1500, 2, 128), jnp.bfloat16, layout)
+
+
 def test_q_block_range_lowers_for_cuda():
     """A layout with work in a few query blocks runs them alone, lists in chunks (`mosaic_gpu._rows_pass`)."""
     layout = BlockLayout.dense_causal(1000, 20000, block_q=128, block_k=64)

@@ -303,3 +303,22 @@ def test_mosaic_q_block_range_matches_dense(t, s, n, kh, bq, lo, hi, perm, gap):
     for h in range(n):
         ok = r[0, h] < t
         np.testing.assert_array_equal(np.asarray(o)[0, ok, h], np.asarray(out)[0, r[0, h][ok], h])
+
+
+@needs_hopper
+@pytest.mark.parametrize("column_pass", [None, "triton"])
+def test_mosaic_shared_columns_match_dense(column_pass):
+    """SF-fixed-like columns (one list for every query block and head, each block a prefix): by default gathered
+    once per key / value head and run as windows of this kernel (`mosaic_gpu._shared_column_pass`)."""
+    rng = np.random.default_rng(3)
+    t, s, n, kh = 1000, 3000, 8, 2
+    q, k, v = random_qkv(12, 1, t, s, n, kh, 128, jnp.bfloat16)
+    nq, nk = 8, 47
+    mask = rng.random((1, n, nq, nk)) < 0.5
+    mask[..., 20:] = False
+    cols = np.sort(rng.choice(np.arange(20 * 64, s), size=700, replace=False)).astype(np.int32)
+    layout = BlockLayout.from_block_mask(jnp.asarray(mask), q_len=t, kv_len=s, block_q=128, block_k=64,
+                                         kv_columns=jnp.asarray(cols)[None, None, None],
+                                         kv_column_count=jnp.asarray(rng.integers(0, 701, (1, n, nq)), jnp.int32))
+    out, lse = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=128 ** -0.5, column_pass=column_pass)
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)

@@ -111,23 +111,32 @@ def test_merge_chunks_is_merge_attention_in_turn():
 
 
 def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups, block_k, block_q, kv_len, causal,
-                    gap, window, sm_scale, **_):
+                    gap, window, sm_scale, q_offset, ranges=None, **_):
     """What `mosaic_gpu.launch` computes with original positions, as masked dense attention: row r of q_in (query
-    block r // block_q) sees key c of k_in when c's block is among its block's first ``count`` ids and the positions
-    allow it."""
+    block r // block_q) sees key c of k_in when c's block is among its block's first ``count`` ids (with
+    ``ranges``: c lies in ``[lo, hi)`` of one of its first ``count`` entries) and the positions allow it (without
+    positions: row r at ``r + q_offset``, key c at c)."""
     b, tp, n, dp = q_in.shape
     sp = k_in.shape[1]
     nqb = count.shape[2]
     lead = (b, n)
     blk = jnp.broadcast_to(blocks, lead + (nqb, blocks.shape[-1]))
     cnt = jnp.broadcast_to(count, lead + (nqb,))
-    listed = jnp.zeros(lead + (nqb, sp // block_k + 1), bool)
     used = jnp.arange(blk.shape[-1]) < cnt[..., None]
-    listed = jax.vmap(jax.vmap(jax.vmap(lambda z, i, u: z.at[jnp.where(u, i, z.shape[0] - 1)].set(True))))(
-        listed, blk, used)[..., :-1]
     rows_blk = jnp.minimum(jnp.arange(tp) // block_q, nqb - 1)
-    mask = jnp.repeat(listed[:, :, rows_blk], block_k, axis=-1)  # [B, N, Tp, Sp]
+    if ranges is None:
+        listed = jnp.zeros(lead + (nqb, sp // block_k + 1), bool)
+        listed = jax.vmap(jax.vmap(jax.vmap(lambda z, i, u: z.at[jnp.where(u, i, z.shape[0] - 1)].set(True))))(
+            listed, blk, used)[..., :-1]
+        keys = jnp.repeat(listed, block_k, axis=-1)
+    else:
+        lo, hi = (jnp.broadcast_to(x, blk.shape) for x in ranges)
+        c = jnp.arange(sp)
+        keys = (used[..., None] & (c >= lo[..., None]) & (c < hi[..., None])).any(-2)  # [B, N, nqb, Sp]
+    mask = keys[:, :, rows_blk]  # [B, N, Tp, Sp]
     mask &= (jnp.arange(tp) // block_q < nqb)[:, None]
+    if q_pos is None:
+        q_pos, k_pos = jnp.arange(tp) + q_offset, jnp.arange(sp)
     qp = jnp.broadcast_to(q_pos, lead + (tp,))[..., :, None]
     kp = jnp.broadcast_to(k_pos, lead + (sp,))[..., None, :]
     mask &= kp < kv_len
@@ -172,3 +181,29 @@ def test_chunked_lists_keep_every_entry_once():
         got = np.concatenate([np.asarray(blocks)[0, h, j * nb + i, :int(counts[0, h, j * nb + i])] for j in range(c)])
         want = np.asarray(lay.kv_blocks)[0, h, 1 + i, :int(lay.kv_block_count[0, h, 1 + i])]
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("t,s,n,kh,perm", [(300, 900, 4, 2, False), (200, 700, 2, 1, True)])
+def test_shared_columns_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, perm):
+    """Columns shared by every query block and head (SF-fixed's summary columns): gathered once per key / value
+    head, each query block reading a prefix of them (`mosaic_gpu._shared_column_pass`)."""
+    monkeypatch.setattr(mosaic_gpu, "launch", emulated_launch)
+    rng = np.random.default_rng(t + s)
+    q, k, v = random_qkv(6, 1, t, s, n, kh, 64, jnp.float32)
+    nq, nk, bk = -(-t // 128), -(-s // 64), 64
+    half = nk // 2
+    mask = rng.random((1, n, nq, nk)) < 0.5
+    mask[..., half:] = False  # blocks in the first half, columns in the second
+    cols = np.sort(rng.choice(np.arange(half * bk, s), size=150, replace=False)).astype(np.int32)
+    ccount = rng.integers(0, 151, size=(1, n, nq)).astype(np.int32)
+    kv_perm = jnp.asarray(rng.permutation(s).astype(np.int32))[None, None] if perm else None
+    layout = BlockLayout.from_block_mask(jnp.asarray(mask), q_len=t, kv_len=s, block_q=128, block_k=bk,
+                                         kv_columns=jnp.asarray(cols)[None, None, None],
+                                         kv_column_count=jnp.asarray(ccount), kv_perm=kv_perm)
+    assert mosaic_gpu.shared_columns(layout)
+    out, lse = mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(q, k, v, layout, sm_scale=64 ** -0.5)
+    ref_o, ref_l = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    assert rel_err(np.asarray(out), np.asarray(ref_o)) < 1e-5
+    fin = np.isfinite(np.asarray(ref_l))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_l)[fin], rtol=1e-5, atol=1e-5)
