@@ -6,7 +6,8 @@ On `bench patterns`' video-like input (B = 1, 28 / 4 heads, D = 128, bf16, causa
 
 * ``attend`` on the built layout (the bench's "kernel ms"), by default implementation and on Triton, and its
   TFLOP/s on the tiles all its launches compute (``density`` x cuDNN's causal FLOPs) over cuDNN's in the same run;
-  where a part names a ``q_block_range``, also without it (the part over all rows, merged over all rows);
+  where a part names a ``q_block_range``, also without it (the part over all rows, merged over all rows); with
+  ``--mask-ab`` also with the position mask on every entry (no `mosaic_gpu.visible_entries` skip);
 * each `BlockLayout` part alone (`block_sparse_attention`, the implementation it picks, with its own gathers):
   density, work items, list lengths, time; and the Mosaic GPU kernel on the persistent grid where it takes the part,
   and with each column pass where the part has single columns;
@@ -24,6 +25,7 @@ Writes ``pattern_parts_profile.json`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -43,6 +45,7 @@ from mmjax.sparse.layouts import KernelOptions, attend, block_parts, with_parts 
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
 from mmjax.timing import device_name, time_fn  # noqa: E402
 from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
+from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
 from pallas_kernels.block_sparse.layout import causal_pairs  # noqa: E402
 from pallas_kernels.block_sparse.mosaic_gpu import (  # noqa: E402
     block_sparse_attention_mosaic_gpu,
@@ -124,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--patterns", nargs="+", default=["AShape", "TriShape", "SFFixed", "Grid"])
     p.add_argument("--split", type=int, default=32, help="chunks of the synthetic long list (0: skip)")
     p.add_argument("--no-trace", action="store_true")
+    p.add_argument("--mask-ab", action="store_true",
+                   help="also time attend with the position mask on every entry (no `visible_entries` skip)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     s = args.seq_len
@@ -151,6 +156,19 @@ def main(argv=None) -> int:
             row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
             print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
                   f"cuDNN's TFLOP/s", flush=True)
+        if args.mask_ab:  # the position mask on every entry (before `mosaic_gpu.visible_entries`)
+            plain_launch = mosaic_gpu.launch
+            mosaic_gpu.launch = functools.partial(plain_launch, skip_visible_masks=False)
+            jax.clear_caches()
+            try:
+                run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
+                t = time_fn(lambda: run(q, k, v, layout), reps=3)["ms"]
+            finally:
+                mosaic_gpu.launch = plain_launch
+                jax.clear_caches()
+            row["attend_ms_masking_every_entry"] = t
+            print(f"{name}: position masks on every entry {t:.2f} ms = {density * t_cudnn / t:.2f} of cuDNN's "
+                  f"TFLOP/s", flush=True)
         if any(part.q_block_range is not None for part in block_parts(layout)):  # the same without the ranges
             plain = with_parts(layout, [part.replace(q_block_range=None) for part in block_parts(layout)])
             run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))

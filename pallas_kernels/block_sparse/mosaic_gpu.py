@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -129,6 +130,8 @@ class MosaicConfig:
         softmax while ``P V`` is in flight (`mosaic_fa3.qk_then_pv`).
       pingpong: the consumers alternate on the schedule barrier (one's softmax while the other's products run):
         two handshakes per step, after issuing ``S = Q K^T`` and after the softmax.
+      visible: with original positions, a ``visible`` operand shaped like the lists says which entries every row of
+        their query block sees whole (`visible_entries`); their position mask is skipped.
       persistent: ``grid`` CTAs (one per multiprocessor) take the items of an ``order`` operand (longest lists
         first) in rounds of ``grid``, in snake order (round r's position p is CTA p for even r, ``grid - 1 - p``
         for odd r); each consumer loads its next item's Q once its last ``S = Q K^T`` is done and stores O from
@@ -157,6 +160,7 @@ class MosaicConfig:
     overlap: bool = False
     pingpong: bool = True
     persistent: bool = False
+    visible: bool = False
 
 
 def _rings(block_q: int) -> int:
@@ -342,6 +346,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     order_ref = refs.pop(0) if cfg.persistent else None
     lo_ref, hi_ref = (refs.pop(0), refs.pop(0)) if cfg.windows else (None, None)
     qpos_ref, kpos_ref = (refs.pop(0), refs.pop(0)) if cfg.has_pos else (None, None)
+    vis_ref = refs.pop(0) if cfg.visible else None
     out_ref, lse_ref = refs
     leads = dict(cfg.leads)
     bk, dp, stages = cfg.block_k, cfg.head_dim, cfg.stages
@@ -410,6 +415,10 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 return pl.multiple_of(raw, TMA_ROWS), True
             ok = (raw >= 0) & (raw < cfg.num_kv_blocks)
             return jnp.where(ok, raw, 0) * bk, ok
+
+        def whole(self, j, w):
+            """Entry j of consumer w's list is seen whole by every row of its query block (`visible_entries`)."""
+            return vis_ref[*self.lead("visible", self.query_block(w)), j] != 0
 
         def window(self, j, w):
             """Keys ``[lo, hi)`` entry j of a window list computes."""
@@ -488,7 +497,6 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     return jnp.where(ok, s, -jnp.inf)
 
                 def mask_by_position(s, slot, start, limit, keys):
-                    plgpu.barrier_wait(p_bar.at[slot])
                     k_vec = plgpu.load(k_pos_smem(slot), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                     kp = lax.broadcast_in_dim(k_vec, s.shape, [1])
                     qp = lax.broadcast_in_dim(q_vec, s.shape, [0])
@@ -539,7 +547,13 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     (a ``lax.cond``)."""
                     halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
                     if cfg.has_pos:
-                        return mask_by_position(s, v_stage(j), *per_column(s, halves))
+                        plgpu.barrier_wait(p_bar.at[v_stage(j)])  # the keys' positions (waited for in any case)
+                        if not cfg.visible:
+                            return mask_by_position(s, v_stage(j), *per_column(s, halves))
+                        need = functools.reduce(jnp.logical_or,
+                                                [~(it.whole(e, wg) & ok) for e, ok in it.entries(j, wg)])
+                        return lax.cond(need, lambda x: mask_by_position(x, v_stage(j), *per_column(x, halves)),
+                                        lambda x: x, s)
                     need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
                     return lax.cond(need, lambda x: mask_by_index(x, *per_column(x, halves)), lambda x: x, s)
 
@@ -778,6 +792,56 @@ def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: 
     return jnp.argsort(-cost, stable=True).astype(jnp.int32)
 
 
+VISIBLE_MAX_ENTRIES = 1 << 25  # `visible_entries` builds its table only up to this many entries (128 MiB)
+
+
+def visible_entries(blocks: jax.Array, nq: int, q_pos: jax.Array, k_pos: jax.Array,
+                    ranges: tuple[jax.Array, jax.Array] | None, *, block_q: int, block_k: int, kv_len: int,
+                    causal: bool, gap: int, window: int) -> jax.Array | None:
+    """Which list entries every row of their query block sees whole, so the kernel can skip their position mask:
+    int32 ``[B', N', nq, M]`` (1: whole), or None where that table would pass `VISIBLE_MAX_ENTRIES` (a list shared
+    by many query blocks, e.g. a permuted dense prefix).
+
+    blocks int32 ``[B|1, N|1, nq|1, M]`` (block ids, or with ``ranges`` (lo, hi) tile starts that are multiples of
+    8 and each entry's keys ``[lo, hi)``); q_pos ``[B|1, N|1, Tp]`` / k_pos ``[B|1, N|1, Sp]`` the rows' and keys'
+    original positions (keys at ``kv_len`` or past it: padding). An entry is whole when its tile's keys are all
+    real, all causally visible to the block's first row (``gap`` included) and, with a ``window``, all inside the
+    window of its last row, and (``ranges``) it computes its whole tile."""
+    lead = jnp.broadcast_shapes(blocks.shape[:2], q_pos.shape[:2], k_pos.shape[:2])
+    m = blocks.shape[-1]
+    if math.prod(lead) * nq * m > VISIBLE_MAX_ENTRIES:
+        return None
+    sp = k_pos.shape[-1]
+    if ranges is None:  # per key block
+        kp = k_pos.reshape(k_pos.shape[:2] + (sp // block_k, block_k))
+        kmax, kmin, unit = kp.max(-1), kp.min(-1), block_k
+    else:  # per tile start (a multiple of 8): the max / min over bk / 8 groups of 8 keys from it
+        kp = k_pos.reshape(k_pos.shape[:2] + (sp // TMA_ROWS, TMA_ROWS))
+        span = block_k // TMA_ROWS
+        pad = ((0, 0), (0, 0), (0, span - 1))
+        kmax = lax.reduce_window(jnp.pad(kp.max(-1), pad, constant_values=kv_len), -(2 ** 31 - 1), lax.max,
+                                 (1, 1, span), (1, 1, 1), "VALID")
+        kmin = lax.reduce_window(jnp.pad(kp.min(-1), pad), 2 ** 31 - 1, lax.min, (1, 1, span), (1, 1, 1), "VALID")
+        unit = TMA_ROWS
+    n_units = kmax.shape[-1]
+    ids = jnp.broadcast_to(blocks, lead + (nq, m))
+    ok = (ids >= 0) & (ids < n_units * unit if ranges is not None else ids < n_units)
+    at = jnp.clip(ids // unit if ranges is not None else ids, 0, n_units - 1).reshape(lead + (nq * m,))
+    take = lambda x: jnp.take_along_axis(jnp.broadcast_to(x, lead + (n_units,)), at, -1).reshape(lead + (nq, m))  # noqa: E731
+    hi_key = take(kmax)
+    whole = ok & (hi_key < kv_len)
+    if ranges is not None:
+        lo, hi = (jnp.broadcast_to(x, lead + (nq, m)) for x in ranges)
+        whole = whole & (lo == ids) & (hi == ids + block_k)
+    if causal:
+        qp = jnp.pad(q_pos, ((0, 0), (0, 0), (0, max(0, nq * block_q - q_pos.shape[-1]))), mode="edge")
+        qp = qp[..., :nq * block_q].reshape(q_pos.shape[:2] + (nq, block_q))
+        whole = whole & (hi_key + gap <= jnp.broadcast_to(qp.min(-1), lead + (nq,))[..., None])
+        if window:
+            whole = whole & (take(kmin) + window > jnp.broadcast_to(qp.max(-1), lead + (nq,))[..., None])
+    return whole.astype(jnp.int32)
+
+
 def _lead_flags(x: jax.Array) -> tuple[bool, bool, bool]:
     return (x.shape[0] > 1, x.shape[1] > 1, x.shape[2] > 1)
 
@@ -787,7 +851,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            sm_scale: float, stages: int, block_q: int = BLOCK_Q,
            persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
            pair: bool = False, profile: tuple[int, str] | None = None,
-           overlap: bool = False, pingpong: bool = True) -> tuple[jax.Array, jax.Array]:
+           overlap: bool = False, pingpong: bool = True,
+           skip_visible_masks: bool = True) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of two list
     entries, ``stages`` K stages and `_pair_v_stages` V stages per ring).
@@ -803,6 +868,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         ``[0, Sp - block_k]``) and entry j computes only the keys ``[lo_j, hi_j)`` of its tile (`window_tiles`).
       overlap, pingpong: as in `MosaicConfig` (overlap is refused with original positions and one V stage per
         ring: the next step's key positions arrive with its V tile).
+      skip_visible_masks: with original positions, skip the position mask of entries every row of their query
+        block sees whole (`visible_entries`; where that table stays small).
       profile: None, or (ranges, directory): Mosaic GPU's profiler records the kernel's named regions (``qk``,
         ``softmax``, ``wait_v``, ``pv`` / ``next_k`` per consumer step; ``k_free`` / ``v_free`` waits of the
         producer), at most ``ranges`` per warpgroup and CTA (in shared memory, next to the kernel's), into a Chrome
@@ -820,16 +887,23 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         names["kv_lo"] = ranges[0]
         operands += list(ranges)
     has_pos = q_pos is not None
+    vis = None
     if has_pos:
         names.update(q_pos=q_pos[..., None], k_pos=k_pos[..., None])
         operands += [q_pos, k_pos]
+        if skip_visible_masks:
+            vis = visible_entries(blocks, count.shape[2], q_pos, k_pos, ranges, block_q=block_q, block_k=block_k,
+                                  kv_len=kv_len, causal=causal, gap=gap, window=window)
+        if vis is not None:
+            names["visible"] = vis
+            operands.append(vis)
     cfg = MosaicConfig(
         block_k=block_k, head_dim=dp, stages=stages, groups=groups, num_kv_blocks=num_kv_blocks,
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
         pair=pair, v_stages=_pair_v_stages(stages, block_q, block_k) if pair else stages, overlap=overlap,
-        pingpong=pingpong, persistent=persistent,
+        pingpong=pingpong, persistent=persistent, visible=vis is not None,
     )
     if overlap and has_pos and cfg.v_stages < 2:
         raise ValueError(f"overlap: needs two V stages per ring with original positions (the next step's key "

@@ -207,3 +207,46 @@ def test_shared_columns_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, 
     fin = np.isfinite(np.asarray(ref_l))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_l)[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("windows,causal,gap,window", [(False, True, 0, 0), (False, True, 40, 0),
+                                                       (False, True, 0, 300), (True, True, 16, 0),
+                                                       (False, False, 0, 0)])
+def test_visible_entries_are_the_entries_every_row_sees_whole(windows, causal, gap, window):
+    """`mosaic_gpu.visible_entries` (entries whose position mask the kernel skips) against a walk over every
+    (row, key) pair of each entry."""
+    rng = np.random.default_rng(7 + gap + window + windows)
+    bq, bk, tp, sp, kv_len, m = 64, 32, 256, 640, 600, 9
+    q_pos = jnp.asarray(np.stack([np.sort(rng.choice(700, tp, replace=False)) for _ in range(2)])[None], jnp.int32)
+    # keys shuffled within each 32-key block of one head, across the whole range in the other
+    k_pos = jnp.asarray(np.stack([rng.permuted(np.arange(sp).reshape(-1, bk), axis=1).reshape(-1),
+                                  rng.permutation(sp)])[None], jnp.int32)
+    nq = tp // bq
+    if windows:
+        starts = rng.integers(0, (sp - bk) // 8, (1, 2, nq, m)) * 8
+        lo = starts + rng.integers(0, 2, starts.shape) * 8
+        hi = np.minimum(starts + bk, lo + bk)
+        blocks, ranges = jnp.asarray(starts, jnp.int32), (jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32))
+    else:
+        blocks = jnp.asarray(rng.integers(-1, sp // bk + 1, (1, 2, nq, m)), jnp.int32)
+        ranges = None
+    got = np.asarray(mosaic_gpu.visible_entries(blocks, nq, q_pos, k_pos, ranges, block_q=bq, block_k=bk,
+                                                kv_len=kv_len, causal=causal, gap=gap, window=window))
+    qp, kp, bl = np.asarray(q_pos)[0], np.asarray(k_pos)[0], np.asarray(blocks)[0]
+    for h, i, j in np.ndindex(2, nq, m):
+        b = bl[h, i, j]
+        start = b if windows else b * bk
+        if not (0 <= start and start + bk <= sp) or (windows and not (ranges[0][0, h, i, j] == b
+                                                                      and ranges[1][0, h, i, j] == b + bk)):
+            assert got[0, h, i, j] == 0
+            continue
+        keys = kp[h, start:start + bk][None, :]
+        rows = qp[h, i * bq:(i + 1) * bq][:, None]
+        ok = (keys < kv_len) & ((keys + gap <= rows) if causal else True)
+        if causal and window:
+            ok = ok & (keys + window > rows)
+        assert got[0, h, i, j] == int(np.all(ok)), (h, i, j)
+    assert got.any() and not got.all()
+    big = jnp.zeros((1, 1, 1, 4), jnp.int32)
+    assert mosaic_gpu.visible_entries(big, mosaic_gpu.VISIBLE_MAX_ENTRIES, q_pos, k_pos, None, block_q=bq,
+                                      block_k=bk, kv_len=kv_len, causal=True, gap=0, window=0) is None
