@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import sys
@@ -127,12 +128,19 @@ def main(argv=None) -> int:
     p.add_argument("--patterns", nargs="+", default=["AShape", "TriShape", "SFFixed", "Grid"])
     p.add_argument("--split", type=int, default=32, help="chunks of the synthetic long list (0: skip)")
     p.add_argument("--no-trace", action="store_true")
+    p.add_argument("--skip-triton", action="store_true", help="no attend on Triton")
+    p.add_argument("--skip-parts", action="store_true", help="no per-part timings")
     p.add_argument("--mask-ab", action="store_true",
                    help="also time attend with the position mask on every entry (no `visible_entries` skip)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     s = args.seq_len
-    q, k, v = video_qkv(jax.random.PRNGKey(s), s, heads=HEADS, kv_heads=KV_HEADS, head_dim=D)
+    # one compiled program: run op by op, the input's float32 temporaries (15 GB each at 1M tokens) ran out of the
+    # H100's memory at 1M (2026-11-28)
+    make = jax.jit(functools.partial(video_qkv, seq_len=s, heads=HEADS, kv_heads=KV_HEADS, head_dim=D))
+    q, k, v = jax.block_until_ready(make(jax.random.PRNGKey(s)))
+    del make
+    gc.collect()
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
     t_cudnn = time_fn(lambda: cudnn(q, k, v), reps=3)["ms"]
     flops = 4.0 * D * HEADS * causal_pairs(s, s)
@@ -143,73 +151,82 @@ def main(argv=None) -> int:
               "cudnn_ms": t_cudnn, "cudnn_tflops": tf_cudnn, "patterns": {}}
     pats = gpu_patterns()
     for name in args.patterns:
-        pat = pats[name]
-        layout = jax.jit(pat.build_layout)(q, k)
-        density = float(np.mean(np.asarray(layout.density())))
-        row = {"pattern": repr(pat), "density": density}
-        for impl in (None, "triton"):
-            opts = KernelOptions(implementation=impl)
-            run = jax.jit(lambda q, k, v, lay, opts=opts: attend(q, k, v, lay, opts))
-            t = time_fn(lambda: run(q, k, v, layout), reps=3)["ms"]
-            key = impl or "default"
-            row[f"attend_ms_{key}"] = t
-            row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
-            print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
-                  f"cuDNN's TFLOP/s", flush=True)
-        if args.mask_ab:  # the position mask on every entry (before `mosaic_gpu.visible_entries`)
-            plain_launch = mosaic_gpu.launch
-            mosaic_gpu.launch = functools.partial(plain_launch, skip_visible_masks=False)
-            jax.clear_caches()
-            try:
-                run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
-                t = time_fn(lambda: run(q, k, v, layout), reps=3)["ms"]
-            finally:
-                mosaic_gpu.launch = plain_launch
-                jax.clear_caches()
-            row["attend_ms_masking_every_entry"] = t
-            print(f"{name}: position masks on every entry {t:.2f} ms = {density * t_cudnn / t:.2f} of cuDNN's "
-                  f"TFLOP/s", flush=True)
-        if any(part.q_block_range is not None for part in block_parts(layout)):  # the same without the ranges
-            plain = with_parts(layout, [part.replace(q_block_range=None) for part in block_parts(layout)])
-            run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
-            t = time_fn(lambda: run(q, k, v, plain), reps=3)["ms"]
-            row["attend_ms_without_q_block_range"] = t
-            print(f"{name}: without q_block_range {t:.2f} ms = {density * t_cudnn / t:.2f} of cuDNN's TFLOP/s",
-                  flush=True)
-        parts = []
-        for i, part in enumerate(block_parts(layout)):
-            st = part_stats(part)
-            st["mosaic_preferred"] = bool(preferred(q, part, KV_HEADS))
-            one = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay)[0])
-            t = time_fn(lambda: one(q, k, v, part), reps=3)["ms"]
-            st["ms"] = t
-            st["of_cudnn_tflops"] = st["density"] * t_cudnn / t
-            if part.kv_columns is not None and st["mosaic_preferred"]:
-                for cp in ("triton", "mosaic"):
-                    f = jax.jit(lambda q, k, v, lay, cp=cp: block_sparse_attention_mosaic_gpu(
-                        q, k, v, lay, sm_scale=D ** -0.5, column_pass=cp)[0])
-                    st[f"ms_column_pass_{cp}"] = time_fn(lambda: f(q, k, v, part), reps=3)["ms"]
-            try:
-                check_supported(q, part, None, persistent=True)
-                pers = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(
-                    q, k, v, lay, sm_scale=D ** -0.5, persistent=True)[0])
-                st["ms_persistent"] = time_fn(lambda: pers(q, k, v, part), reps=3)["ms"]
-            except Exception as e:  # noqa: BLE001  (reported, not fatal)
-                st["persistent_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            print(f"  part {i}: {st}", flush=True)
-            parts.append(st)
-        row["parts"] = parts
-        if not args.no_trace:
-            run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
-            with tempfile.TemporaryDirectory() as d:
-                row["trace"] = traced(lambda: run(q, k, v, layout), d)
-        result["patterns"][name] = row
+        try:
+            result["patterns"][name] = profile_pattern(name, pats[name], q, k, v, t_cudnn, args)
+        except Exception as e:  # noqa: BLE001  (reported, the next pattern still runs)
+            print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            result["patterns"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        jax.clear_caches()
     if args.split:
         result["split"] = split_pair(q, k, v, args.split)
     path = os.path.join(args.out, "pattern_parts_profile.json")
     write_atomic(path, lambda f: json.dump(result, f, indent=1))
     print(f"wrote {path}")
     return 0
+
+
+def profile_pattern(name, pat, q, k, v, t_cudnn, args) -> dict:
+    """One pattern's row of the result (module docstring)."""
+    layout = jax.jit(pat.build_layout)(q, k)
+    density = float(np.mean(np.asarray(layout.density())))
+    row = {"pattern": repr(pat), "density": density}
+    for impl in (None,) if args.skip_triton else (None, "triton"):
+        opts = KernelOptions(implementation=impl)
+        run = jax.jit(lambda q, k, v, lay, opts=opts: attend(q, k, v, lay, opts))
+        t = time_fn(lambda: run(q, k, v, layout), reps=3)["ms"]
+        key = impl or "default"
+        row[f"attend_ms_{key}"] = t
+        row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
+        print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
+              f"cuDNN's TFLOP/s", flush=True)
+    if args.mask_ab:  # the position mask on every entry (before `mosaic_gpu.visible_entries`)
+        plain_launch = mosaic_gpu.launch
+        mosaic_gpu.launch = functools.partial(plain_launch, skip_visible_masks=False)
+        jax.clear_caches()
+        try:
+            run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
+            t = time_fn(lambda: run(q, k, v, layout), reps=3)["ms"]
+        finally:
+            mosaic_gpu.launch = plain_launch
+            jax.clear_caches()
+        row["attend_ms_masking_every_entry"] = t
+        print(f"{name}: position masks on every entry {t:.2f} ms = {density * t_cudnn / t:.2f} of cuDNN's "
+              f"TFLOP/s", flush=True)
+    if any(part.q_block_range is not None for part in block_parts(layout)):  # the same without the ranges
+        plain = with_parts(layout, [part.replace(q_block_range=None) for part in block_parts(layout)])
+        run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
+        t = time_fn(lambda: run(q, k, v, plain), reps=3)["ms"]
+        row["attend_ms_without_q_block_range"] = t
+        print(f"{name}: without q_block_range {t:.2f} ms = {density * t_cudnn / t:.2f} of cuDNN's TFLOP/s",
+              flush=True)
+    parts = []
+    for i, part in enumerate([] if args.skip_parts else block_parts(layout)):
+        st = part_stats(part)
+        st["mosaic_preferred"] = bool(preferred(q, part, KV_HEADS))
+        one = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay)[0])
+        t = time_fn(lambda: one(q, k, v, part), reps=3)["ms"]
+        st["ms"] = t
+        st["of_cudnn_tflops"] = st["density"] * t_cudnn / t
+        if part.kv_columns is not None and st["mosaic_preferred"]:
+            for cp in ("triton", "mosaic"):
+                f = jax.jit(lambda q, k, v, lay, cp=cp: block_sparse_attention_mosaic_gpu(
+                    q, k, v, lay, sm_scale=D ** -0.5, column_pass=cp)[0])
+                st[f"ms_column_pass_{cp}"] = time_fn(lambda: f(q, k, v, part), reps=3)["ms"]
+        try:
+            check_supported(q, part, None, persistent=True)
+            pers = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(
+                q, k, v, lay, sm_scale=D ** -0.5, persistent=True)[0])
+            st["ms_persistent"] = time_fn(lambda: pers(q, k, v, part), reps=3)["ms"]
+        except Exception as e:  # noqa: BLE001  (reported, not fatal)
+            st["persistent_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"  part {i}: {st}", flush=True)
+        parts.append(st)
+    row["parts"] = parts
+    if not args.no_trace:
+        run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
+        with tempfile.TemporaryDirectory() as d:
+            row["trace"] = traced(lambda: run(q, k, v, layout), d)
+    return row
 
 
 if __name__ == "__main__":
