@@ -116,18 +116,10 @@ def _resolve(q, k, v, layout: BlockLayout, *, sm_scale, causal, implementation, 
     return implementation, sm_scale
 
 
-def block_sparse_attention_rows(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    layout: BlockLayout,
-    *,
-    sm_scale: float | None = None,
-    causal: bool = True,
-    implementation: str | None = None,
-    interpret: bool = False,
-    check_finite: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def block_sparse_attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayout, *,
+                                sm_scale: float | None = None, causal: bool = True, implementation: str | None = None,
+                                interpret: bool = False, check_finite: bool = False
+                                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`block_sparse_attention` of a layout with a ``q_block_range``, for the rows of those query blocks only:
     (rows int32 ``[B|1, N|1, R]``, `BlockLayout.range_rows`: the query index of each row, T for none; out ``[B, R,
     N, D]`` in q's dtype; lse ``[B, N, R]`` float32). `merge.merge_rows` merges them into a result over all rows.

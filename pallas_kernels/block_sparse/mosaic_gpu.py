@@ -827,7 +827,10 @@ def visible_entries(blocks: jax.Array, nq: int, q_pos: jax.Array, k_pos: jax.Arr
     ids = jnp.broadcast_to(blocks, lead + (nq, m))
     ok = (ids >= 0) & (ids < n_units * unit if ranges is not None else ids < n_units)
     at = jnp.clip(ids // unit if ranges is not None else ids, 0, n_units - 1).reshape(lead + (nq * m,))
-    take = lambda x: jnp.take_along_axis(jnp.broadcast_to(x, lead + (n_units,)), at, -1).reshape(lead + (nq, m))  # noqa: E731
+
+    def take(x):  # [B|1, N|1, units] at each entry -> [B', N', nq, M]
+        return jnp.take_along_axis(jnp.broadcast_to(x, lead + (n_units,)), at, -1).reshape(lead + (nq, m))
+
     hi_key = take(kmax)
     whole = ok & (hi_key < kv_len)
     if ranges is not None:
@@ -1040,8 +1043,9 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
 
 
 def row_range_pass(layout: BlockLayout) -> bool:
-    """`block_sparse_attention_mosaic_gpu` runs the layout as `_rows_pass`: it names a ``q_block_range`` and lists
-    key blocks only (no single columns, no key windows)."""
+    """`block_sparse_attention_mosaic_gpu` runs the layout as `_rows_pass` (one CTA per work item; unless
+    ``persistent=True`` or ``profile`` is asked for): it names a ``q_block_range`` and lists key blocks only (no
+    single columns, no key windows)."""
     return layout.q_block_range is not None and layout.kv_columns is None and not layout.kv_windows
 
 
@@ -1247,7 +1251,7 @@ def block_sparse_attention_mosaic_gpu(
     elif layout.block_k == 32:
         raise ValueError("key_pairs: expected True or None for layout.block_k=32 (32-key entries run two per step: "
                          "the P V product needs 64 keys); received False")
-    if row_range_pass(layout):  # its rows alone, the long lists in chunks (`_rows_pass`)
+    if row_range_pass(layout) and not persistent and profile is None:  # its rows alone, lists in chunks
         rows, out, lse = _rows_result(q, k, v, layout, sm_scale=sm_scale, causal=causal, num_stages=num_stages,
                                       key_pairs=key_pairs, overlap=overlap, pingpong=pingpong)
         return scatter_rows(rows, out, lse, t)

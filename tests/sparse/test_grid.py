@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mmjax.sparse.attention import attention_recall
-from mmjax.sparse.layouts import KernelOptions, attend
+from mmjax.sparse.layouts import KernelOptions, attend, with_parts
 from mmjax.sparse.metrics import block_mass_matrix, oracle_recall
 from mmjax.sparse.modality import Modality, frame_tokens_from_grid_thw
 from mmjax.sparse.patterns import Grid, QBoundary
@@ -132,3 +132,29 @@ def test_fidelity_target_on_the_4608_token_video():
         if dens <= 0.35 and (best is None or rec > best[0]):
             best = (rec, dens, orc)
     assert best is not None and best[0] >= 0.90 and best[0] >= best[2] - 0.03, best
+
+
+@pytest.mark.parametrize("stride,phases,sink", [(14, 1, 0), (14, 3, 5), (28, 2, 0), (17, 4, 9)])
+def test_horizontal_lines_stay_in_their_q_block_range(stride, phases, sink):
+    """The rows part names the query blocks of at most `Grid.max_line_rows` rows: every phase choice of the
+    stride lists nothing past them (the concrete layout's check), and attend over the range equals the part
+    over all rows."""
+    from pallas_kernels.block_sparse.validation import check_layout_values
+
+    q, k, v, _ = _inputs()
+    g = Grid(stride=stride, phases=phases, sink=sink, local=9, last_q=16, **SMALL)
+    rng = np.random.default_rng(stride + phases)
+    for _ in range(3):
+        phase = jnp.asarray(rng.choice(stride, (1, q.shape[2], phases), replace=False), jnp.int32)
+        layout = g.layout_from_index(jnp.full((1, q.shape[2]), stride, jnp.int32), phase, q.shape[1], k.shape[1],
+                                     bounds=(stride, stride))
+        rows = layout.parts[-1]
+        assert rows.q_block_range == (0, -(-g.max_line_rows(q.shape[1], stride) // SMALL["block_q"]))
+        check_layout_values(rows)
+        count = np.asarray(rows.kv_block_count)
+        assert count[..., :rows.q_block_range[1]].any()
+    out, lse = attend(q, k, v, layout, KernelOptions(implementation="reference"))
+    plain = with_parts(layout, [p.replace(q_block_range=None) for p in layout.parts])
+    ref, ref_lse = attend(q, k, v, plain, KernelOptions(implementation="reference"))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-6)
