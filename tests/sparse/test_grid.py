@@ -134,7 +134,8 @@ def test_fidelity_target_on_the_4608_token_video():
     assert best is not None and best[0] >= 0.90 and best[0] >= best[2] - 0.03, best
 
 
-@pytest.mark.parametrize("stride,phases,sink", [(14, 1, 0), (14, 3, 5), (28, 2, 0), (17, 4, 9)])
+@pytest.mark.parametrize("stride,phases,sink", [pytest.param(14, 1, 0, marks=pytest.mark.slow), (14, 3, 5),
+                                                 pytest.param(28, 2, 0, marks=pytest.mark.slow), (17, 4, 9)])
 def test_horizontal_lines_stay_in_their_q_block_range(stride, phases, sink):
     """The rows part names the query blocks of at most `Grid.max_line_rows` rows: every phase choice of the
     stride lists nothing past them (the concrete layout's check), and attend over the range equals the part
