@@ -57,6 +57,29 @@ from pallas_kernels.block_sparse.mosaic_gpu import (  # noqa: E402
 HEADS, KV_HEADS, D = 28, 4, 128
 
 
+GROUPED_FROM = 1 << 20  # from this length the input is drawn per key / value head group (`inputs`)
+
+
+def inputs(s: int):
+    """`bench patterns`' video-like q, k, v. From `GROUPED_FROM` tokens on, drawn one key / value head and its
+    query heads at a time (the same recipe, another draw) and concatenated: drawn at once, its float32
+    temporaries ran out of an H100's memory at 1M tokens (2026-11-28; on a CPU at 128k the draw at once peaks at
+    9.7 GB resident)."""
+    if s < GROUPED_FROM:
+        out = video_qkv(jax.random.PRNGKey(s), s, heads=HEADS, kv_heads=KV_HEADS, head_dim=D)
+    else:
+        parts = []
+        for g in range(KV_HEADS):
+            parts.append(jax.block_until_ready(video_qkv(jax.random.fold_in(jax.random.PRNGKey(s), g), s,
+                                                         heads=HEADS // KV_HEADS, kv_heads=1, head_dim=D)))
+            gc.collect()
+        out = tuple(jnp.concatenate(x, axis=2) for x in zip(*parts, strict=True))
+        del parts
+    out = jax.block_until_ready(out)
+    gc.collect()
+    return out
+
+
 def part_stats(p: BlockLayout) -> dict:
     count = np.broadcast_to(np.asarray(p.kv_block_count), (1, HEADS, p.num_q_blocks))
     return {"block_q": p.block_q, "block_k": p.block_k, "density": float(np.mean(np.asarray(p.density()))),
@@ -135,12 +158,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     s = args.seq_len
-    # one compiled program: run op by op, the input's float32 temporaries (15 GB each at 1M tokens) ran out of the
-    # H100's memory at 1M (2026-11-28)
-    make = jax.jit(functools.partial(video_qkv, seq_len=s, heads=HEADS, kv_heads=KV_HEADS, head_dim=D))
-    q, k, v = jax.block_until_ready(make(jax.random.PRNGKey(s)))
-    del make
-    gc.collect()
+    q, k, v = inputs(s)
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
     t_cudnn = time_fn(lambda: cudnn(q, k, v), reps=3)["ms"]
     flops = 4.0 * D * HEADS * causal_pairs(s, s)
