@@ -89,8 +89,12 @@ TMA_ROWS = 8  # TMA copies a key tile from a row that is a multiple of this
 # the end: 2-7% faster than a shuffle reduction every step (one H100, 2026-11-27, commit 2850066; README).
 SUM_COLUMNS = 8
 # A layout with a `BlockLayout.q_block_range` runs its rows alone with lists cut into chunks of at most this many
-# entries, one work item each (`_rows_pass`), so a few query blocks with long lists fill the GPU.
+# entries, one work item each (`_rows_pass`), so a few query blocks with long lists fill the GPU ...
 ROW_CHUNK = 128
+# ... with the rows repeated once per chunk in at most this many bytes (longer chunks where the rows are many): at
+# 1M tokens Grid's horizontal lines (16,384 rows x 28 heads, 128 chunks) took a 15 GB copy and ran 3% slower than
+# without the range (one H100, 2026-11-28, `pattern-parts-1m_*`); the capped form is not timed at 1M yet.
+ROW_COPY_BYTES = 256 << 20
 
 
 def one_tile_windows(layout: BlockLayout) -> bool:
@@ -1067,18 +1071,27 @@ def _chunk_lists(layout: BlockLayout, chunk: int) -> tuple[jax.Array, jax.Array]
     return blocks, counts.reshape(count.shape[:2] + (c * nb,)).astype(jnp.int32)
 
 
+def row_chunk_entries(max_blocks: int, copy_bytes: int, chunk: int = ROW_CHUNK) -> int:
+    """List entries per chunk of `_rows_pass`: ``chunk``, or more where ``ceil(max_blocks / chunk)`` copies of the
+    rows (``copy_bytes`` each) would pass `ROW_COPY_BYTES`."""
+    most = max(1, ROW_COPY_BYTES // max(copy_bytes, 1))
+    return max(chunk, -(-max_blocks // most))
+
+
 def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad, pair, overlap, pingpong,
                chunk: int = 0):
     """The layout over the rows of its ``q_block_range`` alone: (rows int32 ``[B|1, N|1, R]`` as `range_rows`,
     out ``[B, R, N, D]`` in q's dtype, lse ``[B, N, R]``). The rows are gathered once (through ``q_perm``) and
-    repeated once per chunk of their lists (`_chunk_lists`, ``chunk`` entries, default `ROW_CHUNK`): each (query
-    block, chunk) is one work item, with the rows' original positions; the chunks are merged by lse."""
+    repeated once per chunk of their lists (`_chunk_lists`, `row_chunk_entries`: ``chunk`` entries, default
+    `ROW_CHUNK`, longer where the copies would pass `ROW_COPY_BYTES`): each (query block, chunk) is one work item,
+    with the rows' original positions; the chunks are merged by lse."""
     b, t, n, d = q.shape
     s = k.shape[1]
     bk, nk = layout.block_k, layout.num_kv_blocks
     rows = layout.range_rows()
     r = rows.shape[-1]
-    blocks, count = _chunk_lists(layout, chunk or ROW_CHUNK)
+    blocks, count = _chunk_lists(layout, row_chunk_entries(layout.max_blocks, b * r * n * d_pad * q.dtype.itemsize,
+                                                           chunk or ROW_CHUNK))
     c = count.shape[2] // (r // layout.block_q)
     t_pad = _round_up(c * r, BLOCK_Q)
     q_in = _pad_to(_pad_to(jnp.tile(_gather_rows(q, jnp.minimum(rows, t - 1)), (1, c, 1, 1)), 3, d_pad), 1, t_pad)

@@ -250,3 +250,14 @@ def test_visible_entries_are_the_entries_every_row_sees_whole(windows, causal, g
     big = jnp.zeros((1, 1, 1, 4), jnp.int32)
     assert mosaic_gpu.visible_entries(big, mosaic_gpu.VISIBLE_MAX_ENTRIES, q_pos, k_pos, None, block_q=bq,
                                       block_k=bk, kv_len=kv_len, causal=True, gap=0, window=0) is None
+
+
+def test_row_chunks_grow_where_the_row_copies_would_be_large():
+    """`mosaic_gpu.row_chunk_entries`: 128-entry chunks while the repeated rows stay within ROW_COPY_BYTES, longer
+    ones past it (Grid's horizontal lines at 1M: 16,384 rows x 28 heads x 128 dims in bf16, 16,384-entry lists)."""
+    cap = mosaic_gpu.ROW_COPY_BYTES
+    assert mosaic_gpu.row_chunk_entries(2048, 2048 * 28 * 128 * 2) == 128  # 128k: 16 copies of 14.7 MB
+    assert mosaic_gpu.row_chunk_entries(16384, 128 * 28 * 128 * 2) == 128  # Tri-shape at 1M: 128 copies of 0.9 MB
+    e = mosaic_gpu.row_chunk_entries(16384, 16384 * 28 * 128 * 2)
+    assert -(-16384 // e) * 16384 * 28 * 128 * 2 <= cap and e > 128
+    assert mosaic_gpu.row_chunk_entries(100, cap * 2) == 128  # one chunk
