@@ -19,7 +19,7 @@ list of ``S / 64`` entries: 28 work items), against the same work as ``--split``
 (the rows repeated, lists cut into chunks) plus the lse merge of the chunks: what splitting a long list across
 work items gains.
 
-Writes ``pattern_parts_profile.json`` into ``--out``.
+Writes ``pattern_parts_profile.json`` and a plot of each pattern's ratio per form (``.png``) into ``--out``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,6 +50,7 @@ from mmjax.timing import device_name, time_fn  # noqa: E402
 from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
 from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
 from pallas_kernels.block_sparse.layout import causal_pairs  # noqa: E402
+from pallas_kernels.block_sparse.merge import merge_chunks  # noqa: E402
 from pallas_kernels.block_sparse.mosaic_gpu import (  # noqa: E402
     block_sparse_attention_mosaic_gpu,
     check_supported,
@@ -55,6 +58,7 @@ from pallas_kernels.block_sparse.mosaic_gpu import (  # noqa: E402
 )
 
 HEADS, KV_HEADS, D = 28, 4, 128
+matplotlib.use("Agg")
 
 
 GROUPED_FROM = 1 << 20  # from this length the input is drawn per key / value head group (`inputs`)
@@ -122,13 +126,7 @@ def split_pair(q_all, k, v, chunks: int) -> list[dict]:
     def run_many(q, k, v):
         out, lse = block_sparse_attention_mosaic_gpu(jnp.tile(q, (1, chunks, 1, 1)), k, v, many, sm_scale=sm,
                                                      causal=False)
-        out = out.reshape(1, chunks, 128, HEADS, D).astype(jnp.float32)
-        lse = lse.reshape(1, HEADS, chunks, 128)
-        top = lse.max(axis=2, keepdims=True)
-        w = jnp.exp(lse - top)  # [1, N, c, 128]
-        tot = w.sum(axis=2)
-        o = jnp.einsum("bnct,bctnd->btnd", w, out) / jnp.einsum("bnt->btn", tot)[..., None]
-        return o.astype(q.dtype), (jnp.log(tot) + top[:, :, 0])
+        return merge_chunks(out.reshape(1, chunks, 128, HEADS, D), lse.reshape(1, HEADS, chunks, 128))
 
     a, b = run_one(q, k, v), run_many(q, k, v)
     err = float(jnp.max(jnp.abs(a[0].astype(jnp.float32) - b[0].astype(jnp.float32))))
@@ -179,8 +177,38 @@ def main(argv=None) -> int:
         result["split"] = split_pair(q, k, v, args.split)
     path = os.path.join(args.out, "pattern_parts_profile.json")
     write_atomic(path, lambda f: json.dump(result, f, indent=1))
-    print(f"wrote {path}")
+    fig = figure(result)
+    write_atomic(os.path.join(args.out, "pattern_parts_profile.png"),
+                 lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
+    print(f"wrote {path} and its plot")
     return 0
+
+
+FORMS = (("attend_ms_default", "default"), ("attend_ms_triton", "Triton"),
+         ("attend_ms_without_q_block_range", "without q_block_range"),
+         ("attend_ms_masking_every_entry", "position mask on every entry"))
+
+
+def figure(result: dict):
+    """Bars: each pattern's TFLOP/s on its computed density over cuDNN's, per timed form, and the issue's 0.9."""
+    names = [n for n, r in result["patterns"].items() if "density" in r]
+    forms = [(key, label) for key, label in FORMS if any(key in result["patterns"][n] for n in names)]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(names)), 4.2))
+    width, top = 0.8 / max(len(forms), 1), 1.0
+    for i, (key, label) in enumerate(forms):
+        vals = [result["patterns"][n]["density"] * result["cudnn_ms"] / result["patterns"][n][key]
+                if key in result["patterns"][n] else 0.0 for n in names]
+        ax.bar(np.arange(len(names)) + i * width, vals, width, label=label)
+        top = max([top, *vals])
+    ax.set_ylim(0, top * 1.35)
+    ax.axhline(0.9, color="k", linestyle="--", linewidth=1, label="issue 16: 0.9")
+    ax.set_xticks(np.arange(len(names)) + width * (len(forms) - 1) / 2, names)
+    ax.set_ylabel("TFLOP/s on computed density / cuDNN's")
+    meta = result["meta"]
+    ax.set_title(f"{meta['device']}, S = {meta['seq_len']:,}, {meta['heads']} / {meta['kv_heads']} heads")
+    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    fig.tight_layout()
+    return fig
 
 
 def profile_pattern(name, pat, q, k, v, t_cudnn, args) -> dict:

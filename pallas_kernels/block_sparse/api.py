@@ -71,6 +71,13 @@ def block_sparse_attention(
     implementation, sm_scale = _resolve(q, k, v, layout, sm_scale=sm_scale, causal=causal,
                                         implementation=implementation, interpret=interpret, num_warps=num_warps,
                                         num_stages=num_stages, check_finite=check_finite)
+    return _run(implementation, q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
+                num_warps=num_warps, num_stages=num_stages)
+
+
+def _run(implementation: str, q, k, v, layout: BlockLayout, *, sm_scale, causal, interpret, num_warps, num_stages
+         ) -> tuple[jax.Array, jax.Array]:
+    """The chosen implementation on checked arguments (`_resolve`)."""
     if implementation == "reference":
         return block_sparse_attention_reference(q, k, v, layout, sm_scale=sm_scale, causal=causal)
     if implementation == "mosaic_gpu":
@@ -135,7 +142,7 @@ def block_sparse_attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, layout
                          "block_sparse_attention_rows; received None")
     if implementation == "mosaic_gpu" and row_range_pass(layout):
         return block_sparse_attention_rows_mosaic_gpu(q, k, v, layout, sm_scale=sm_scale, causal=causal)
-    out, lse = block_sparse_attention(q, k, v, layout, sm_scale=sm_scale, causal=causal,
-                                      implementation=implementation, interpret=interpret)
+    out, lse = _run(implementation, q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
+                    num_warps=None, num_stages=None)  # checked once, above
     rows = layout.range_rows()
     return (rows, *gather_rows(out, lse, rows))

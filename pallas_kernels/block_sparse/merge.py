@@ -61,6 +61,21 @@ def merge_chunks(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _combine([out[:, i] for i in range(c)], [lse[:, :, i] for i in range(c)], out.dtype)
 
 
+def _check_rows(rows, out_rows, lse_rows) -> None:
+    """rows int ``[B|1, N|1, R]``, out_rows ``[B, R, N, D]``, lse_rows ``[B, N, R]`` (raised before any indexing)."""
+    if getattr(out_rows, "ndim", None) != 4:
+        raise ValueError(f"out_rows: expected [B, R, N, D]; received shape {getattr(out_rows, 'shape', None)}")
+    b, r, n, _ = out_rows.shape
+    if getattr(lse_rows, "shape", None) != (b, n, r):
+        raise ValueError(f"lse_rows: expected shape {(b, n, r)} ([B, N, R] from out_rows); received "
+                         f"{getattr(lse_rows, 'shape', None)}")
+    shape = getattr(rows, "shape", None)
+    if (shape is None or len(shape) != 3 or shape[0] not in (1, b) or shape[1] not in (1, n) or shape[2] != r
+            or not jnp.issubdtype(rows.dtype, jnp.integer)):
+        raise ValueError(f"rows: expected an int array [{b}|1, {n}|1, {r}]; received "
+                         f"{getattr(rows, 'dtype', type(rows).__name__)}{list(shape) if shape else ''}")
+
+
 def _row_index(rows: jax.Array, b: int, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(batch, row, head) index arrays ``[B, R, N]`` of rows ``[B|1, N|1, R]``."""
     r = rows.shape[-1]
@@ -72,6 +87,7 @@ def scatter_rows(rows: jax.Array, out_rows: jax.Array, lse_rows: jax.Array, t: i
     """Attention of some rows as a whole result: rows int32 ``[B|1, N|1, R]`` (query indices; ``t`` or more: none),
     out_rows ``[B, R, N, D]``, lse_rows ``[B, N, R]`` -> out ``[B, t, N, D]`` (0 on the other rows), lse ``[B, N, t]``
     (-inf there)."""
+    _check_rows(rows, out_rows, lse_rows)
     b, _, n, d = out_rows.shape
     bi, ri, ni = _row_index(rows, b, n)
     out = jnp.zeros((b, t, n, d), out_rows.dtype).at[bi, ri, ni].set(out_rows, mode="drop")
@@ -93,6 +109,10 @@ def merge_rows(out: jax.Array, lse: jax.Array, rows: jax.Array, out_rows: jax.Ar
     """`merge_attention` of a result over all rows (out ``[B, T, N, D]``, lse ``[B, N, T]``) with one over some rows
     (rows int32 ``[B|1, N|1, R]``, distinct per (batch, head); indices ``>= T`` are dropped; out_rows ``[B, R, N,
     D]``, lse_rows ``[B, N, R]``): only those rows are read and written."""
+    _check_rows(rows, out_rows, lse_rows)
+    if out_rows.shape[0] != out.shape[0] or out_rows.shape[2:] != out.shape[2:]:
+        raise ValueError(f"out_rows: expected [B, R, N, D] with B, N, D of out {list(out.shape)}; received "
+                         f"{list(out_rows.shape)}")
     b, t, n, _ = out.shape
     o_old, l_old = gather_rows(out, lse, rows)
     o_new, l_new = merge_attention(o_old, l_old, out_rows.astype(out.dtype), lse_rows)

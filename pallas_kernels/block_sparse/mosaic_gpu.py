@@ -1053,7 +1053,7 @@ def row_range_pass(layout: BlockLayout) -> bool:
     return layout.q_block_range is not None and layout.kv_columns is None and not layout.kv_windows
 
 
-def _chunk_lists(layout: BlockLayout, chunk: int) -> tuple[jax.Array, jax.Array]:
+def chunk_lists(layout: BlockLayout, chunk: int) -> tuple[jax.Array, jax.Array]:
     """The lists of the query blocks in ``q_block_range`` cut into ``C = ceil(max_blocks / e)`` chunks of ``e <=
     chunk`` entries (``e`` even): (blocks int32 ``[B|1, N|1, C * nb, e]``, counts ``[B|1, N|1, C * nb]``), chunk
     c of query block i at ``c * nb + i``."""
@@ -1078,20 +1078,19 @@ def row_chunk_entries(max_blocks: int, copy_bytes: int, chunk: int = ROW_CHUNK) 
     return max(chunk, -(-max_blocks // most))
 
 
-def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad, pair, overlap, pingpong,
-               chunk: int = 0):
+def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad, pair, overlap, pingpong):
     """The layout over the rows of its ``q_block_range`` alone: (rows int32 ``[B|1, N|1, R]`` as `range_rows`,
     out ``[B, R, N, D]`` in q's dtype, lse ``[B, N, R]``). The rows are gathered once (through ``q_perm``) and
-    repeated once per chunk of their lists (`_chunk_lists`, `row_chunk_entries`: ``chunk`` entries, default
-    `ROW_CHUNK`, longer where the copies would pass `ROW_COPY_BYTES`): each (query block, chunk) is one work item,
+    repeated once per chunk of their lists (`chunk_lists`, `row_chunk_entries`: `ROW_CHUNK` entries, longer where
+    the copies would pass `ROW_COPY_BYTES`): each (query block, chunk) is one work item,
     with the rows' original positions; the chunks are merged by lse."""
     b, t, n, d = q.shape
     s = k.shape[1]
     bk, nk = layout.block_k, layout.num_kv_blocks
     rows = layout.range_rows()
     r = rows.shape[-1]
-    blocks, count = _chunk_lists(layout, row_chunk_entries(layout.max_blocks, b * r * n * d_pad * q.dtype.itemsize,
-                                                           chunk or ROW_CHUNK))
+    blocks, count = chunk_lists(layout, row_chunk_entries(layout.max_blocks, b * r * n * d_pad * q.dtype.itemsize,
+                                                          ROW_CHUNK))
     c = count.shape[2] // (r // layout.block_q)
     t_pad = _round_up(c * r, BLOCK_Q)
     q_in = _pad_to(_pad_to(jnp.tile(_gather_rows(q, jnp.minimum(rows, t - 1)), (1, c, 1, 1)), 3, d_pad), 1, t_pad)

@@ -15,6 +15,7 @@ from mmjax.sparse.patterns import Grid, QBoundary
 from mmjax.sparse.pattern_search.space import GRID_FLAGS
 from mmjax.sparse.patterns.grid import phase_groups
 from mmjax.sparse.synthetic import VIDEO_FAMILIES, GridVideo, grid_video_qkv
+from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, rel_err
 
 SMALL = dict(block_q=32, block_k=16)
@@ -140,8 +141,6 @@ def test_horizontal_lines_stay_in_their_q_block_range(stride, phases, sink):
     """The rows part names the query blocks of at most `Grid.max_line_rows` rows: every phase choice of the
     stride lists nothing past them (the concrete layout's check), and attend over the range equals the part
     over all rows."""
-    from pallas_kernels.block_sparse.validation import check_layout_values
-
     q, k, v, _ = _inputs()
     g = Grid(stride=stride, phases=phases, sink=sink, local=9, last_q=16, **SMALL)
     rng = np.random.default_rng(stride + phases)

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels.block_sparse import block_sparse_attention_rows
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
 from pallas_kernels.platform import is_sm90
+from tests.pallas_kernels.block_sparse.test_rows import range_layout
 from tests.pallas_kernels.block_sparse.test_windows import random_window_layout
 from tests.pallas_kernels.helpers import (
     masked_dense_attention,
@@ -289,9 +291,6 @@ def test_mosaic_overlap_matches_dense(bq, bk, pairs, perm, columns, windows, den
 def test_mosaic_q_block_range_matches_dense(t, s, n, kh, bq, lo, hi, perm, gap):
     """A layout naming a q_block_range: its rows alone, lists in chunks merged by lse (`mosaic_gpu._rows_pass`),
     through `block_sparse_attention` (a whole result) and `block_sparse_attention_rows` (its rows)."""
-    from pallas_kernels.block_sparse import block_sparse_attention_rows
-    from tests.pallas_kernels.block_sparse.test_rows import range_layout
-
     rng = np.random.default_rng(t + s)
     q, k, v = random_qkv(11, 1, t, s, n, kh, 128, jnp.bfloat16)
     layout = range_layout(rng, 1, n, t, s, bq, 64, lo, hi, perm=perm, density=0.7).replace(gap=gap)

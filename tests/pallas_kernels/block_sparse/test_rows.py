@@ -91,6 +91,10 @@ def test_row_merges_match_merge_attention_on_whole_results():
         if rows[bi, ni, ri] < t:
             assert full_l[bi, ni, rows[bi, ni, ri]] == l_r[bi, ni, ri]
     assert int((full_l > -jnp.inf).sum()) == int(((rows < t) & (l_r > -jnp.inf)).sum())
+    with pytest.raises(ValueError, match=r"rows: expected an int array \[2\|1, 3\|1, 6\]"):
+        merge_rows(out, lse, rows[..., :4], o_r, l_r)
+    with pytest.raises(ValueError, match="lse_rows: expected shape"):
+        scatter_rows(rows, o_r, l_r[:, :2], t)
     want = merge_attention(out, lse, full_o, full_l)
     got = merge_rows(out, lse, rows, o_r, l_r)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
@@ -155,13 +159,14 @@ def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups, bl
 ])
 def test_rows_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, bq, lo, hi, perm, gap, chunk):
     monkeypatch.setattr(mosaic_gpu, "launch", emulated_launch)
+    monkeypatch.setattr(mosaic_gpu, "ROW_CHUNK", chunk)
     rng = np.random.default_rng(t + s + gap)
     q, k, v = random_qkv(4, 1, t, s, n, kh, 64, jnp.float32)
     lay = range_layout(rng, 1, n, t, s, bq, 64, lo, hi, perm=perm, density=0.5).replace(gap=gap)
     if chunk < lay.max_blocks:
         assert -(-lay.max_blocks // chunk) > 1
-    rows, o, l = mosaic_gpu._rows_pass(q, k, v, lay, sm_scale=64 ** -0.5, causal=True, stages=2, d_pad=64,
-                                       pair=False, overlap=False, pingpong=True, chunk=chunk)
+    rows, o, l = mosaic_gpu.block_sparse_attention_rows_mosaic_gpu.__wrapped__(q, k, v, lay, sm_scale=64 ** -0.5,
+                                                                               key_pairs=False)
     ref_o, ref_l = masked_dense_attention(q, k, v, lay.to_dense_mask())
     got_o, got_l = scatter_rows(rows, o, l, t)
     assert rel_err(np.asarray(got_o), np.asarray(ref_o)) < 1e-5
@@ -173,7 +178,7 @@ def test_rows_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, bq, lo, hi
 def test_chunked_lists_keep_every_entry_once():
     rng = np.random.default_rng(5)
     lay = range_layout(rng, 1, 2, 600, 5000, 128, 64, 1, 4, density=0.6)
-    blocks, counts = mosaic_gpu._chunk_lists(lay, 8)
+    blocks, counts = mosaic_gpu.chunk_lists(lay, 8)
     nb, m = 3, lay.max_blocks
     c = counts.shape[2] // nb
     assert c == -(-m // 8) and blocks.shape[-1] % 2 == 0 and blocks.shape[-1] <= 8
