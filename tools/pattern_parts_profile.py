@@ -10,7 +10,8 @@ On `bench patterns`' video-like input (B = 1, 28 / 4 heads, D = 128, bf16, causa
   ``--mask-ab`` also with the position mask on every entry (no `mosaic_gpu.visible_entries` skip);
 * each `BlockLayout` part alone (`block_sparse_attention`, the implementation it picks, with its own gathers):
   density, work items, list lengths, time; and the Mosaic GPU kernel on the persistent grid where it takes the part,
-  and with each column pass where the part has single columns;
+  and with each column pass where the part has single columns (``fused``: shared columns in the block pass's own
+  launch, also on the persistent grid);
 * a `jax.profiler` trace of ``attend`` summed by kernel (`mmjax.drivers.bench.trace_summary`): how much of the time
   is attention kernels and how much gathers, transposes and merges.
 
@@ -148,6 +149,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--patterns", nargs="+", default=["AShape", "TriShape", "SFFixed", "Grid"])
     p.add_argument("--split", type=int, default=32, help="chunks of the synthetic long list (0: skip)")
+    p.add_argument("--reps", type=int, default=3, help="samples per timing (median)")
+    p.add_argument("--batch-s", type=float, default=0.02,
+                   help="calls queued back to back per sample, up to this many seconds (`mmjax.timing.time_fn`)")
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--skip-triton", action="store_true", help="no attend on Triton")
     p.add_argument("--skip-parts", action="store_true", help="no per-part timings")
@@ -158,12 +162,12 @@ def main(argv=None) -> int:
     s = args.seq_len
     q, k, v = inputs(s)
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
-    t_cudnn = time_fn(lambda: cudnn(q, k, v), reps=3)["ms"]
+    t_cudnn = timed(lambda: cudnn(q, k, v), args)
     flops = 4.0 * D * HEADS * causal_pairs(s, s)
     tf_cudnn = flops / t_cudnn / 1e9
     print(f"{device_name()}: S={s} cuDNN {t_cudnn:.2f} ms ({tf_cudnn:.0f} TFLOP/s)", flush=True)
     result = {"meta": {"device": device_name(), "jax": jax.__version__, "seq_len": s, "heads": HEADS,
-                       "kv_heads": KV_HEADS, "head_dim": D},
+                       "kv_heads": KV_HEADS, "head_dim": D, "reps": args.reps, "batch_s": args.batch_s},
               "cudnn_ms": t_cudnn, "cudnn_tflops": tf_cudnn, "patterns": {}}
     pats = gpu_patterns()
     for name in args.patterns:
@@ -211,6 +215,11 @@ def figure(result: dict):
     return fig
 
 
+def timed(fn, args) -> float:
+    """Median ms of ``fn()`` over ``--reps`` samples of calls queued for up to ``--batch-s`` seconds each."""
+    return time_fn(fn, reps=args.reps, min_batch_s=args.batch_s)["ms"]
+
+
 def profile_pattern(name, pat, q, k, v, t_cudnn, args) -> dict:
     """One pattern's row of the result (module docstring)."""
     layout = jax.jit(pat.build_layout)(q, k)
@@ -219,7 +228,7 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args) -> dict:
     for impl in (None,) if args.skip_triton else (None, "triton"):
         opts = KernelOptions(implementation=impl)
         run = jax.jit(lambda q, k, v, lay, opts=opts: attend(q, k, v, lay, opts))
-        t = time_fn(lambda: run(q, k, v, layout), reps=3)["ms"]
+        t = timed(lambda: run(q, k, v, layout), args)
         key = impl or "default"
         row[f"attend_ms_{key}"] = t
         row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
@@ -231,7 +240,7 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args) -> dict:
         jax.clear_caches()
         try:
             run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
-            t = time_fn(lambda: run(q, k, v, layout), reps=3)["ms"]
+            t = timed(lambda: run(q, k, v, layout), args)
         finally:
             mosaic_gpu.launch = plain_launch
             jax.clear_caches()
@@ -241,7 +250,7 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args) -> dict:
     if any(part.q_block_range is not None for part in block_parts(layout)):  # the same without the ranges
         plain = with_parts(layout, [part.replace(q_block_range=None) for part in block_parts(layout)])
         run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
-        t = time_fn(lambda: run(q, k, v, plain), reps=3)["ms"]
+        t = timed(lambda: run(q, k, v, plain), args)
         row["attend_ms_without_q_block_range"] = t
         print(f"{name}: without q_block_range {t:.2f} ms = {density * t_cudnn / t:.2f} of cuDNN's TFLOP/s",
               flush=True)
@@ -250,19 +259,23 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args) -> dict:
         st = part_stats(part)
         st["mosaic_preferred"] = bool(preferred(q, part, KV_HEADS))
         one = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay)[0])
-        t = time_fn(lambda: one(q, k, v, part), reps=3)["ms"]
+        t = timed(lambda: one(q, k, v, part), args)
         st["ms"] = t
         st["of_cudnn_tflops"] = st["density"] * t_cudnn / t
         if part.kv_columns is not None and st["mosaic_preferred"]:
-            for cp in ("triton", "mosaic"):
+            for cp in ("triton", "mosaic") + (("fused",) if mosaic_gpu.fused_columns(part) else ()):
                 f = jax.jit(lambda q, k, v, lay, cp=cp: block_sparse_attention_mosaic_gpu(
                     q, k, v, lay, sm_scale=D ** -0.5, column_pass=cp)[0])
-                st[f"ms_column_pass_{cp}"] = time_fn(lambda: f(q, k, v, part), reps=3)["ms"]
+                st[f"ms_column_pass_{cp}"] = timed(lambda: f(q, k, v, part), args)
         try:
             check_supported(q, part, None, persistent=True)
             pers = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(
                 q, k, v, lay, sm_scale=D ** -0.5, persistent=True)[0])
-            st["ms_persistent"] = time_fn(lambda: pers(q, k, v, part), reps=3)["ms"]
+            st["ms_persistent"] = timed(lambda: pers(q, k, v, part), args)
+            if part.kv_columns is not None and mosaic_gpu.fused_columns(part):
+                pf = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(
+                    q, k, v, lay, sm_scale=D ** -0.5, persistent=True, column_pass="fused")[0])
+                st["ms_persistent_fused"] = timed(lambda: pf(q, k, v, part), args)
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
             st["persistent_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         print(f"  part {i}: {st}", flush=True)

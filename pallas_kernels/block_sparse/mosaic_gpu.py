@@ -83,7 +83,7 @@ _SMEM_LIMIT = 227 * 1024
 _SMEM_ALIGN = 1024  # Mosaic GPU pads every shared-memory buffer to this
 _BARRIER_BYTES = 8
 _MAX_STAGES = 4
-COLUMN_PASSES = ("mosaic", "triton")
+COLUMN_PASSES = ("fused", "mosaic", "triton")
 TMA_ROWS = 8  # TMA copies a key tile from a row that is a multiple of this
 # Each consumer keeps its rows' sums as [64, SUM_COLUMNS] column partials (`mosaic_fa3.init_rows`), reduced once at
 # the end: 2-7% faster than a shuffle reduction every step (one H100, 2026-11-27, commit 2850066; README).
@@ -1113,12 +1113,11 @@ def shared_columns(layout: BlockLayout) -> bool:
             and (layout.kv_perm is None or layout.kv_perm.shape[1] == 1))
 
 
-def _shared_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
-                        pair, overlap, pingpong):
-    """`_column_pass` for `shared_columns`: the list's keys gathered once into ``ceil(max_cols / block_k)`` tiles
-    per key / value head, each query block reading the first ``count`` of them as key windows (its last tile only
-    up to its count), with the original position of every gathered key."""
-    s, kh = k.shape[1], k.shape[2]
+def _shared_column_keys(k, v, layout: BlockLayout, d_pad: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The `shared_columns` list's keys gathered once per key / value head: (k_c, v_c ``[B, tiles * block_k, K,
+    Dp]``, their original positions int32 ``[B|1, 1, tiles * block_k]`` (``kv_len`` for unused slots), the count
+    of columns each query block reads int32 ``[B|1, N|1, nq|1]``)."""
+    s = k.shape[1]
     bk, mc = layout.block_k, layout.max_columns
     tiles = -(-mc // bk)
     cols = _pad_to(layout.kv_columns, 3, tiles * bk)[:, :, 0]  # [B|1, 1, mcp]
@@ -1128,16 +1127,86 @@ def _shared_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, st
         orig = jnp.take_along_axis(jnp.clip(layout.kv_perm, 0, s - 1), orig, axis=-1)
     k_c = _pad_to(_gather_rows(k, orig), 3, d_pad)  # [B, mcp, K, Dp]
     v_c = _pad_to(_gather_rows(v, orig), 3, d_pad)
+    k_pos = jnp.where(ok, orig, layout.kv_len).astype(jnp.int32)
+    return k_c, v_c, k_pos, jnp.clip(layout.kv_column_count, 0, mc)
+
+
+def _shared_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
+                        pair, overlap, pingpong):
+    """`_column_pass` for `shared_columns`: the list's keys gathered once into ``ceil(max_cols / block_k)`` tiles
+    per key / value head (`_shared_column_keys`), each query block reading the first ``count`` of them as key
+    windows (its last tile only up to its count), with the original position of every gathered key."""
+    kh, bk = k.shape[2], layout.block_k
+    k_c, v_c, k_pos, ccount = _shared_column_keys(k, v, layout, d_pad)
+    tiles = k_c.shape[1] // bk
     starts = jnp.arange(tiles, dtype=jnp.int32) * bk
-    ccount = jnp.clip(layout.kv_column_count, 0, mc)  # [B|1, N|1, nq|1]
     hi = (starts + jnp.clip(ccount[..., None] - starts, 0, bk)).astype(jnp.int32)
     lo = jnp.broadcast_to(starts, hi.shape)
-    k_pos = jnp.where(ok, orig, layout.kv_len).astype(jnp.int32)
     q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
     return launch(q_in, k_c, v_c, lo, ((ccount + bk - 1) // bk).astype(jnp.int32), q_pos, k_pos,
                   groups=q_in.shape[2] // kh, num_kv_blocks=tiles, kv_len=layout.kv_len, q_offset=layout.q_offset,
                   block_k=bk, causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
                   block_q=layout.block_q, persistent=persistent, ranges=(lo, hi), pair=pair, overlap=overlap,
+                  pingpong=pingpong)
+
+
+def fused_columns(layout: BlockLayout) -> bool:
+    """``column_pass="fused"`` takes the layout: `shared_columns`, and its lists name key blocks (no key windows)."""
+    return shared_columns(layout) and not layout.kv_windows
+
+
+def fused_lists(blocks: jax.Array, count: jax.Array, column_count: jax.Array, *, block_k: int, num_kv_blocks: int,
+                tiles: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Each query block's key blocks, then its shared column tiles, as one list of key windows (`launch`'s
+    ``ranges``) over keys ``[0, nk * block_k)`` followed by ``tiles`` gathered column tiles.
+
+    blocks int32 ``[B|1, N|1, nq|1, M]`` (block ids; ids outside ``[0, num_kv_blocks)`` compute nothing), count
+    ``[B|1, N|1, nq]``, column_count ``[B|1, N|1, nq|1]`` (columns read, in ``[0, tiles * block_k]``) -> (tile
+    starts, lo, hi) int32 ``[B', N', nq, M + tiles]`` and counts ``[B', N', nq]``: entry j < count[i] is block
+    ``blocks[..., i, j]`` whole; the next ``ceil(column_count[i] / block_k)`` entries are column tiles, the last
+    one only up to the count."""
+    nq, m = count.shape[2], blocks.shape[-1]
+    lead = jnp.broadcast_shapes(blocks.shape[:2], count.shape[:2], column_count.shape[:2])
+    n_blk = jnp.broadcast_to(jnp.clip(count, 0, m), lead + (nq,))[..., None]
+    n_col = jnp.broadcast_to(column_count, lead + (nq,))[..., None]
+    j = jnp.arange(m + tiles, dtype=jnp.int32)
+    ids = jnp.take_along_axis(jnp.broadcast_to(blocks, lead + (nq, m)),
+                              jnp.broadcast_to(jnp.minimum(j, m - 1), lead + (nq, m + tiles)), axis=-1)
+    ok = (ids >= 0) & (ids < num_kv_blocks)
+    b_start = jnp.where(ok, ids, 0) * block_k
+    t = jnp.clip(j - n_blk, 0, tiles - 1)
+    c_start = (num_kv_blocks + t) * block_k
+    c_hi = c_start + jnp.clip(n_col - t * block_k, 0, block_k)
+    is_blk = j < n_blk
+    starts = jnp.where(is_blk, b_start, c_start).astype(jnp.int32)
+    hi = jnp.where(is_blk, jnp.where(ok, b_start + block_k, b_start), c_hi).astype(jnp.int32)
+    total = n_blk[..., 0] + (n_col[..., 0] + block_k - 1) // block_k
+    return starts, starts, hi, total.astype(jnp.int32)
+
+
+def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
+                       pair, overlap, pingpong, profile=None):
+    """The block pass and the `shared_columns` in one launch (``column_pass="fused"``): the columns' keys gathered
+    once per key / value head (`_shared_column_keys`) are appended to the prepared k / v, each query block's list
+    goes on with its column tiles (`fused_lists`), and every key carries its original position; no second output
+    and no merge."""
+    s = k.shape[1]
+    bk, nk = layout.block_k, layout.num_kv_blocks
+    k_in, v_in, groups = _prepared_kv(k, v, layout, q_in.shape[2] // k.shape[2], d_pad)
+    k_c, v_c, pos_c, ccount = _shared_column_keys(k, v, layout, d_pad)
+    tiles = k_c.shape[1] // bk
+    k_in, v_in = jnp.concatenate([k_in, k_c], axis=1), jnp.concatenate([v_in, v_c], axis=1)
+    pos_b = _positions_or_iota(layout.kv_perm, s, nk * bk, 0)
+    lead = jnp.broadcast_shapes(pos_b.shape[:2], pos_c.shape[:2])
+    k_pos = jnp.concatenate([jnp.broadcast_to(pos_b, lead + pos_b.shape[2:]),
+                             jnp.broadcast_to(pos_c, lead + pos_c.shape[2:])], axis=-1)
+    q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
+    starts, lo, hi, count = fused_lists(layout.kv_blocks, jnp.clip(layout.kv_block_count, 0, layout.max_blocks),
+                                        ccount, block_k=bk, num_kv_blocks=nk, tiles=tiles)
+    return launch(q_in, k_in, v_in, starts, count, q_pos, k_pos, groups=groups, num_kv_blocks=nk + tiles,
+                  kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal, gap=layout.gap,
+                  window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
+                  persistent=persistent, ranges=(lo, hi), pair=pair, profile=profile, overlap=overlap,
                   pingpong=pingpong)
 
 
@@ -1235,8 +1304,13 @@ def block_sparse_attention_mosaic_gpu(
     the columns alone (it gathers them inside the kernel); ``"mosaic"`` gathers them into key tiles per query block
     and runs this kernel over them (`_column_pass`; ``nq * max_cols`` gathered keys per head, out of memory at 512k
     on an H100), or, for columns shared by every query block and head (`shared_columns`, e.g. SF-fixed's summary
-    columns), once per key / value head (`_shared_column_pass`). None (default): ``"mosaic"`` for shared columns,
-    else ``"triton"``. Either pass is merged with the block pass by `merge_attention`. One H100, 2026-11-27,
+    columns), once per key / value head (`_shared_column_pass`); either pass is merged with the block pass by
+    `merge_attention`. ``"fused"`` (shared columns over key-block lists, `fused_columns`) appends the gathered
+    columns to the keys and runs them in the block pass's own launch (`_fused_column_pass`): one output, no merge.
+    None (default): ``"fused"`` where it applies, else ``"mosaic"`` for shared columns and ``"triton"`` for the
+    rest. One H100, 2026-11-28, SF-fixed's layout at 128k (28 / 4 heads, `tools/pattern_parts_profile.py`,
+    `pattern-parts-fused_*`): Triton column pass 25.86 ms, Mosaic 19.84, fused 18.94 (17.21 on the persistent grid),
+    cuDNN's dense 219.44. One H100, 2026-11-27,
     Vertical-Slash 64-row windows: Triton column pass 3.50 / 38.8 / 256 ms, Mosaic 3.93 / 41.5 / 275 ms at 32k /
     128k / 512k.
 
@@ -1251,9 +1325,12 @@ def block_sparse_attention_mosaic_gpu(
                              f"{profile!r}")
         check_int("profile[0] (profiler ranges per warpgroup)", profile[0], 1)
     if column_pass is None:
-        column_pass = "mosaic" if shared_columns(layout) else "triton"
+        column_pass = ("fused" if fused_columns(layout) else "mosaic") if shared_columns(layout) else "triton"
     if column_pass not in COLUMN_PASSES:
         raise ValueError(f"column_pass: expected None or one of {COLUMN_PASSES}; received {column_pass!r}")
+    if column_pass == "fused" and layout.kv_columns is not None and not fused_columns(layout):
+        raise ValueError("column_pass: 'fused' needs columns shared by every query block and head in a key order "
+                         "the heads share, and lists of key blocks (no kv_windows); use 'mosaic' or 'triton'")
     t, d = q.shape[1], q.shape[3]
     d_pad = fa3.padded_head_dim(d)
     if key_pairs is None:
@@ -1284,7 +1361,8 @@ def block_sparse_attention_mosaic_gpu(
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
           "pingpong": pingpong}
-    out, lse = _block_pass(q_in, k, v, layout, profile=profile, **kw)
+    fused = layout.kv_columns is not None and column_pass == "fused"
+    out, lse = (_fused_column_pass if fused else _block_pass)(q_in, k, v, layout, profile=profile, **kw)
     out, lse = out[:, :t, :, :d], lse[:, :, :t]
     if layout.kv_columns is not None and column_pass == "mosaic":
         out_c, lse_c = _column_pass(q_in, k, v, layout, **kw)

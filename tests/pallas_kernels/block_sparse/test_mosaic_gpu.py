@@ -4,6 +4,7 @@ GPU: Mosaic GPU's interpret mode cannot run it (tests in test_mosaic_gpu_gpu.py)
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +53,17 @@ def test_block_layout_lowers_for_cuda(dtype, d, bq, bk, causal):
     _lower((1, 1000, 28, d), (1, 1500, 4, d), dtype, layout, causal=causal)
 
 
-def test_shared_columns_lower_for_cuda():
-    """Columns shared by every query block and head: gathered once per key / value head, read as windows."""
+@pytest.mark.parametrize("column_pass", [None, "mosaic"])
+def test_shared_columns_lower_for_cuda(column_pass):
+    """Columns shared by every query block and head: gathered once per key / value head, read as windows (by
+    default, ``"fused"``, appended to the keys of the block pass; ``"mosaic"``: a launch of their own)."""
     layout = BlockLayout.dense_causal(1000, 1500, block_q=128, block_k=64)
     layout = layout.replace(kv_block_count=jnp.minimum(layout.kv_block_count, 2),
                             kv_columns=jnp.arange(1000, 1300, dtype=jnp.int32)[None, None, None],
                             kv_column_count=jnp.full((1, 1, 8), 300, jnp.int32))
-    _lower((1, 1000, 8, 128), (1, 1500, 2, 128), jnp.bfloat16, layout)
+    text = _lower((1, 1000, 8, 128), (1, 1500, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+                  sm_scale=0.125, column_pass=column_pass)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == (2 if column_pass == "mosaic" else 1)
 
 
 def test_q_block_range_lowers_for_cuda():

@@ -305,10 +305,11 @@ def test_mosaic_q_block_range_matches_dense(t, s, n, kh, bq, lo, hi, perm, gap):
 
 
 @needs_hopper
-@pytest.mark.parametrize("column_pass", [None, "triton"])
+@pytest.mark.parametrize("column_pass", [None, "triton", "mosaic"])
 def test_mosaic_shared_columns_match_dense(column_pass):
-    """SF-fixed-like columns (one list for every query block and head, each block a prefix): by default gathered
-    once per key / value head and run as windows of this kernel (`mosaic_gpu._shared_column_pass`)."""
+    """SF-fixed-like columns (one list for every query block and head, each block a prefix): gathered once per key
+    / value head and run as windows of this kernel, by default in the block pass's launch (`_fused_column_pass`),
+    with ``"mosaic"`` in one of their own (`_shared_column_pass`)."""
     rng = np.random.default_rng(3)
     t, s, n, kh = 1000, 3000, 8, 2
     q, k, v = random_qkv(12, 1, t, s, n, kh, 128, jnp.bfloat16)

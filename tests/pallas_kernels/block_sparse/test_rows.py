@@ -188,10 +188,13 @@ def test_chunked_lists_keep_every_entry_once():
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("t,s,n,kh,perm", [(300, 900, 4, 2, False), (200, 700, 2, 1, True)])
-def test_shared_columns_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, perm):
+@pytest.mark.parametrize("t,s,n,kh,perm,column_pass", [(300, 900, 4, 2, False, None), (200, 700, 2, 1, True, None),
+                                                        (300, 900, 4, 2, False, "mosaic"),
+                                                        (200, 700, 2, 1, True, "mosaic")])
+def test_shared_columns_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, perm, column_pass):
     """Columns shared by every query block and head (SF-fixed's summary columns): gathered once per key / value
-    head, each query block reading a prefix of them (`mosaic_gpu._shared_column_pass`)."""
+    head, each query block reading a prefix of them, appended to the keys in the blocks' own launch (default,
+    ``"fused"``) or as a second launch merged with the blocks' (``"mosaic"``, `mosaic_gpu._shared_column_pass`)."""
     monkeypatch.setattr(mosaic_gpu, "launch", emulated_launch)
     rng = np.random.default_rng(t + s)
     q, k, v = random_qkv(6, 1, t, s, n, kh, 64, jnp.float32)
@@ -205,8 +208,12 @@ def test_shared_columns_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, 
     layout = BlockLayout.from_block_mask(jnp.asarray(mask), q_len=t, kv_len=s, block_q=128, block_k=bk,
                                          kv_columns=jnp.asarray(cols)[None, None, None],
                                          kv_column_count=jnp.asarray(ccount), kv_perm=kv_perm)
-    assert mosaic_gpu.shared_columns(layout)
-    out, lse = mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(q, k, v, layout, sm_scale=64 ** -0.5)
+    assert mosaic_gpu.shared_columns(layout) and mosaic_gpu.fused_columns(layout)
+    launches = []
+    monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: launches.append(a[1].shape) or emulated_launch(*a, **kw))
+    out, lse = mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(q, k, v, layout, sm_scale=64 ** -0.5,
+                                                                        column_pass=column_pass)
+    assert len(launches) == (2 if column_pass == "mosaic" else 1)
     ref_o, ref_l = masked_dense_attention(q, k, v, layout.to_dense_mask())
     assert rel_err(np.asarray(out), np.asarray(ref_o)) < 1e-5
     fin = np.isfinite(np.asarray(ref_l))
@@ -266,3 +273,25 @@ def test_row_chunks_grow_where_the_row_copies_would_be_large():
     e = mosaic_gpu.row_chunk_entries(16384, 16384 * 28 * 128 * 2)
     assert -(-16384 // e) * 16384 * 28 * 128 * 2 <= cap and e > 128
     assert mosaic_gpu.row_chunk_entries(100, cap * 2) == 128  # one chunk
+
+
+def test_fused_lists_are_the_blocks_then_the_column_tiles():
+    """`mosaic_gpu.fused_lists`: each query block's key blocks whole (an id out of range computes nothing), then
+    ceil(columns / block_k) column tiles after the key blocks, the last one up to the column count."""
+    bk, nk, tiles = 64, 10, 4
+    blocks = jnp.asarray([[[[3, 11, 5], [0, 1, 2]]]], jnp.int32)  # [1, 1, 2, 3]; id 11 is out of range
+    count = jnp.asarray([[[3, 1]]], jnp.int32)
+    ccount = jnp.asarray([[[130, 0]]], jnp.int32)
+    starts, lo, hi, total = mosaic_gpu.fused_lists(blocks, count, ccount, block_k=bk, num_kv_blocks=nk, tiles=tiles)
+    np.testing.assert_array_equal(np.asarray(total), [[[6, 1]]])
+    np.testing.assert_array_equal(np.asarray(starts)[0, 0, 0, :6], [192, 0, 320, 640, 704, 768])
+    np.testing.assert_array_equal(np.asarray(hi)[0, 0, 0, :6], [256, 0, 384, 704, 768, 770])
+    np.testing.assert_array_equal(np.asarray(lo), np.asarray(starts))
+    assert int(starts[0, 0, 1, 0]) == 0 and int(hi[0, 0, 1, 0]) == 64
+    windows = BlockLayout(kv_blocks=blocks, kv_block_count=count, block_q=128, block_k=bk, q_len=200, kv_len=640,
+                          kv_columns=jnp.arange(600, 640, dtype=jnp.int32)[None, None, None],
+                          kv_column_count=jnp.full((1, 1, 2), 40, jnp.int32), kv_windows=True, window_align=8)
+    assert mosaic_gpu.shared_columns(windows) and not mosaic_gpu.fused_columns(windows)
+    q, k, v = random_qkv(7, 1, 200, 640, 1, 1, 64)
+    with pytest.raises(ValueError, match="column_pass: 'fused' needs"):
+        mosaic_gpu.block_sparse_attention_mosaic_gpu(q, k, v, windows, sm_scale=0.1, column_pass="fused")
