@@ -63,7 +63,11 @@ def test_shared_columns_lower_for_cuda(column_pass):
                             kv_column_count=jnp.full((1, 1, 8), 300, jnp.int32))
     text = _lower((1, 1000, 8, 128), (1, 1500, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
                   sm_scale=0.125, column_pass=column_pass)
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == (2 if column_pass == "mosaic" else 1)
+    launches = 2 if column_pass == "mosaic" else 1
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == launches
+    text = _lower((1, 1000, 8, 128), (1, 1500, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+                  sm_scale=0.125, column_pass=column_pass, poison=None)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2 * launches  # both branches of the poison cond
 
 
 def test_q_block_range_lowers_for_cuda():

@@ -295,3 +295,26 @@ def test_fused_lists_are_the_blocks_then_the_column_tiles():
     q, k, v = random_qkv(7, 1, 200, 640, 1, 1, 64)
     with pytest.raises(ValueError, match="column_pass: 'fused' needs"):
         mosaic_gpu.block_sparse_attention_mosaic_gpu(q, k, v, windows, sm_scale=0.1, column_pass="fused")
+
+
+@pytest.mark.parametrize("poison", [None, True, False])
+def test_non_finite_values_with_the_kernel_emulated(monkeypatch, poison):
+    """A NaN value row reaches only the rows that see its key when the keys are poisoned: always (default,
+    ``poison=True``) or whenever some value is not finite, decided on the device (``None``); ``poison=False`` (the
+    caller's promise that every value is finite) leaves the ``0 * NaN`` of masked keys to the whole tile, as the
+    kernel would."""
+    monkeypatch.setattr(mosaic_gpu, "launch", emulated_launch)
+    q, k, v = random_qkv(8, 1, 300, 300, 2, 1, 64, jnp.float32)
+    v = v.at[0, 200, 0, 3].set(jnp.nan)
+    lay = BlockLayout.dense_causal(300, 300, block_q=128, block_k=64)
+    out, lse = mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(q, k, v, lay, sm_scale=0.125, poison=poison)
+    o, l = np.asarray(out), np.asarray(lse)
+    if poison is False:  # the NaN of value dim 3 in every row, the rows that mask key 200 too
+        assert np.isnan(o[0, :, :, 3]).all() and np.isfinite(np.delete(o, 3, axis=-1)).all()
+    else:
+        assert np.isnan(o[0, 200:]).all()
+        assert np.isfinite(o[0, :200]).all() and np.isfinite(l[0, :, :200]).all()
+        ref, _ = masked_dense_attention(q, k, v.at[0, 200].set(0.0), lay.to_dense_mask())
+        assert rel_err(o[0, :200], np.asarray(ref)[0, :200]) < 1e-5
+    with pytest.raises(ValueError, match="poison: expected None, True or False"):
+        mosaic_gpu.block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=0.125, poison=1)

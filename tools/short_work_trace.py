@@ -1,0 +1,145 @@
+"""Where a short block-sparse call spends its time on a GPU (issue 16's random 10% / 3% rows at 32k, where the
+Mosaic GPU kernel reaches 0.60-0.86 of cuDNN's TFLOP/s): a `jax.profiler` trace of the API call summed by kernel
+(`mmjax.drivers.bench.trace_summary`), next to the call's queued time and the time of its pieces alone: the
+non-finite key poisoning (`pallas_kernels.nonfinite.poison_keys`) and the persistent grid's item order; and the
+call with the poisoning only when some value is not finite (``poison=None``, a device-side ``lax.cond``) and,
+where the persistent grid runs, with its items in a static order instead of sorted; the compile time of both poison
+forms.
+
+Run on a GPU: ``python tools/short_work_trace.py --out DIR [--len 32768]``; B = 1, 28 / 4 heads, D = 128, bf16,
+the layouts of ``tools/bench_mosaic_gpu.py`` (`BlockLayout.random_causal`, seed 4). Writes
+``short_work_trace.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import queued_median_ms  # noqa: E402
+from jsonl_log import write_atomic  # noqa: E402
+
+from mmjax.drivers.bench import trace_summary  # noqa: E402
+from mmjax.timing import device_name  # noqa: E402
+from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
+from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
+from pallas_kernels.nonfinite import poison_keys  # noqa: E402
+
+N, K, D = 28, 4, 128
+
+
+def ms(fn, calls: int = 10) -> float:
+    return queued_median_ms(fn, calls=calls, reps=7, warmup=1)
+
+
+CALLS = 10  # calls in a trace
+
+
+def mosaic(**options):
+    """The Mosaic GPU kernel called directly with ``options`` (e.g. ``poison=True``: `poison_keys` on every call)."""
+    return jax.jit(lambda q, k, v, lay: mosaic_gpu.block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
+                                                                                    **options)[0])
+
+
+def compile_s(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn.lower(*args).compile()
+    return time.perf_counter() - t0
+
+
+def static_order(count, *, block_q, ctas, batch, heads, pair):
+    """`mosaic_gpu.item_order` without the sort: the last 128-row blocks first, the heads fastest (for causal lists
+    about longest first), as item indices."""
+    del count, block_q, pair
+    p = jnp.arange(batch * heads * ctas, dtype=jnp.int32)
+    h, b, r = p % heads, (p // heads) % batch, p // (heads * batch)
+    return (b * heads + h) * ctas + r
+
+
+def trace(fn, log_dir: str) -> dict:
+    """Device time per call of each kernel over `CALLS` queued calls: {device: {"busy_ms", "span_ms", "kernels":
+    [[name, ms per call, launches per call], ...]}}."""
+    jax.block_until_ready(fn())
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        out = None
+        for _ in range(CALLS):
+            out = fn()
+        jax.block_until_ready(out)
+    s = trace_summary.summarize_dir(log_dir, top=12)
+    per_call = {}
+    for dev, d in s["devices"].items():
+        per_call[dev] = {"busy_ms": d["busy_s"] * 1e3 / CALLS, "span_ms": d["span_s"] * 1e3 / CALLS,
+                         "kernels": [[name, sec * 1e3 / CALLS, n / CALLS] for name, sec, n in d["top"]]}
+        print(f"  {dev}: busy {per_call[dev]['busy_ms']:.3f} ms a call, span {per_call[dev]['span_ms']:.3f} ms",
+              flush=True)
+        for name, t, n in per_call[dev]["kernels"][:8]:
+            print(f"    {t:8.3f} ms {n:5.1f} x  {name[:90]}", flush=True)
+    return per_call
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--len", type=int, default=32768)
+    args = ap.parse_args()
+    s = args.len
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = jax.random.normal(kq, (1, s, N, D), jnp.bfloat16)
+    k = jax.random.normal(kk, (1, s, K, D), jnp.bfloat16)
+    v = jax.random.normal(kv, (1, s, K, D), jnp.bfloat16)
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    t_cudnn = ms(lambda: cudnn(q, k, v))
+    tf_cudnn = 4.0 * N * D * s * (s + 1) / 2 / t_cudnn / 1e9
+    result = {"device": device_name(), "jax": jax.__version__, "len": s, "cudnn_ms": t_cudnn,
+              "cudnn_tflops": tf_cudnn, "poison_keys_ms": ms(lambda: jax.jit(poison_keys)(k, v)), "rows": []}
+    print(f"{result['device']}: S={s} cuDNN {t_cudnn:.3f} ms; poison_keys {result['poison_keys_ms']:.3f} ms",
+          flush=True)
+    for keep, bk in ((0.1, 64), (0.1, 128), (0.03, 64), (0.03, 128)):
+        lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128, block_k=bk, heads=N)
+        density = float(jnp.mean(lay.density()))
+        call = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation="mosaic_gpu")[0])
+        if not result["rows"]:  # compile time, the default (poison=True) against poison=None (both branches)
+            result["compile_s"] = {"default": compile_s(call, q, k, v, lay),
+                                   "poison_auto": compile_s(mosaic(poison=None), q, k, v, lay)}
+            print(f"compile s: {result['compile_s']}", flush=True)
+        t = ms(lambda: call(q, k, v, lay))
+        pair = mosaic_gpu.auto_key_pairs(lay, None)
+        order = jax.jit(lambda c: mosaic_gpu.item_order(c, block_q=128, ctas=s // 128, batch=1, heads=N, pair=pair))
+        row = {"keep": keep, "block_k": bk, "density": density, "ms": t,
+               "of_cudnn_tflops": density * t_cudnn / t,
+               "persistent": bool(mosaic_gpu.auto_persistent(q, lay, pair)),
+               "item_order_ms": ms(lambda: order(lay.kv_block_count))}
+        auto = mosaic(poison=None)
+        row["ms_poison_auto"] = ms(lambda: auto(q, k, v, lay))
+        if row["persistent"]:  # the persistent grid with items in a static order instead of sorted
+            sorted_order = mosaic_gpu.item_order
+            mosaic_gpu.item_order = static_order
+            jax.clear_caches()
+            try:
+                static = mosaic()
+                row["ms_static_order"] = ms(lambda: static(q, k, v, lay))
+            finally:
+                mosaic_gpu.item_order = sorted_order
+                jax.clear_caches()
+        with tempfile.TemporaryDirectory() as d:
+            row["trace"] = trace(lambda: call(q, k, v, lay), d)
+        print(f"random {keep:.0%} bk{bk}: {t:.3f} ms = {row['of_cudnn_tflops']:.2f} of cuDNN's TFLOP/s, item order "
+              f"{row['item_order_ms']:.3f} ms, poison only if not finite {row['ms_poison_auto']:.3f} ms, static order "
+              f"{row.get('ms_static_order', float('nan')):.3f} ms", flush=True)
+        result["rows"].append(row)
+    os.makedirs(args.out, exist_ok=True)
+    write_atomic(os.path.join(args.out, "short_work_trace.json"), lambda f: json.dump(result, f, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
