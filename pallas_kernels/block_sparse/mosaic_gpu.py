@@ -36,9 +36,12 @@ Causality is decided on original positions. Without permutations a row's positio
 ``row + q_offset`` and a key's its index, and the mask is only computed for blocks whose
 last key can be past a row of the warpgroup (or that hold padding / an id out of range).
 With permutations the wrapper gathers q (and k / v) into permuted order once, the kernel
-reads the original positions from int32 vectors and masks every block. Single key columns
-run as a second pass of the same kernel over key tiles gathered per query block, merged
-with `merge_attention`.
+reads the original positions from int32 vectors and masks every block (except the entries every
+row of their query block sees whole, `visible_entries`). Single key columns run as a second pass
+(the Triton kernel's, or this kernel's over key tiles gathered per query block) merged with
+`merge_attention`; columns shared by every query block and head (SF-fixed's summary tokens) are
+gathered once per key / value head and appended to the keys of the block pass's own launch
+(`_fused_column_pass`).
 
 Limits: bf16 / fp16 only; ``block_q`` 64 or 128; ``block_k`` 32, 64 or 128; head dims are
 zero-padded to a multiple of 64, at most 128. Out: ``[B, T, N, D]`` in q's dtype, lse
@@ -248,11 +251,12 @@ PERSISTENT_ITEMS = 7168  # `auto_persistent`: at most this many work items (28 h
 PERSISTENT_STEPS = 128  # and lists of at most this many steps
 
 
-def auto_persistent(q: jax.Array, layout: BlockLayout, pair: bool, stages: int | None = None) -> bool:
+def auto_persistent(q: jax.Array, layout: BlockLayout, pair: bool, stages: int | None = None, *,
+                    max_entries: int | None = None) -> bool:
     """`block_sparse_attention_mosaic_gpu`'s default for ``persistent`` (q ``[B, T, N, D]``, its layout): the
     persistent grid for short work, at most `PERSISTENT_ITEMS` work items (batch x heads x 128-row blocks) with lists
-    of at most `PERSISTENT_STEPS` steps (``layout.max_blocks`` entries, two per step with ``pair``), where its O
-    tiles fit next to two stages (or the ``stages`` asked for).
+    of at most `PERSISTENT_STEPS` steps (``max_entries`` entries, default ``layout.max_blocks``, two per step with
+    ``pair``), where its O tiles fit next to two stages (or the ``stages`` asked for).
 
     One H100, 2026-11-27, same calls (``tools/bench_mosaic_gpu.py --grids --fixed-lists``, `mosaic-gpu-grids-queued-*`,
     `mosaic-gpu-fixed-lists_*`; ``tools/minference_side_by_side.py``, `minference-side-by-side-persistent_*`), TFLOP/s
@@ -264,7 +268,8 @@ def auto_persistent(q: jax.Array, layout: BlockLayout, pair: bool, stages: int |
     throughout: on the fixed lists at 128k the persistent grid ran up to 27% faster (16 64-key blocks) and 33%
     slower (16 128-key blocks), at 512k within -4% / +7%; dense 128-key blocks at 128k 0.99x cuDNN against 1.10x;
     the top-100 mask at 128k (8,192 items) 7.19 against 7.12 ms."""
-    steps = -(-layout.max_blocks // 2) if pair else layout.max_blocks
+    entries = layout.max_blocks if max_entries is None else max_entries
+    steps = -(-entries // 2) if pair else entries
     items = q.shape[0] * q.shape[2] * -(-layout.num_q_blocks * layout.block_q // BLOCK_Q)
     fits = max_stages(layout.block_k, fa3.padded_head_dim(q.shape[-1]), layout.block_q, pair=pair, persistent=True)
     return items <= PERSISTENT_ITEMS and steps <= PERSISTENT_STEPS and fits >= max(2, stages or 0)
@@ -1358,8 +1363,10 @@ def block_sparse_attention_mosaic_gpu(
         rows, out, lse = _rows_result(q, k, v, layout, sm_scale=sm_scale, causal=causal, num_stages=num_stages,
                                       key_pairs=key_pairs, overlap=overlap, pingpong=pingpong, poison=poison)
         return scatter_rows(rows, out, lse, t)
-    if persistent is None:
-        persistent = auto_persistent(q, layout, key_pairs, num_stages)
+    fused = layout.kv_columns is not None and column_pass == "fused"
+    if persistent is None:  # (fused: the lists go on with the column tiles)
+        entries = layout.max_blocks + (-(-layout.max_columns // layout.block_k) if fused else 0)
+        persistent = auto_persistent(q, layout, key_pairs, num_stages, max_entries=entries)
     elif persistent:  # its own O tiles take shared memory
         check_supported(q, layout, num_stages, pair=key_pairs, persistent=True)
     stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
@@ -1374,7 +1381,6 @@ def block_sparse_attention_mosaic_gpu(
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
           "pingpong": pingpong}
-    fused = layout.kv_columns is not None and column_pass == "fused"
 
     def passes(poisoned: bool):
         """The Mosaic passes, on poisoned keys (`poison_keys`: a non-finite value row becomes a NaN key and a 0

@@ -269,6 +269,7 @@ def test_auto_persistent_takes_short_work_that_fits():
     assert not auto_persistent(q(32768, 28), dense, pair=False)  # 256 steps
     short = BlockLayout.dense_causal(16384, 16384, block_q=128, block_k=128)
     assert auto_persistent(q(16384, 8), short, pair=False)  # 128 steps
+    assert not auto_persistent(q(16384, 8), short, pair=False, max_entries=129)  # (fused: with column tiles)
     assert not auto_persistent(q(131072, 8), sparse(131072, bq=64, bk=64), pair=False)  # 8,192 items
     assert not auto_persistent(q(16384, 8), sparse(16384, bq=64, bk=64), pair=True)  # 128-key steps: no room
     assert auto_persistent(q(16384, 8), sparse(16384, bq=64, bk=64), pair=False)
