@@ -3,8 +3,8 @@ Mosaic GPU kernel reaches 0.60-0.86 of cuDNN's TFLOP/s): a `jax.profiler` trace 
 (`mmjax.drivers.bench.trace_summary`), next to the call's queued time and the time of its pieces alone: the
 non-finite key poisoning (`pallas_kernels.nonfinite.poison_keys`) and the persistent grid's item order; and the
 call with the poisoning only when some value is not finite (``poison=None``, a device-side ``lax.cond``) and,
-where the persistent grid runs, with its items in a static order instead of sorted; the compile time of both poison
-forms.
+where the persistent grid runs, with its items in two static orders instead of sorted (heads fastest; index order);
+the compile time of both poison forms; and the item orders on MInference's top-100 mask (`top100_orders`).
 
 Run on a GPU: ``python tools/short_work_trace.py --out DIR [--len 32768]``; B = 1, 28 / 4 heads, D = 128, bf16,
 the layouts of ``tools/bench_mosaic_gpu.py`` (`BlockLayout.random_causal`, seed 4). Writes
@@ -27,8 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_timing import queued_median_ms  # noqa: E402
 from jsonl_log import write_atomic  # noqa: E402
+from minference_index import block_index_counts, pooled_block_index  # noqa: E402
 
 from mmjax.drivers.bench import trace_summary  # noqa: E402
+from mmjax.sparse.synthetic import video_qkv  # noqa: E402
 from mmjax.timing import device_name  # noqa: E402
 from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
 from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
@@ -54,6 +56,13 @@ def compile_s(fn, *args) -> float:
     t0 = time.perf_counter()
     fn.lower(*args).compile()
     return time.perf_counter() - t0
+
+
+def identity_order(count, *, block_q, ctas, batch, heads, pair):
+    """`mosaic_gpu.item_order` without the sort: the items in index order (query blocks fastest, the last rows
+    first; the sorted order's tie order)."""
+    del count, block_q, pair
+    return jnp.arange(batch * heads * ctas, dtype=jnp.int32)
 
 
 def static_order(count, *, block_q, ctas, batch, heads, pair):
@@ -86,10 +95,38 @@ def trace(fn, log_dir: str) -> dict:
     return per_call
 
 
+def with_order(order, fn):
+    """``fn()`` with `mosaic_gpu.item_order` replaced by ``order`` (None: as it is), caches cleared around it."""
+    sorted_order = mosaic_gpu.item_order
+    mosaic_gpu.item_order = order or sorted_order
+    jax.clear_caches()
+    try:
+        return fn()
+    finally:
+        mosaic_gpu.item_order = sorted_order
+        jax.clear_caches()
+
+
+def top100_orders(s: int) -> dict:
+    """MInference's pooled top-100 mask (64 x 64 blocks, 8 / 8 heads, `tools/top100_locality.py`'s input) on the
+    persistent grid, with the items sorted (the default) and in the two static orders: ms each."""
+    q, k, v = video_qkv(jax.random.key(s), s, heads=8, kv_heads=8, head_dim=D, dtype=jnp.bfloat16)
+    idx = jax.jit(pooled_block_index, static_argnums=2)(q, k, 100)
+    lay = BlockLayout(kv_blocks=idx, kv_block_count=block_index_counts(idx), block_q=64, block_k=64, q_len=s,
+                      kv_len=s)
+    out = {"persistent": bool(mosaic_gpu.auto_persistent(q, lay, mosaic_gpu.auto_key_pairs(lay, None)))}
+    for name, order in (("sorted", None), ("static", static_order), ("identity", identity_order)):
+        out[f"ms_{name}_order"] = with_order(order, lambda: ms(lambda f=mosaic(persistent=True): f(q, k, v, lay)))
+    print(f"top-100 mask at {s}: {out}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--len", type=int, default=32768)
+    ap.add_argument("--orders-only", action="store_true",
+                    help="only the item orders (no traces, no poison form, no compile times)")
     args = ap.parse_args()
     s = args.len
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(3), 3)
@@ -107,7 +144,7 @@ def main() -> int:
         lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128, block_k=bk, heads=N)
         density = float(jnp.mean(lay.density()))
         call = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation="mosaic_gpu")[0])
-        if not result["rows"]:  # compile time, the default (poison=True) against poison=None (both branches)
+        if not result["rows"] and not args.orders_only:  # compile time: the default (poison=True), poison=None
             result["compile_s"] = {"default": compile_s(call, q, k, v, lay),
                                    "poison_auto": compile_s(mosaic(poison=None), q, k, v, lay)}
             print(f"compile s: {result['compile_s']}", flush=True)
@@ -118,24 +155,22 @@ def main() -> int:
                "of_cudnn_tflops": density * t_cudnn / t,
                "persistent": bool(mosaic_gpu.auto_persistent(q, lay, pair)),
                "item_order_ms": ms(lambda: order(lay.kv_block_count))}
-        auto = mosaic(poison=None)
-        row["ms_poison_auto"] = ms(lambda: auto(q, k, v, lay))
+        if not args.orders_only:
+            auto = mosaic(poison=None)
+            row["ms_poison_auto"] = ms(lambda: auto(q, k, v, lay))
         if row["persistent"]:  # the persistent grid with items in a static order instead of sorted
-            sorted_order = mosaic_gpu.item_order
-            mosaic_gpu.item_order = static_order
-            jax.clear_caches()
-            try:
-                static = mosaic()
-                row["ms_static_order"] = ms(lambda: static(q, k, v, lay))
-            finally:
-                mosaic_gpu.item_order = sorted_order
-                jax.clear_caches()
-        with tempfile.TemporaryDirectory() as d:
-            row["trace"] = trace(lambda: call(q, k, v, lay), d)
+            for name, order in (("static", static_order), ("identity", identity_order)):
+                row[f"ms_{name}_order"] = with_order(order, lambda: ms(lambda f=mosaic(): f(q, k, v, lay)))
+        if not args.orders_only:
+            with tempfile.TemporaryDirectory() as d:
+                row["trace"] = trace(lambda: call(q, k, v, lay), d)
+        nan = float("nan")
         print(f"random {keep:.0%} bk{bk}: {t:.3f} ms = {row['of_cudnn_tflops']:.2f} of cuDNN's TFLOP/s, item order "
-              f"{row['item_order_ms']:.3f} ms, poison only if not finite {row['ms_poison_auto']:.3f} ms, static order "
-              f"{row.get('ms_static_order', float('nan')):.3f} ms", flush=True)
+              f"{row['item_order_ms']:.3f} ms, poison only if not finite {row.get('ms_poison_auto', nan):.3f} ms, "
+              f"static / identity order {row.get('ms_static_order', nan):.3f} / "
+              f"{row.get('ms_identity_order', nan):.3f} ms", flush=True)
         result["rows"].append(row)
+    result["top100"] = top100_orders(s)
     os.makedirs(args.out, exist_ok=True)
     write_atomic(os.path.join(args.out, "short_work_trace.json"), lambda f: json.dump(result, f, indent=1))
     return 0
