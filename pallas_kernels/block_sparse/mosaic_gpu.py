@@ -1326,8 +1326,9 @@ def block_sparse_attention_mosaic_gpu(
     columns to the keys and runs them in the block pass's own launch (`_fused_column_pass`): one output, no merge.
     None (default): ``"fused"`` where it applies, else ``"mosaic"`` for shared columns and ``"triton"`` for the
     rest. One H100, 2026-11-28, SF-fixed's layout at 128k (28 / 4 heads, `tools/pattern_parts_profile.py`,
-    `pattern-parts-fused_*`): Triton column pass 25.86 ms, Mosaic 19.84, fused 18.94 (17.21 on the persistent grid),
-    cuDNN's dense 219.44. One H100, 2026-11-27,
+    `pattern-parts-128k-reps7_*`, 7 samples of queued calls): Triton column pass 25.96 ms, Mosaic 19.64, fused 18.47
+    (18.07 on the persistent grid; 17.21 and 19.03 in two 3-sample calls, so the grid stays `auto_persistent`'s
+    choice), cuDNN's dense 216.91; at 32k 2.28 -> 1.95 ms, at 512k / 1M even. One H100, 2026-11-27,
     Vertical-Slash 64-row windows: Triton column pass 3.50 / 38.8 / 256 ms, Mosaic 3.93 / 41.5 / 275 ms at 32k /
     128k / 512k.
 
