@@ -20,6 +20,10 @@ list of ``S / 64`` entries: 28 work items), against the same work as ``--split``
 (the rows repeated, lists cut into chunks) plus the lse merge of the chunks: what splitting a long list across
 work items gains.
 
+Timing: the median of ``--reps`` samples, each of the calls queued for up to ``--batch-s`` seconds. At 128k (10-20 ms
+a call) three single calls of one function differed by up to 15% within a run (2026-11-28); ``--reps 7 --batch-s
+0.15`` gave steady rows there (``tools/issue16_targets.sh patterns``). At 1M single calls (about 1 s) suffice.
+
 Writes ``pattern_parts_profile.json`` and a plot of each pattern's ratio per form (``.png``) into ``--out``.
 """
 
