@@ -7,8 +7,8 @@ where the persistent grid runs, with its items in two static orders instead of s
 the compile time of both poison forms; and the item orders on MInference's top-100 mask (`top100_orders`).
 
 Run on a GPU: ``python tools/short_work_trace.py --out DIR [--len 32768]``; B = 1, 28 / 4 heads, D = 128, bf16,
-the layouts of ``tools/bench_mosaic_gpu.py`` (`BlockLayout.random_causal`, seed 4). Writes
-``short_work_trace.json`` into ``--out``.
+the inputs and layouts of ``tools/bench_mosaic_gpu.py`` (`BlockLayout.random_causal`, seed 4). Writes
+``short_work_trace.json`` and a plot of each row's forms (``short_work_trace.png``) into ``--out``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,14 @@ import time
 
 import jax
 import jax.numpy as jnp
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mosaic_gpu import cudnn_fn, inputs  # noqa: E402
+from bench_mosaic_gpu import mosaic_fn as mosaic  # noqa: E402
 from gpu_timing import queued_median_ms  # noqa: E402
 from jsonl_log import write_atomic  # noqa: E402
 from minference_index import block_index_counts, pooled_block_index  # noqa: E402
@@ -36,7 +41,8 @@ from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
 from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
 from pallas_kernels.nonfinite import poison_keys  # noqa: E402
 
-N, K, D = 28, 4, 128
+N, D = 28, 128
+matplotlib.use("Agg")
 
 
 def ms(fn, calls: int = 10) -> float:
@@ -44,12 +50,6 @@ def ms(fn, calls: int = 10) -> float:
 
 
 CALLS = 10  # calls in a trace
-
-
-def mosaic(**options):
-    """The Mosaic GPU kernel called directly with ``options`` (e.g. ``poison=True``: `poison_keys` on every call)."""
-    return jax.jit(lambda q, k, v, lay: mosaic_gpu.block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5,
-                                                                                    **options)[0])
 
 
 def compile_s(fn, *args) -> float:
@@ -121,6 +121,28 @@ def top100_orders(s: int) -> dict:
     return out
 
 
+FORMS = (("ms", "default"), ("ms_poison_auto", "poison=None"), ("ms_sorted_order", "items sorted"),
+         ("ms_static_order", "heads fastest"), ("ms_identity_order", "index order"))
+
+
+def figure(result: dict):
+    """ms per call of each row (the random layouts, then the top-100 mask) in each form timed."""
+    rows = [(f"random {r['keep']:.0%}\nbk{r['block_k']}", r) for r in result["rows"]]
+    if "top100" in result:
+        rows.append(("top-100\n(persistent)", result["top100"]))
+    forms = [(key, label) for key, label in FORMS if any(key in r for _, r in rows)]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / len(forms)
+    for i, (key, label) in enumerate(forms):
+        ax.bar(np.arange(len(rows)) + i * width, [r.get(key, 0.0) for _, r in rows], width, label=label)
+    ax.set_xticks(np.arange(len(rows)) + width * (len(forms) - 1) / 2, [name for name, _ in rows])
+    ax.set_ylabel("ms per call")
+    ax.set_title(f"{result['device']}, S = {result['len']:,}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -129,15 +151,12 @@ def main() -> int:
                     help="only the item orders (no traces, no poison form, no compile times)")
     args = ap.parse_args()
     s = args.len
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(3), 3)
-    q = jax.random.normal(kq, (1, s, N, D), jnp.bfloat16)
-    k = jax.random.normal(kk, (1, s, K, D), jnp.bfloat16)
-    v = jax.random.normal(kv, (1, s, K, D), jnp.bfloat16)
-    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    q, k, v = inputs(s, 3)
+    cudnn, poison = cudnn_fn(), jax.jit(poison_keys)
     t_cudnn = ms(lambda: cudnn(q, k, v))
     tf_cudnn = 4.0 * N * D * s * (s + 1) / 2 / t_cudnn / 1e9
     result = {"device": device_name(), "jax": jax.__version__, "len": s, "cudnn_ms": t_cudnn,
-              "cudnn_tflops": tf_cudnn, "poison_keys_ms": ms(lambda: jax.jit(poison_keys)(k, v)), "rows": []}
+              "cudnn_tflops": tf_cudnn, "poison_keys_ms": ms(lambda: poison(k, v)), "rows": []}
     print(f"{result['device']}: S={s} cuDNN {t_cudnn:.3f} ms; poison_keys {result['poison_keys_ms']:.3f} ms",
           flush=True)
     for keep, bk in ((0.1, 64), (0.1, 128), (0.03, 64), (0.03, 128)):
@@ -173,6 +192,8 @@ def main() -> int:
     result["top100"] = top100_orders(s)
     os.makedirs(args.out, exist_ok=True)
     write_atomic(os.path.join(args.out, "short_work_trace.json"), lambda f: json.dump(result, f, indent=1))
+    fig = figure(result)
+    write_atomic(os.path.join(args.out, "short_work_trace.png"), lambda f: fig.savefig(f, format="png", dpi=120))
     return 0
 
 

@@ -1358,8 +1358,7 @@ def block_sparse_attention_mosaic_gpu(
     elif layout.block_k == 32:
         raise ValueError("key_pairs: expected True or None for layout.block_k=32 (32-key entries run two per step: "
                          "the P V product needs 64 keys); received False")
-    if poison is not None and not isinstance(poison, bool):
-        raise ValueError(f"poison: expected None, True or False; received {poison!r}")
+    _check_poison(poison)
     if row_range_pass(layout) and not persistent and profile is None:  # its rows alone, lists in chunks
         rows, out, lse = _rows_result(q, k, v, layout, sm_scale=sm_scale, causal=causal, num_stages=num_stages,
                                       key_pairs=key_pairs, overlap=overlap, pingpong=pingpong, poison=poison)
@@ -1383,10 +1382,8 @@ def block_sparse_attention_mosaic_gpu(
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
           "pingpong": pingpong}
 
-    def passes(poisoned: bool):
-        """The Mosaic passes, on poisoned keys (`poison_keys`: a non-finite value row becomes a NaN key and a 0
-        value row) or on k / v as given (every value finite)."""
-        kp, vp = poison_keys(k, v) if poisoned else (k, v)
+    def passes(kp, vp):
+        """The Mosaic passes on k / v as `_on_keys` gives them."""
         out, lse = (_fused_column_pass if fused else _block_pass)(q_in, kp, vp, layout, profile=profile, **kw)
         out, lse = out[:, :t, :, :d], lse[:, :, :t]
         if layout.kv_columns is not None and column_pass == "mosaic":
@@ -1394,7 +1391,7 @@ def block_sparse_attention_mosaic_gpu(
             out, lse = merge_attention(out, lse, out_c[:, :t, :, :d], lse_c[:, :, :t])
         return out, lse
 
-    out, lse = checked_if_nonfinite(passes, v) if poison is None else passes(poison)
+    out, lse = _on_keys(passes, k, v, poison)
     if layout.q_perm is not None:
         inv = inverse_permutation(jnp.clip(layout.q_perm, 0, t - 1))  # [B|1, N|1, T]
         out = _gather_rows(out, inv)
@@ -1407,6 +1404,21 @@ def block_sparse_attention_mosaic_gpu(
     return out, lse
 
 
+def _check_poison(poison) -> None:
+    if poison is not None and not isinstance(poison, bool):
+        raise ValueError(f"poison: expected None, True or False; received {poison!r}")
+
+
+def _on_keys(run, k, v, poison: bool | None):
+    """``run(k', v')`` with the keys poisoned (`poison_keys`: a non-finite value row becomes a NaN key and a 0 value
+    row) when ``poison`` is True, as given when False, and, when None, poisoned only if some value is not finite
+    (`nonfinite.checked_if_nonfinite`, decided on the device; both branches are compiled)."""
+    def branch(poisoned: bool):
+        return run(*poison_keys(k, v)) if poisoned else run(k, v)
+
+    return checked_if_nonfinite(branch, v) if poison is None else branch(poison)
+
+
 def _rows_result(q, k, v, layout: BlockLayout, *, sm_scale, causal, num_stages, key_pairs, overlap, pingpong,
                  poison):
     """`_rows_pass` with the kernel's defaults (stages; keys poisoned as ``poison`` says, None: unless every value
@@ -1414,12 +1426,9 @@ def _rows_result(q, k, v, layout: BlockLayout, *, sm_scale, causal, num_stages, 
     d_pad = fa3.padded_head_dim(q.shape[3])
     stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
 
-    def rows_pass(poisoned: bool):
-        kp, vp = poison_keys(k, v) if poisoned else (k, v)
-        return _rows_pass(q, kp, vp, layout, sm_scale=sm_scale, causal=causal, stages=stages, d_pad=d_pad,
-                          pair=key_pairs, overlap=overlap, pingpong=pingpong)
-
-    return checked_if_nonfinite(rows_pass, v) if poison is None else rows_pass(poison)
+    return _on_keys(lambda kp, vp: _rows_pass(q, kp, vp, layout, sm_scale=sm_scale, causal=causal, stages=stages,
+                                              d_pad=d_pad, pair=key_pairs, overlap=overlap, pingpong=pingpong),
+                    k, v, poison)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "key_pairs", "overlap", "pingpong",
@@ -1439,8 +1448,7 @@ def block_sparse_attention_rows_mosaic_gpu(q: jax.Array, k: jax.Array, v: jax.Ar
         raise ValueError("layout: expected a q_block_range and key blocks only (no kv_columns, no kv_windows); "
                          f"received q_block_range={layout.q_block_range}, kv_columns "
                          f"{'set' if layout.kv_columns is not None else None}, kv_windows={layout.kv_windows}")
-    if poison is not None and not isinstance(poison, bool):
-        raise ValueError(f"poison: expected None, True or False; received {poison!r}")
+    _check_poison(poison)
     if key_pairs is None:
         key_pairs = auto_key_pairs(layout, num_stages)
     return _rows_result(q, k, v, layout, sm_scale=sm_scale, causal=causal, num_stages=num_stages,
