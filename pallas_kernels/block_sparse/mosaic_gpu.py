@@ -1171,6 +1171,14 @@ def fused_lists(blocks: jax.Array, count: jax.Array, column_count: jax.Array, *,
     starts, lo, hi) int32 ``[B', N', nq, M + tiles]`` and counts ``[B', N', nq]``: entry j < count[i] is block
     ``blocks[..., i, j]`` whole; the next ``ceil(column_count[i] / block_k)`` entries are column tiles, the last
     one only up to the count."""
+    if (blocks.ndim != 4 or count.ndim != 3 or column_count.ndim != 3
+            or not all(jnp.issubdtype(x.dtype, jnp.integer) for x in (blocks, count, column_count))):
+        raise ValueError(f"blocks, count, column_count: expected int arrays [B|1, N|1, nq|1, M], [B|1, N|1, nq] and "
+                         f"[B|1, N|1, nq|1]; received {blocks.dtype}{list(blocks.shape)}, {count.dtype}"
+                         f"{list(count.shape)} and {column_count.dtype}{list(column_count.shape)}")
+    if block_k % TMA_ROWS or num_kv_blocks < 1 or tiles < 1:
+        raise ValueError(f"block_k, num_kv_blocks, tiles: expected a multiple of {TMA_ROWS} and ints >= 1; received "
+                         f"{block_k}, {num_kv_blocks}, {tiles}")
     nq, m = count.shape[2], blocks.shape[-1]
     lead = jnp.broadcast_shapes(blocks.shape[:2], count.shape[:2], column_count.shape[:2])
     n_blk = jnp.broadcast_to(jnp.clip(count, 0, m), lead + (nq,))[..., None]

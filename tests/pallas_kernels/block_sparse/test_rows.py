@@ -288,6 +288,10 @@ def test_fused_lists_are_the_blocks_then_the_column_tiles():
     np.testing.assert_array_equal(np.asarray(hi)[0, 0, 0, :6], [256, 0, 384, 704, 768, 770])
     np.testing.assert_array_equal(np.asarray(lo), np.asarray(starts))
     assert int(starts[0, 0, 1, 0]) == 0 and int(hi[0, 0, 1, 0]) == 64
+    with pytest.raises(ValueError, match=r"blocks, count, column_count: expected int arrays"):
+        mosaic_gpu.fused_lists(blocks[0], count, ccount, block_k=bk, num_kv_blocks=nk, tiles=tiles)
+    with pytest.raises(ValueError, match=r"block_k, num_kv_blocks, tiles"):
+        mosaic_gpu.fused_lists(blocks, count, ccount, block_k=bk, num_kv_blocks=nk, tiles=0)
     windows = BlockLayout(kv_blocks=blocks, kv_block_count=count, block_q=128, block_k=bk, q_len=200, kv_len=640,
                           kv_columns=jnp.arange(600, 640, dtype=jnp.int32)[None, None, None],
                           kv_column_count=jnp.full((1, 1, 2), 40, jnp.int32), kv_windows=True, window_align=8)
