@@ -13,7 +13,7 @@ from mmjax.sparse.metrics import block_mass_matrix, oracle_recall
 from mmjax.sparse.modality import Modality, frame_tokens_from_grid_thw
 from mmjax.sparse.patterns import Grid, QBoundary
 from mmjax.sparse.pattern_search.space import GRID_FLAGS
-from mmjax.sparse.patterns.grid import phase_groups
+from mmjax.sparse.patterns.grid import _bisect_right, phase_groups
 from mmjax.sparse.synthetic import VIDEO_FAMILIES, GridVideo, grid_video_qkv
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, rel_err
@@ -72,7 +72,7 @@ def test_mask_holds_the_rule_pairs(flags):
 def test_phase_groups_put_line_phases_first_and_follow_the_stride():
     g = np.asarray(phase_groups(jnp.arange(40), jnp.asarray([[10]]), jnp.asarray([[[3, 7]]])))[0, 0]
     assert g[3] == 0 and g[13] == 0 and g[7] == 1 and g[27] == 1
-    assert g[4] == 2 + 1 and g[2] == 2 + 9  # the rest by (x - 3) mod 10 after the line groups
+    assert g[4] == 2 + 4 and g[2] == 2 + 2  # the rest by x mod 10 after the line groups
     assert (g[np.arange(40) % 10 == 5] == g[5]).all()
 
 
@@ -158,3 +158,43 @@ def test_horizontal_lines_stay_in_their_q_block_range(stride, phases, sink):
     ref, ref_lse = attend(q, k, v, plain, KernelOptions(implementation="reference"))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-6)
+
+
+@pytest.mark.parametrize("stride,shared", [(28, True), ("frame", True), ("search", False)])
+def test_a_static_stride_gives_every_head_one_key_order(stride, shared):
+    """Keys go by (phase, position) alone: with one stride for all heads the lines part has one ``kv_perm``
+    ``[1, 1, S]`` (the kernels gather each key / value head once), with searched strides one per head."""
+    q, k, _, mod = _inputs()
+    layout = Grid(stride=stride, local=9, last_q=16, stride_space=(14, 28, 56), **SMALL).build_layout(
+        q, k, modality=mod)
+    lines = layout.parts[1]
+    assert lines.kv_perm.shape == ((1, 1, k.shape[1]) if shared else (1, q.shape[2], k.shape[1]))
+    if shared:  # the phase-major order: ascending phases, positions ascending within one
+        perm = np.asarray(lines.kv_perm)[0, 0]
+        np.testing.assert_array_equal(perm, np.lexsort((np.arange(k.shape[1]), np.arange(k.shape[1]) % 28)))
+
+
+def test_sink_keys_longer_than_a_phase_are_all_kept():
+    """40 sink keys where one phase of stride 28 holds 8 keys: every row sees every earlier sink key."""
+    q, k, v, _ = _inputs()
+    for h, vl, sl in FLAGS:
+        g = Grid(stride=28, sink=40, use_hline=h, use_vline=vl, use_slash=sl, local=9, last_q=16, **SMALL)
+        layout = g.build_layout(q, k)
+        mask = np.asarray(layout.to_dense_mask())[0]
+        i, j = np.arange(SPEC.seq_len)[:, None], np.arange(SPEC.seq_len)[None, :]
+        assert (mask >= ((j < 40) & (j <= i))).all(), (h, vl, sl)
+    ref, _ = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    out, _ = attend(q, k, v, layout, KernelOptions(implementation="reference"))
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_bisect_right_matches_numpy_on_ascending_runs():
+    rng = np.random.default_rng(0)
+    values = np.sort(rng.integers(0, 50, (2, 3, 37)), -1).astype(np.int32)
+    lo = rng.integers(0, 38, (2, 3, 11)).astype(np.int32)
+    hi = np.minimum(lo + rng.integers(0, 20, lo.shape), 37).astype(np.int32)
+    x = rng.integers(-2, 52, lo.shape).astype(np.int32)
+    got = np.asarray(_bisect_right(jnp.asarray(values), jnp.asarray(lo), jnp.asarray(hi), jnp.asarray(x)))
+    want = np.array([[[lo[b, n, r] + np.searchsorted(values[b, n, lo[b, n, r]:hi[b, n, r]], x[b, n, r], "right")
+                       for r in range(lo.shape[2])] for n in range(3)] for b in range(2)])
+    np.testing.assert_array_equal(got, want)

@@ -8,6 +8,7 @@ import pytest
 
 from mmjax.drivers.bench.patterns import gpu_patterns
 from mmjax.sparse.layouts import KernelOptions, attend
+from mmjax.sparse.patterns import Grid
 from mmjax.sparse.synthetic import video_qkv
 from tests.pallas_kernels.helpers import rel_err
 
@@ -16,6 +17,8 @@ pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 
 S = 8192
+# beside them Grid at the input's frame stride (16 x 16 tokens): one key order for every head (kv_perm [1, 1, S])
+PATTERNS = dict(gpu_patterns(), **{"Grid(stride=256)": Grid(stride=256, last_q=64)})
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +27,10 @@ def qkv():
 
 
 @needs_gpu
-@pytest.mark.parametrize("name", sorted(gpu_patterns()))
+@pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_pattern_attend_matches_the_reference(qkv, name):
     q, k, v = qkv
-    layout = jax.jit(gpu_patterns()[name].build_layout)(q, k)
+    layout = jax.jit(PATTERNS[name].build_layout)(q, k)
     out, lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))(q, k, v, layout)
     ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
         q, k, v, layout)

@@ -20,21 +20,26 @@ with the most column mass in the last rows.
 
 ## The stride permutation
 
-Queries and keys are reordered *phase-major*: by (phase group, position), where the phase
-group of position x is ``i`` if ``x mod s`` is the i-th line phase, else ``|P| + ((x - p0)
-mod s)`` (p0 the first line phase). Every token of one phase (one spatial position in every
-frame) is then contiguous and in frame order, and the line phases come first. In that order
+Queries are reordered *phase-major* by (phase group, position), where the phase group of position x is
+``i`` if ``x mod s`` is the i-th line phase, else ``|P| + (x mod s)``: every query of one phase (one
+spatial position in every frame) is contiguous and in frame order, the line phases first. Keys are
+reordered by (phase, position) alone (`key_groups`): an order that does not depend on the head's line
+phases, so all heads of one static stride (``"frame"`` or an int) share it and the kernel gathers each
+key / value head once instead of copying k / v per query head (sink keys, with ``sink`` > 0, form one
+group in front). In those orders
 
 * the slash lines are block diagonal: the pairs at offsets ``m * s`` are exactly the pairs of
-  equal phase, so query group g sees key group g, and a query block whose rows span groups
-  ``[a, b]`` lists the key range of groups ``[a, b]``, a few dense tiles;
-* the vertical lines are the first ``|P|`` key groups: a contiguous prefix of the keys
-  (after the sink keys, which form one group of their own in front when ``sink`` > 0);
+  equal phase, so a query block whose rows span phase groups ``[a, b]`` lists the keys of their
+  phases: one key range for the rows past the line phases (their phases ascend as the keys' do; it
+  holds the line phases between them too), plus one key group per line phase among its rows; a few
+  dense tiles;
+* the vertical lines are ``|P|`` key groups: one contiguous range each (the causal prefix of its phase);
 * the horizontal lines are the first ``|P|`` query groups: the first query blocks, which
   list every key block.
 
 So every line becomes whole ``block_q x block_k`` tiles the kernel computes at full speed;
-it gathers permuted keys through ``kv_perm`` and masks on original positions.
+it gathers permuted keys through ``kv_perm`` and masks on original positions. Blocks are computed whole:
+a block holds the pairs of every row with every listed key (a superset of the lines at the block edges).
 
 ## Layout
 
@@ -42,15 +47,14 @@ A `LayoutSet` of up to three parts whose pairs are disjoint by construction:
 
 1. band: original order, causal ``window = local`` (pairs at distance < local);
 2. lines: permuted, causal ``gap = local`` (distance >= local): per query block the causal
-   prefix of each vertical-line group and the slash range of its groups;
+   prefix of each vertical-line group and the slash ranges of its rows' phases;
 3. rows: permuted rows, ``gap = local``: the horizontal-line blocks list every key block
    (one shared ``arange`` list over the keys in original order, or, in a placement, over the packed keys;
    part 2 lists nothing for them). They are the first query blocks, at most
    `Grid.max_line_rows` rows: the part names them as its ``q_block_range`` and runs on them alone.
 
-Inside a boundary wrapper (`build_placed`) keys are packed by (invalid, key group, phase
-group, position) and rows by phase group within the wrapper's row order; the rules stay on
-original positions.
+Inside a boundary wrapper (`build_placed`) keys are packed by (invalid, key group, phase, position) and rows by
+phase group within the wrapper's row order; the rules stay on original positions.
 """
 
 from __future__ import annotations
@@ -103,11 +107,40 @@ def phase_groups(pos: jax.Array, stride: jax.Array, phase: jax.Array, sink: int 
     ph = pos % s  # [B, N, L]
     n_lines = phase.shape[-1]
     line = ph[..., None] == phase[..., None, :]  # [B, N, L, P]
-    rest = n_lines + (pos - phase[..., :1]) % s
+    rest = n_lines + ph
     group = jnp.where(line.any(-1), jnp.argmax(line, -1), rest)
     if sink:
         group = jnp.where(pos < sink, 0, group + 1)
     return group.astype(jnp.int32)
+
+
+def key_groups(pos: jax.Array, stride: jax.Array, sink: int = 0) -> jax.Array:
+    """Group of every key in the phase-major key order (module docstring): its phase ``pos mod stride``; with
+    ``sink`` > 0 the positions below it form group 0 and every phase moves up by one. pos int32 ``[L]`` or
+    ``[B|1, 1, L]``, stride ``[B|1, N|1]`` -> int32 ``[B|1, N|1, L]``. It does not depend on the line phases, so
+    heads of one stride share it."""
+    pos = jnp.asarray(pos, jnp.int32)
+    if pos.ndim == 1:
+        pos = pos[None, None]
+    group = pos % stride[..., None]
+    if sink:
+        group = jnp.where(pos < sink, 0, group + 1)
+    return group.astype(jnp.int32)
+
+
+def _bisect_right(values: jax.Array, lo: jax.Array, hi: jax.Array, x: jax.Array) -> jax.Array:
+    """First index i in ``[lo, hi)`` with ``values[..., i] > x``, else hi, where values ascend on ``[lo, hi)``:
+    values ``[B, N, L]``, lo / hi / x int32 ``[B, N, R]`` -> int32 ``[B, N, R]`` (a vectorised bisection)."""
+    last = values.shape[-1] - 1
+
+    def step(_, bounds):
+        a, b = bounds
+        mid = (a + b) // 2
+        right = jnp.take_along_axis(values, jnp.clip(mid, 0, last), -1) <= x
+        open_ = a < b
+        return jnp.where(open_ & right, mid + 1, a), jnp.where(open_ & ~right, mid, b)
+
+    return jax.lax.fori_loop(0, max(1, int(values.shape[-1]).bit_length()), step, (lo, hi))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,38 +284,47 @@ class Grid(Pattern):
                            block_k=bk, q_len=t, kv_len=s, window=self.local)
 
     def _widths(self, t: int, s: int, bounds: tuple[int, int]) -> tuple[int, int]:
-        """Static bounds on the keys of one vertical-line group and of one slash range."""
+        """Static bounds on the keys of one phase and of one slash range of the rows past the line phases (the
+        phases of up to ``groups`` query groups and the line phases between them)."""
         s_min, s_max = bounds
         per_group = cdiv(s, s_min)
         groups = min(self.block_q, cdiv(self.block_q, max(1, t // s_max)) + 1)
-        return per_group, min(s, groups * per_group)
+        return per_group, min(s, (groups + self.phases) * per_group)
 
     def layout_from_index(self, stride, phase, t: int, s: int, *, bounds: tuple[int, int]
                           ) -> LayoutSet | BlockLayout:
         """stride ``[B,N]``, phase ``[B,N,P]`` -> the `LayoutSet` of the module docstring.
-        bounds: static (smallest, largest) stride (list widths)."""
+        bounds: static (smallest, largest) stride, every stride within them (list widths; equal bounds: one key
+        order for every head, ``kv_perm`` ``[1,1,S]``)."""
         off = s - t
-        kg = phase_groups(jnp.arange(s), stride, phase, self.sink)  # [B, N, S]
+        kg = key_groups(jnp.arange(s), self._key_stride(stride, bounds), self.sink)  # [1|B, 1|N, S]
         qg = phase_groups(jnp.arange(t) + off, stride, phase, self.sink)
         kv_perm = jnp.argsort(kg, axis=-1, stable=True).astype(jnp.int32)
         q_perm = jnp.argsort(qg, axis=-1, stable=True).astype(jnp.int32)
         kg_sorted = jnp.take_along_axis(kg, kv_perm, -1)
         qg_sorted = jnp.take_along_axis(qg, q_perm, -1)
         q_pos = q_perm + off
-        return self._assemble(kv_perm, q_perm, kg_sorted, qg_sorted, q_pos, kv_perm, t, s, bounds,
+        return self._assemble(kv_perm, q_perm, kg_sorted, qg_sorted, q_pos, kv_perm, stride, phase, t, s, bounds,
                               band=self._band(t, s) if self.local else None, n_valid=None)
 
-    def _assemble(self, kv_perm, q_perm, kg_sorted, qg_sorted, q_pos, k_pos_sorted, t: int, s: int,
-                  bounds, *, band, n_valid, key_code=None, seg_base=(0,)) -> LayoutSet | BlockLayout:
-        """Lines and rows parts from sorted phase groups. kg_sorted / k_pos_sorted ``[B,N,S]``
-        (group and position of each packed key), qg_sorted / q_pos ``[B,N,T]``; key_code: the
-        packed keys' (segment, group) codes with ``seg_base`` the code offset of each valid
-        key segment (one segment: the groups themselves)."""
+    @staticmethod
+    def _key_stride(stride: jax.Array, bounds: tuple[int, int]) -> jax.Array:
+        """The stride the key order follows: one static stride ``[1,1]`` when the bounds are equal, else
+        ``stride`` ``[B,N]`` (a key order per head)."""
+        return jnp.full((1, 1), bounds[0], jnp.int32) if bounds[0] == bounds[1] else stride
+
+    def _assemble(self, kv_perm, q_perm, code, qg_sorted, q_pos, k_pos, stride, phase, t: int, s: int,
+                  bounds, *, band, n_valid, seg_base=(0,)) -> LayoutSet | BlockLayout:
+        """Lines and rows parts from the packed keys and the sorted query groups.
+
+        code ``[B|1, N|1, S]``: each packed key's code, ascending: ``seg_base[i]`` + its `key_groups` group for
+        the keys of valid segment i (one segment: the groups themselves; invalid keys sort past every code);
+        k_pos: their positions, ascending within a code. qg_sorted / q_pos ``[B,N,T]``: each permuted row's
+        `phase_groups` group and position; stride ``[B,N]``, phase ``[B,N,P]``."""
         bq, bk = self.block_q, self.block_k
         nq, nk = cdiv(t, bq), cdiv(s, bk)
         front = 1 if self.sink else 0  # the sink group
-        p_lines = self.phases + front  # groups [0, p_lines): sink, then the line phases
-        code = kg_sorted if key_code is None else key_code
+        p_lines = self.phases + front  # query groups [0, p_lines): sink, then the line phases
         gap = self.local
         parts = [] if band is None else [band]
         if not self.has_lines:
@@ -292,33 +334,37 @@ class Grid(Pattern):
         qp_blk = jnp.pad(q_pos, ((0, 0), (0, 0), (0, pad)), mode="edge").reshape(q_pos.shape[:2] + (nq, bq))
         g_lo, g_hi = qg_blk.min(-1), qg_blk.max(-1)  # [B, N, nq]
         reach = qp_blk.max(-1) - gap  # keys at positions <= reach can be seen
-        per_group, slash_keys = self._widths(t, s, bounds)
-        search = lambda a, v, side: jax.vmap(jax.vmap(lambda x, y: jnp.searchsorted(x, y, side=side)))(
-            jnp.broadcast_to(a, v.shape[:2] + a.shape[2:]), v).astype(jnp.int32)
+        lead = g_lo.shape[:2]
+        codes = jnp.broadcast_to(code, lead + code.shape[2:])
+        poss = jnp.broadcast_to(k_pos, lead + k_pos.shape[2:])
+        search = lambda v, side: jax.vmap(jax.vmap(lambda x, y: jnp.searchsorted(x, y, side=side)))(
+            codes, jnp.broadcast_to(v, g_lo.shape)).astype(jnp.int32)
+        per_group, rest_keys = self._widths(t, s, bounds)
+        sink_keys = min(self.sink, s)
+        line_code = [front + phase[..., i, None] for i in range(self.phases)]  # [B, N, 1]: key group of line i
         groups = []
-        kept_groups = [g for g in range(p_lines) if g < front or self.use_vline]
-        if kept_groups:
-            # Line keys by (segment, line group, position), every other key of a segment after
-            # them: ascending in packed order (invalid segments last, beyond every search).
-            n_seg = len(seg_base)
-            seg_of = (code - kg_sorted) if key_code is not None else jnp.zeros_like(code)
-            seg_idx = jnp.full_like(code, n_seg)
-            for i, base in enumerate(seg_base):
-                seg_idx = jnp.where(seg_of == base, i, seg_idx)
-            is_line = kg_sorted < p_lines
-            lcode = ((seg_idx * (p_lines + 1) + jnp.minimum(kg_sorted, p_lines)) * (s + 1)
-                     + jnp.where(is_line, k_pos_sorted, s))
-            for i in range(n_seg):
-                for g in kept_groups:
-                    c0 = (i * (p_lines + 1) + g) * (s + 1)
-                    lo = search(lcode, jnp.full_like(reach, c0), "left")
-                    hi = search(lcode, c0 + jnp.clip(reach, -1, s - 1), "right") - 1
-                    groups.append((lo, jnp.where(reach >= 0, hi, lo - 1), per_group))
-        if self.use_slash:
-            for base in seg_base:
-                lo = search(code, base + g_lo, "left")
-                hi = search(code, base + g_hi, "right") - 1
-                groups.append((lo, hi, slash_keys))
+        for base in seg_base:
+            # vertical lines (and the sink keys): each line group's causal prefix
+            kept = ([(0, sink_keys)] if front else []) + ([(c, per_group) for c in line_code] if self.use_vline else [])
+            for c, width in kept:
+                lo, end = search(base + c, "left"), search(base + c, "right")
+                groups.append((lo, _bisect_right(poss, lo, end, reach) - 1, width))
+            if not self.use_slash:
+                continue
+            # slash lines: the keys of the phases of the block's rows (keys of one phase at every position: the
+            # kernel masks on positions, causal with the gap)
+            inside = lambda g: (g_lo <= g) & (g <= g_hi)
+            spans = ([(0, inside(0), sink_keys)] if front else []) + [
+                (c, inside(front + i), per_group) for i, c in enumerate(line_code)]
+            for c, has, width in spans:
+                lo, end = search(base + c, "left"), search(base + c, "right")
+                groups.append((lo, jnp.where(has, end - 1, lo - 1), width))
+            # the other rows' groups [a, b] hold phases a - p_lines .. b - p_lines (and the line phases between
+            # them): one key range
+            a, b = jnp.maximum(g_lo, p_lines), g_hi
+            lo = search(base + front + a - p_lines, "left")
+            hi = search(base + front + b - p_lines, "right") - 1
+            groups.append((lo, jnp.where(b >= a, hi, lo - 1), rest_keys))
         cand = [((lo // bk)[..., None], jnp.where(hi >= lo, hi // bk, lo // bk - 1)[..., None], cdiv(width, bk) + 1)
                 for lo, hi, width in groups]
         if cand:
@@ -338,7 +384,7 @@ class Grid(Pattern):
                                kv_block_count=jnp.where(h_rows, jnp.broadcast_to(n_full, n_rows.shape)[..., None],
                                                         0).astype(jnp.int32),
                                q_block_range=(0, cdiv(self.max_line_rows(t, bounds[0]), bq)), **rows_common)
-        if kept_groups or self.use_slash:
+        if front or self.use_vline or self.use_slash:
             parts.append(BlockLayout(kv_blocks=blocks, kv_block_count=count.astype(jnp.int32), **common))
         if self.use_hline:
             parts.append(full)
@@ -347,21 +393,20 @@ class Grid(Pattern):
     def build_placed(self, q, k, placement) -> LayoutSet | BlockLayout:
         """Grid inside a boundary wrapper: stride and phases estimated from the last rows of
         the row order over the valid keys; the band as A-shape windows of each key segment;
-        keys packed by (invalid, key group, phase group, position), rows by phase group
+        keys packed by (invalid, key group, phase, position), rows by phase group
         within the wrapper's order; lines as in `layout_from_index` on original positions."""
         t, s = q.shape[1], k.shape[1]
         stride, phase, _ = self.estimate(q, k, rows=placement.est_rows(self.last_q), k_valid=placement.k_valid,
                                          modality=placement)
         bounds = self.stride_bounds(s, placement)
         b = k.shape[0]
-        kg = phase_groups(jnp.arange(s)[None, None], stride, phase, self.sink)  # [B, N, S]
+        kg = key_groups(jnp.arange(s), self._key_stride(stride, bounds), self.sink)  # [1|B, 1|N, S]
         invalid = jnp.zeros((b, s), jnp.int32) if placement.k_valid is None else (~placement.k_valid).astype(jnp.int32)
         seg = (invalid * placement.num_groups + placement.k_group)[:, None]  # [B, 1, S]
-        n_codes = self.phases + bounds[1] + 1
-        key_code = seg * n_codes + kg  # < 2 * groups * (P + max stride): int32
+        n_codes = bounds[1] + 1  # key groups: the sink and the phases
+        key_code = seg * n_codes + kg  # < 2 * groups * (max stride + 1): int32
         kv_perm = jnp.argsort(key_code, axis=-1, stable=True).astype(jnp.int32)
         code_sorted = jnp.take_along_axis(key_code, kv_perm, -1)
-        kg_sorted = jnp.take_along_axis(kg, kv_perm, -1)
         row_pos = placement.rows + (s - t)  # [B, T]
         qg = phase_groups(row_pos[:, None], stride, phase, self.sink)  # [B, N, T]
         inner = jnp.argsort(qg, axis=-1, stable=True).astype(jnp.int32)
@@ -374,5 +419,5 @@ class Grid(Pattern):
             band = placed_ashape(self, 0, self.local, order, q_perm_band, q_pos_band, t, s).replace(window=self.local)
         n_valid = (seg < placement.num_groups).sum(-1).astype(jnp.int32)  # [B, 1]
         seg_base = tuple(g * n_codes for g in range(placement.num_groups))
-        return self._assemble(kv_perm, q_perm, kg_sorted, qg_sorted, q_pos, kv_perm, t, s, bounds,
-                              band=band, n_valid=n_valid, key_code=code_sorted, seg_base=seg_base)
+        return self._assemble(kv_perm, q_perm, code_sorted, qg_sorted, q_pos, kv_perm, stride, phase, t, s, bounds,
+                              band=band, n_valid=n_valid, seg_base=seg_base)
