@@ -198,3 +198,24 @@ def test_bisect_right_matches_numpy_on_ascending_runs():
     want = np.array([[[lo[b, n, r] + np.searchsorted(values[b, n, lo[b, n, r]:hi[b, n, r]], x[b, n, r], "right")
                        for r in range(lo.shape[2])] for n in range(3)] for b in range(2)])
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("sink", [0, 7])
+def test_slash_lists_stop_at_what_the_rows_see(sink):
+    """Each listed tile of the lines part holds a key some row of its block sees (position <= the rows' last
+    position - local): a phase's keys past its rows are not listed (blocks spanning few query groups)."""
+    q, k, _, _ = _inputs()
+    g = Grid(stride=28, sink=sink, use_hline=False, use_vline=False, local=9, last_q=16, **SMALL)
+    assert g._widths(q.shape[1], k.shape[1], (28, 28))[1] <= g.MAX_CAUSAL_GROUPS
+    lines = g.build_layout(q, k).parts[1]
+    blocks, count = np.asarray(lines.kv_blocks), np.asarray(lines.kv_block_count)
+    k_pos, q_pos = np.asarray(lines.kv_perm)[0, 0], np.asarray(lines.q_perm)[0]  # keys shared, rows per head
+    bq, bk = SMALL["block_q"], SMALL["block_k"]
+    listed = 0
+    for n in range(q.shape[2]):
+        for i in range(count.shape[2]):
+            last = q_pos[n, i * bq:(i + 1) * bq].max()
+            for j in blocks[0, n, i, :count[0, n, i]]:
+                assert k_pos[j * bk:(j + 1) * bk].min() <= last - 9, (n, i, j)
+                listed += 1
+    assert listed > 0

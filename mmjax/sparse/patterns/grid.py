@@ -283,13 +283,18 @@ class Grid(Pattern):
         return BlockLayout(kv_blocks=blocks[None, None], kv_block_count=count[None, None], block_q=self.block_q,
                            block_k=bk, q_len=t, kv_len=s, window=self.local)
 
-    def _widths(self, t: int, s: int, bounds: tuple[int, int]) -> tuple[int, int]:
-        """Static bounds on the keys of one phase and of one slash range of the rows past the line phases (the
-        phases of up to ``groups`` query groups and the line phases between them)."""
+    # A block whose rows span at most this many query groups lists each group's keys up to its rows' reach
+    # (the causal prefix of the group); past it, the keys of all its phases as one range (fewer, wider ranges:
+    # short sequences with long strides, where the groups hold few rows).
+    MAX_CAUSAL_GROUPS = 16
+
+    def _widths(self, t: int, s: int, bounds: tuple[int, int]) -> tuple[int, int, int]:
+        """Static bounds: the keys of one phase, the query groups past the line phases a block's rows can span
+        (with the unused numbers of the line phases between them), and the keys of their phases."""
         s_min, s_max = bounds
         per_group = cdiv(s, s_min)
-        groups = min(self.block_q, cdiv(self.block_q, max(1, t // s_max)) + 1)
-        return per_group, min(s, (groups + self.phases) * per_group)
+        groups = min(self.block_q, cdiv(self.block_q, max(1, t // s_max)) + 1) + self.phases
+        return per_group, groups, min(s, groups * per_group)
 
     def layout_from_index(self, stride, phase, t: int, s: int, *, bounds: tuple[int, int]
                           ) -> LayoutSet | BlockLayout:
@@ -339,8 +344,14 @@ class Grid(Pattern):
         poss = jnp.broadcast_to(k_pos, lead + k_pos.shape[2:])
         search = lambda v, side: jax.vmap(jax.vmap(lambda x, y: jnp.searchsorted(x, y, side=side)))(
             codes, jnp.broadcast_to(v, g_lo.shape)).astype(jnp.int32)
-        per_group, rest_keys = self._widths(t, s, bounds)
+        per_group, n_rest, rest_keys = self._widths(t, s, bounds)
         sink_keys = min(self.sink, s)
+
+        def group_reach(g):
+            """(any row of the block in query group g, the last key position those rows see) ``[B, N, nq]``."""
+            rows = qg_blk == g[..., None]
+            return rows.any(-1), jnp.where(rows, qp_blk, -1).max(-1) - gap
+
         line_code = [front + phase[..., i, None] for i in range(self.phases)]  # [B, N, 1]: key group of line i
         groups = []
         for base in seg_base:
@@ -351,20 +362,25 @@ class Grid(Pattern):
                 groups.append((lo, _bisect_right(poss, lo, end, reach) - 1, width))
             if not self.use_slash:
                 continue
-            # slash lines: the keys of the phases of the block's rows (keys of one phase at every position: the
-            # kernel masks on positions, causal with the gap)
-            inside = lambda g: (g_lo <= g) & (g <= g_hi)
-            spans = ([(0, inside(0), sink_keys)] if front else []) + [
-                (c, inside(front + i), per_group) for i, c in enumerate(line_code)]
-            for c, has, width in spans:
-                lo, end = search(base + c, "left"), search(base + c, "right")
-                groups.append((lo, jnp.where(has, end - 1, lo - 1), width))
-            # the other rows' groups [a, b] hold phases a - p_lines .. b - p_lines (and the line phases between
-            # them): one key range
+            # slash lines: the keys of the phases of the block's rows, each phase up to the last position its rows
+            # see (the kernel masks on positions, causal with the gap)
+            spans = ([(0, 0, sink_keys)] if front else []) + [
+                (front + i, c, per_group) for i, c in enumerate(line_code)]
             a, b = jnp.maximum(g_lo, p_lines), g_hi
-            lo = search(base + front + a - p_lines, "left")
-            hi = search(base + front + b - p_lines, "right") - 1
-            groups.append((lo, jnp.where(b >= a, hi, lo - 1), rest_keys))
+            if n_rest <= self.MAX_CAUSAL_GROUPS:
+                # the rows past the line phases: group a + j holds phase a + j - p_lines
+                spans += [(a + j, front + a + j - p_lines, per_group) for j in range(n_rest)]
+            else:
+                # their groups [a, b] hold phases a - p_lines .. b - p_lines (and the line phases between them): one
+                # key range
+                lo = search(base + front + a - p_lines, "left")
+                hi = search(base + front + b - p_lines, "right") - 1
+                groups.append((lo, jnp.where(b >= a, hi, lo - 1), rest_keys))
+            for g, c, width in spans:
+                has, seen = group_reach(jnp.broadcast_to(g, g_lo.shape))
+                lo, end = search(base + c, "left"), search(base + c, "right")
+                hi = _bisect_right(poss, lo, end, seen) - 1
+                groups.append((lo, jnp.where(has, hi, lo - 1), width))
         cand = [((lo // bk)[..., None], jnp.where(hi >= lo, hi // bk, lo // bk - 1)[..., None], cdiv(width, bk) + 1)
                 for lo, hi, width in groups]
         if cand:
