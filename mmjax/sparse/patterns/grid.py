@@ -30,9 +30,9 @@ group in front). In those orders
 
 * the slash lines are block diagonal: the pairs at offsets ``m * s`` are exactly the pairs of
   equal phase, so a query block whose rows span phase groups ``[a, b]`` lists the keys of their
-  phases: one key range for the rows past the line phases (their phases ascend as the keys' do; it
-  holds the line phases between them too), plus one key group per line phase among its rows; a few
-  dense tiles;
+  phases, each phase up to the last position its rows see (`Grid.MAX_CAUSAL_GROUPS`; past that many
+  groups, the keys of phases ``a .. b`` as one range: their phases ascend as the keys' do, and the range
+  holds the line phases between them too); a few dense tiles;
 * the vertical lines are ``|P|`` key groups: one contiguous range each (the causal prefix of its phase);
 * the horizontal lines are the first ``|P|`` query groups: the first query blocks, which
   list every key block.
