@@ -11,7 +11,7 @@ from mmjax.sparse.attention import attention_recall
 from mmjax.sparse.layouts import KernelOptions, attend, with_parts
 from mmjax.sparse.metrics import block_mass_matrix, oracle_recall
 from mmjax.sparse.modality import Modality, frame_tokens_from_grid_thw
-from mmjax.sparse.patterns import Grid, QBoundary
+from mmjax.sparse.patterns import Grid, KBoundary, QBoundary
 from mmjax.sparse.pattern_search.space import GRID_FLAGS
 from mmjax.sparse.patterns.grid import _bisect_right, phase_groups
 from mmjax.sparse.synthetic import VIDEO_FAMILIES, GridVideo, grid_video_qkv
@@ -219,3 +219,23 @@ def test_slash_lists_stop_at_what_the_rows_see(sink):
                 assert k_pos[j * bk:(j + 1) * bk].min() <= last - 9, (n, i, j)
                 listed += 1
     assert listed > 0
+
+
+@pytest.mark.parametrize("wrapper", ["q", "k"])
+@pytest.mark.parametrize("sink", [0, 3])
+def test_frame_grid_inside_a_boundary_holds_the_rule_pairs(wrapper, sink):
+    """Inside a boundary wrapper (packed keys, rows by phase within the wrapper's order) the layout still holds the
+    video rows' band and slash pairs with the video keys (the masked-dense test above checks only its own mask)."""
+    q, k, _, _ = _inputs()
+    kinds = np.ones((1, SPEC.seq_len), np.int32)
+    kinds[0, :SPEC.prefix] = 0
+    mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=SPEC.frame_tokens)
+    g = Grid(stride="frame", local=12, last_q=16, sink=sink, **SMALL)
+    w = (QBoundary({"video": g, "text": Grid(stride=28, use_hline=False, local=8, last_q=4, **SMALL)})
+         if wrapper == "q" else KBoundary(g))
+    mask = np.asarray(w.build_layout(q, k, modality=mod).to_dense_mask())[0]  # [N, T, S]
+    i, j = np.arange(SPEC.seq_len)[:, None], np.arange(SPEC.seq_len)[None, :]
+    video = (i >= SPEC.prefix) & (j >= SPEC.prefix) & (j <= i)
+    rule = video & ((i - j < 12) | ((i - j) % SPEC.frame_tokens == 0))
+    assert (mask >= rule).all()
+    assert not (mask & (j > i)).any()
