@@ -48,9 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jsonl_log import write_atomic  # noqa: E402
 
 from mmjax.drivers.bench import trace_summary  # noqa: E402
-from mmjax.drivers.bench.patterns import gpu_patterns  # noqa: E402
+from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
 from mmjax.sparse.layouts import KernelOptions, attend, block_parts, with_parts  # noqa: E402
-from mmjax.sparse.patterns import Grid  # noqa: E402
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
 from mmjax.timing import device_name, time_fn  # noqa: E402
 from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
@@ -153,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--patterns", nargs="+", default=["AShape", "TriShape", "SFFixed", "Grid"],
-                   help="names of `gpu_patterns` or `extra_patterns`")
+                   help="names of `gpu_patterns` or `frame_grid_patterns`")
     p.add_argument("--split", type=int, default=32, help="chunks of the synthetic long list (0: skip)")
     p.add_argument("--reps", type=int, default=3, help="samples per timing (median)")
     p.add_argument("--batch-s", type=float, default=0.02,
@@ -175,7 +174,7 @@ def main(argv=None) -> int:
     result = {"meta": {"device": device_name(), "jax": jax.__version__, "seq_len": s, "heads": HEADS,
                        "kv_heads": KV_HEADS, "head_dim": D, "reps": args.reps, "batch_s": args.batch_s},
               "cudnn_ms": t_cudnn, "cudnn_tflops": tf_cudnn, "patterns": {}}
-    pats = dict(gpu_patterns(), **extra_patterns())
+    pats = dict(gpu_patterns(), **frame_grid_patterns())
     for name in args.patterns:
         try:
             result["patterns"][name] = profile_pattern(name, pats[name], q, k, v, t_cudnn, args)
@@ -192,13 +191,6 @@ def main(argv=None) -> int:
                  lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
     print(f"wrote {path} and its plot")
     return 0
-
-
-def extra_patterns() -> dict[str, object]:
-    """Beside `gpu_patterns`: Grid at the input's frame stride (`video_qkv` draws 16 x 16-token frames), as
-    ``stride="frame"`` gives it from a video's grid: one stride for every head, so one key order (``kv_perm``
-    ``[1, 1, S]``) where the searched strides give one per head."""
-    return {"Grid(frame)": Grid(stride=256, last_q=64)}
 
 
 FORMS = (("attend_ms_default", "default"), ("attend_ms_triton", "Triton"),

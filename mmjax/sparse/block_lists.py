@@ -61,3 +61,23 @@ def ascending_ranges_to_lists(lo: jax.Array, hi: jax.Array, width: int) -> tuple
     blocks = jnp.take_along_axis(start, r, -1) + j - first
     count = jnp.minimum(end[..., -1], width).astype(jnp.int32)
     return jnp.where(j < count[..., None], blocks, 0).astype(jnp.int32), count
+
+
+def bisect_right(values: jax.Array, lo: jax.Array, hi: jax.Array, x: jax.Array) -> jax.Array:
+    """First index i in ``[lo, hi)`` with ``values[..., i] > x``, else hi, where values ascend on ``[lo, hi)`` (a
+    vectorised bisection, e.g. the causal end of one run of a sorted key order): values ``[B|1, N|1, L]``, lo / hi /
+    x int ``[B, N, R]`` -> int32 ``[B, N, R]``."""
+    if values.ndim != 3 or any(a.ndim != 3 or not jnp.issubdtype(a.dtype, jnp.integer) for a in (lo, hi, x)):
+        raise ValueError(f"values, lo, hi, x: expected values [B|1, N|1, L] and int arrays [B, N, R]; received "
+                         f"{[list(a.shape) for a in (values, lo, hi, x)]}")
+    last = values.shape[-1] - 1
+
+    def step(_, bounds):
+        a, b = bounds
+        mid = (a + b) // 2
+        right = jnp.take_along_axis(values, jnp.clip(mid, 0, last), -1) <= x
+        open_ = a < b
+        return jnp.where(open_ & right, mid + 1, a), jnp.where(open_ & ~right, mid, b)
+
+    lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)
+    return jax.lax.fori_loop(0, max(1, int(values.shape[-1]).bit_length()), step, (lo, hi))[0]

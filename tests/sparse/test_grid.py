@@ -7,13 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mmjax.drivers.bench.patterns import frame_grid_patterns
 from mmjax.sparse.attention import attention_recall
+from mmjax.sparse.block_lists import bisect_right
 from mmjax.sparse.layouts import KernelOptions, attend, with_parts
 from mmjax.sparse.metrics import block_mass_matrix, oracle_recall
 from mmjax.sparse.modality import Modality, frame_tokens_from_grid_thw
 from mmjax.sparse.patterns import Grid, KBoundary, QBoundary
 from mmjax.sparse.pattern_search.space import GRID_FLAGS
-from mmjax.sparse.patterns.grid import _bisect_right, phase_groups
+from mmjax.sparse.patterns.grid import phase_groups
 from mmjax.sparse.synthetic import VIDEO_FAMILIES, GridVideo, grid_video_qkv
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, rel_err
@@ -194,10 +196,12 @@ def test_bisect_right_matches_numpy_on_ascending_runs():
     lo = rng.integers(0, 38, (2, 3, 11)).astype(np.int32)
     hi = np.minimum(lo + rng.integers(0, 20, lo.shape), 37).astype(np.int32)
     x = rng.integers(-2, 52, lo.shape).astype(np.int32)
-    got = np.asarray(_bisect_right(jnp.asarray(values), jnp.asarray(lo), jnp.asarray(hi), jnp.asarray(x)))
+    got = np.asarray(bisect_right(jnp.asarray(values), jnp.asarray(lo), jnp.asarray(hi), jnp.asarray(x)))
     want = np.array([[[lo[b, n, r] + np.searchsorted(values[b, n, lo[b, n, r]:hi[b, n, r]], x[b, n, r], "right")
                        for r in range(lo.shape[2])] for n in range(3)] for b in range(2)])
     np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="values, lo, hi, x"):
+        bisect_right(jnp.asarray(values), jnp.asarray(lo[0]), jnp.asarray(hi), jnp.asarray(x))
 
 
 @pytest.mark.parametrize("sink", [0, 7])
@@ -239,3 +243,10 @@ def test_frame_grid_inside_a_boundary_holds_the_rule_pairs(wrapper, sink):
     rule = video & ((i - j < 12) | ((i - j) % SPEC.frame_tokens == 0))
     assert (mask >= rule).all()
     assert not (mask & (j > i)).any()
+
+
+def test_frame_grid_patterns_take_the_frame_size():
+    (g,) = frame_grid_patterns((4, 7)).values()
+    assert g.stride == 28 and frame_grid_patterns()["Grid(frame)"].stride == 256
+    with pytest.raises(ValueError, match="^frame_hw: expected two ints"):
+        frame_grid_patterns((4, 0))

@@ -6,9 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from mmjax.drivers.bench.patterns import gpu_patterns
+from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns
 from mmjax.sparse.layouts import KernelOptions, attend
-from mmjax.sparse.patterns import Grid
 from mmjax.sparse.synthetic import video_qkv
 from tests.pallas_kernels.helpers import rel_err
 
@@ -18,7 +17,7 @@ needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a C
 
 S = 8192
 # beside them Grid at the input's frame stride (16 x 16 tokens): one key order for every head (kv_perm [1, 1, S])
-PATTERNS = dict(gpu_patterns(), **{"Grid(stride=256)": Grid(stride=256, last_q=64)})
+PATTERNS = dict(gpu_patterns(), **frame_grid_patterns())
 
 
 @pytest.fixture(scope="module")

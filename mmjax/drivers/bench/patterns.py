@@ -48,6 +48,15 @@ def gpu_patterns() -> dict[str, object]:
     }
 
 
+def frame_grid_patterns(frame_hw: tuple[int, int] = (16, 16)) -> dict[str, object]:
+    """Grid at the input's frame stride (`video_qkv` draws frames of ``frame_hw`` = (h, w) tokens; the bench's
+    default 16 x 16), as ``stride="frame"`` gives it from a video's grid: one stride for every head, so one key order
+    (``kv_perm`` ``[1, 1, S]``) where `gpu_patterns`' searched strides give one per head."""
+    if (len(frame_hw) != 2 or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in frame_hw)):
+        raise ValueError(f"frame_hw: expected two ints >= 1; received {frame_hw!r}")
+    return {"Grid(frame)": Grid(stride=frame_hw[0] * frame_hw[1], last_q=64)}
+
+
 def gpu_sweep() -> dict[str, object]:
     """Settings spanning densities, for recall-vs-density curves at ``recall_len``."""
     out = {}

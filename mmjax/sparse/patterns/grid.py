@@ -60,13 +60,14 @@ phase group within the wrapper's row order; the rules stay on original positions
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mmjax.sparse import placement as plc
-from mmjax.sparse.block_lists import query_block_bounds, ranges_to_lists
+from mmjax.sparse.block_lists import bisect_right, query_block_bounds, ranges_to_lists
 from mmjax.sparse.estimate import last_q_scores
 from mmjax.sparse.layouts import LayoutSet
 from mmjax.sparse.patterns.base import Pattern
@@ -128,19 +129,15 @@ def key_groups(pos: jax.Array, stride: jax.Array, sink: int = 0) -> jax.Array:
     return group.astype(jnp.int32)
 
 
-def _bisect_right(values: jax.Array, lo: jax.Array, hi: jax.Array, x: jax.Array) -> jax.Array:
-    """First index i in ``[lo, hi)`` with ``values[..., i] > x``, else hi, where values ascend on ``[lo, hi)``:
-    values ``[B, N, L]``, lo / hi / x int32 ``[B, N, R]`` -> int32 ``[B, N, R]`` (a vectorised bisection)."""
-    last = values.shape[-1] - 1
-
-    def step(_, bounds):
-        a, b = bounds
-        mid = (a + b) // 2
-        right = jnp.take_along_axis(values, jnp.clip(mid, 0, last), -1) <= x
-        open_ = a < b
-        return jnp.where(open_ & right, mid + 1, a), jnp.where(open_ & ~right, mid, b)
-
-    return jax.lax.fori_loop(0, max(1, int(values.shape[-1]).bit_length()), step, (lo, hi))[0]
+def _search(code: jax.Array, v: jax.Array, side: str, *, shape: tuple[int, ...]) -> jax.Array:
+    """Where codes ``v`` (broadcast to ``shape`` ``[B, N, R]``) fall in the ascending ``code`` ``[B|1, N|1, S]``:
+    int32 ``shape``. A key order shared by the heads (``N|1`` = 1) is searched as it is, not copied per head."""
+    v = jnp.broadcast_to(v, shape)
+    if code.shape[1] == 1:
+        one = lambda x, y: jnp.searchsorted(x[0], y, side=side)
+        return jax.vmap(one)(jnp.broadcast_to(code, shape[:1] + code.shape[1:]), v).astype(jnp.int32)
+    many = jax.vmap(jax.vmap(lambda x, y: jnp.searchsorted(x, y, side=side)))
+    return many(jnp.broadcast_to(code, shape[:2] + code.shape[2:]), v).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,11 +336,7 @@ class Grid(Pattern):
         qp_blk = jnp.pad(q_pos, ((0, 0), (0, 0), (0, pad)), mode="edge").reshape(q_pos.shape[:2] + (nq, bq))
         g_lo, g_hi = qg_blk.min(-1), qg_blk.max(-1)  # [B, N, nq]
         reach = qp_blk.max(-1) - gap  # keys at positions <= reach can be seen
-        lead = g_lo.shape[:2]
-        codes = jnp.broadcast_to(code, lead + code.shape[2:])
-        poss = jnp.broadcast_to(k_pos, lead + k_pos.shape[2:])
-        search = lambda v, side: jax.vmap(jax.vmap(lambda x, y: jnp.searchsorted(x, y, side=side)))(
-            codes, jnp.broadcast_to(v, g_lo.shape)).astype(jnp.int32)
+        search = functools.partial(_search, code, shape=g_lo.shape)
         per_group, n_rest, rest_keys = self._widths(t, s, bounds)
         sink_keys = min(self.sink, s)
 
@@ -352,35 +345,37 @@ class Grid(Pattern):
             rows = qg_blk == g[..., None]
             return rows.any(-1), jnp.where(rows, qp_blk, -1).max(-1) - gap
 
-        line_code = [front + phase[..., i, None] for i in range(self.phases)]  # [B, N, 1]: key group of line i
+        # (query group, key group, width) of the sink and of each line phase
+        lines = ([(0, 0, sink_keys)] if front else []) + [
+            (front + i, front + phase[..., i, None], per_group) for i in range(self.phases)]
         groups = []
         for base in seg_base:
+            # each line group's keys [lo, end), searched once for its vertical line and its slash span
+            found = [(search(base + c, "left"), search(base + c, "right")) for _, c, _ in lines]
             # vertical lines (and the sink keys): each line group's causal prefix
-            kept = ([(0, sink_keys)] if front else []) + ([(c, per_group) for c in line_code] if self.use_vline else [])
-            for c, width in kept:
-                lo, end = search(base + c, "left"), search(base + c, "right")
-                groups.append((lo, _bisect_right(poss, lo, end, reach) - 1, width))
+            for i, ((lo, end), (_, _, width)) in enumerate(zip(found, lines, strict=True)):
+                if i < front or self.use_vline:
+                    groups.append((lo, bisect_right(k_pos, lo, end, reach) - 1, width))
             if not self.use_slash:
                 continue
             # slash lines: the keys of the phases of the block's rows, each phase up to the last position its rows
             # see (the kernel masks on positions, causal with the gap)
-            spans = ([(0, 0, sink_keys)] if front else []) + [
-                (front + i, c, per_group) for i, c in enumerate(line_code)]
+            spans = [(g, lo, end, width) for (g, _, width), (lo, end) in zip(lines, found, strict=True)]
             a, b = jnp.maximum(g_lo, p_lines), g_hi
             if n_rest <= self.MAX_CAUSAL_GROUPS:
                 # the rows past the line phases: group a + j holds phase a + j - p_lines
-                spans += [(a + j, front + a + j - p_lines, per_group) for j in range(n_rest)]
+                for j in range(n_rest):
+                    c = base + front + a + j - p_lines
+                    spans.append((a + j, search(c, "left"), search(c, "right"), per_group))
             else:
                 # their groups [a, b] hold phases a - p_lines .. b - p_lines (and the line phases between them): one
                 # key range
                 lo = search(base + front + a - p_lines, "left")
                 hi = search(base + front + b - p_lines, "right") - 1
                 groups.append((lo, jnp.where(b >= a, hi, lo - 1), rest_keys))
-            for g, c, width in spans:
+            for g, lo, end, width in spans:
                 has, seen = group_reach(jnp.broadcast_to(g, g_lo.shape))
-                lo, end = search(base + c, "left"), search(base + c, "right")
-                hi = _bisect_right(poss, lo, end, seen) - 1
-                groups.append((lo, jnp.where(has, hi, lo - 1), width))
+                groups.append((lo, jnp.where(has, bisect_right(k_pos, lo, end, seen) - 1, lo - 1), width))
         cand = [((lo // bk)[..., None], jnp.where(hi >= lo, hi // bk, lo // bk - 1)[..., None], cdiv(width, bk) + 1)
                 for lo, hi, width in groups]
         if cand:
