@@ -15,7 +15,7 @@ from mmjax.sparse.metrics import block_mass_matrix, oracle_recall
 from mmjax.sparse.modality import Modality, frame_tokens_from_grid_thw
 from mmjax.sparse.patterns import Grid, KBoundary, QBoundary
 from mmjax.sparse.pattern_search.space import GRID_FLAGS
-from mmjax.sparse.patterns.grid import phase_groups
+from mmjax.sparse.patterns.grid import key_groups, phase_groups
 from mmjax.sparse.synthetic import VIDEO_FAMILIES, GridVideo, grid_video_qkv
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, rel_err
@@ -174,6 +174,8 @@ def test_a_static_stride_gives_every_head_one_key_order(stride, shared):
     if shared:  # the phase-major order: ascending phases, positions ascending within one
         perm = np.asarray(lines.kv_perm)[0, 0]
         np.testing.assert_array_equal(perm, np.lexsort((np.arange(k.shape[1]), np.arange(k.shape[1]) % 28)))
+    with pytest.raises(ValueError, match="^pos, stride, sink"):
+        key_groups(jnp.arange(10), jnp.asarray([28]))
 
 
 def test_sink_keys_longer_than_a_phase_are_all_kept():

@@ -121,6 +121,9 @@ def key_groups(pos: jax.Array, stride: jax.Array, sink: int = 0) -> jax.Array:
     ``[B|1, 1, L]``, stride ``[B|1, N|1]`` -> int32 ``[B|1, N|1, L]``. It does not depend on the line phases, so
     heads of one stride share it."""
     pos = jnp.asarray(pos, jnp.int32)
+    if pos.ndim not in (1, 3) or jnp.ndim(stride) != 2 or sink < 0:
+        raise ValueError(f"pos, stride, sink: expected pos [L] or [B|1, 1, L], stride [B|1, N|1] and sink >= 0; "
+                         f"received {list(pos.shape)}, {list(jnp.shape(stride))} and {sink}")
     if pos.ndim == 1:
         pos = pos[None, None]
     group = pos % stride[..., None]
