@@ -1,5 +1,6 @@
-"""Time `candidate_mass_triton` variants on one GPU (tile sweep), and the Mosaic GPU kernel (its K stages) on an
-sm90 GPU; one JSON line per variant, the Mosaic rows with their largest difference to the Triton default's masses.
+"""Time `candidate_mass_triton` variants on one GPU (tile sweep), and the Mosaic GPU kernel on an sm90 GPU (its K
+stages, candidates per step, ``qk_fp8``); one JSON line per variant, the Mosaic rows with
+their largest and median difference to the Triton default's masses and the share of its top 128 per list they keep.
 
 Usage: python3 tools/candidate_mass_tune.py --out $OUT/candidate-mass.jsonl [--label L] [--candidates C]
 With an older ``pallas_kernels`` first on PYTHONPATH (no ``per_step`` argument) only its default is timed.
@@ -19,6 +20,7 @@ import json
 import jax
 import jax.numpy as jnp
 from gpu_timing import median_ms
+from jax import lax
 from jsonl_log import append_jsonl
 
 import pallas_kernels
@@ -39,6 +41,11 @@ def main() -> None:
                    help="give the query heads of a key head the same candidate lists (random ones differ)")
     p.add_argument("--mosaic-stages", type=int, nargs="*", default=[2, 3, 4],
                    help="K stages of the Mosaic GPU kernel to time (sm90 only; none: skip it)")
+    p.add_argument("--mosaic-per-steps", type=int, nargs="+", default=[1, 2],
+                   help="candidates per step of the Mosaic GPU kernel to time")
+    p.add_argument("--fp8s", type=int, nargs="+", default=[0], choices=(0, 1),
+                   help="the Mosaic GPU kernel's scores from bf16 (0) or fp8 (1) copies of q and k")
+    p.add_argument("--skip-triton-sweep", action="store_true", help="time only the Triton kernel's default tile")
     args = p.parse_args()
 
     s, n, kh, d, qb, block, c, gamma = args.seq_len, 28, 4, 128, 128, 64, args.candidates, 16
@@ -53,6 +60,8 @@ def main() -> None:
     ref = 4.0 + jax.random.normal(kr, (1, n, s // gamma), jnp.float32)
     tunable = "per_step" in inspect.signature(candidate_mass_triton).parameters
     grid = list(itertools.product(args.per_steps, [4, 8], [2, 3])) if tunable else [(None, None, None)]
+    if args.skip_triton_sweep:
+        grid = []
     for stride in args.strides:
         for per_step, warps, stages in grid:
             kw = dict(query_block=qb, block=block, stride=stride, gamma=gamma, sm_scale=d ** -0.5,
@@ -71,15 +80,20 @@ def main() -> None:
         if is_sm90() and qb // stride in ROWS:
             base = dict(query_block=qb, block=block, stride=stride, gamma=gamma, sm_scale=d ** -0.5)
             want = candidate_mass_triton(q, k, cand, ref, **base)
-            for stages, per_step in itertools.product(args.mosaic_stages, (1, 2)):
+            for stages, per_step, fp8 in itertools.product(args.mosaic_stages, args.mosaic_per_steps, args.fp8s):
                 row = dict(label=args.label, module=pallas_kernels.__file__, S=s, stride=stride, candidates=c,
-                           implementation="mosaic_gpu", stages=stages, per_step=per_step,
+                           implementation="mosaic_gpu", stages=stages, per_step=per_step, qk_fp8=bool(fp8),
                            device=jax.devices()[0].device_kind)
+                extra = dict(qk_fp8=True) if fp8 else {}  # older kernels have no qk_fp8 argument
                 try:
-                    fn = jax.jit(lambda q, k, cand, ref, st=stages, ps=per_step: candidate_mass_mosaic_gpu(
-                        q, k, cand, ref, stages=st, per_step=ps, **base))
+                    fn = jax.jit(lambda q, k, cand, ref, st=stages, ps=per_step, ex=extra: candidate_mass_mosaic_gpu(
+                        q, k, cand, ref, stages=st, per_step=ps, **ex, **base))
                     got = fn(q, k, cand, ref)
                     row["max_rel_diff_vs_triton"] = float(jnp.max(jnp.abs(got - want) / (jnp.abs(want) + 1e-6)))
+                    row["median_rel_diff_vs_triton"] = float(jnp.median(jnp.abs(got - want) / (jnp.abs(want) + 1e-6)))
+                    keep = min(128, c)  # the share of the Triton masses' top candidates per list this run keeps
+                    top_w, top_g = lax.top_k(want, keep)[1], lax.top_k(got, keep)[1]
+                    row["top_kept_vs_triton"] = float((top_g[..., :, None] == top_w[..., None, :]).any(-1).mean())
                     row["ms"] = median_ms(lambda: fn(q, k, cand, ref))
                 except Exception as e:  # reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"

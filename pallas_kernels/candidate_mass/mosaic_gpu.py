@@ -25,6 +25,15 @@ runs the query heads fastest (see `candidate_mass_mosaic_gpu`). Measured (one H1
 MOMO's default re-rank at 1M 417 ms with one candidate per step (`bench momo`). A FlashAttention-3 pingpong of the
 consumers, Q as a register operand and the lists in shared memory did not make it faster.
 
+Where its time goes (one H200, 2026-11-28, `tools/candidate_mass_tune.py` at 128k with 512 candidates per query block,
+`candidate-mass-{exp-dtypes,overlap,poly,fp8}_NVIDIA-H200_2026-11-28.jsonl`): every 2nd row takes 37-39 ms, every
+row 68-71 ms, the same K tiles read in both (one ring per query block, or one for the two halves of one), so at
+every 2nd row the kernel is bound by those reads (about 6.3 TB/s of K from L2), at every row by its arithmetic.
+None of these moved the first: the exponentials as packed bf16 pairs (``ex2.approx.ftz.bf16x2``: 39.5 ms); each
+consumer issuing its next ``Q K^T`` before the current step's masses (38.6 against 38.1 ms); 2 / 3 / 4 of every 8
+exponentials from a polynomial on the FMA pipes, FlashAttention-4's trick (38.0 / 40.7 / 41.7 against 38.7 ms).
+What does: fewer bytes per K block, ``qk_fp8`` (33.2 against 38.4 ms; every row 63.3 against 70.2).
+
 CPU: the kernel lowers for CUDA on a CPU machine (tests/pallas_kernels/candidate_mass/test_candidate_mass.py);
 it runs on a Hopper GPU only (test_candidate_mass_gpu.py).
 """
@@ -93,7 +102,22 @@ def _flush(tile_ref, out_ref) -> None:
     flush(tile_ref, out_ref)
 
 
-def _kernel(q_ref, k_ref, cand_ref, ref_ref, out_ref, *, block, stages, groups, kv_len, q_offset, query_block,
+def block_sums(x: jax.Array, *, parts: int, block: int) -> tuple[jax.Array, ...]:
+    """``exp2(x)`` summed over each block of columns: ``parts`` float32 row vectors ``[64]`` (`ROW`) for a float32
+    ``[64, parts * block]`` WGMMA tile (block p: columns ``[p * block, (p + 1) * block)``, register slices of the
+    tile rather than masked copies of it)."""
+    ret = tuple(plgpu.ShapeDtypeStruct((WG_ROWS,), jnp.float32, layout=ROW) for _ in range(parts))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=ret)
+    def sums(ctx, a):
+        del ctx
+        e = a.exp2(approx=True)
+        return tuple(e[:, p * block:(p + 1) * block].reduce("add", 1) for p in range(parts))
+
+    return sums(x)
+
+
+def _kernel(q_ref, k_ref, cand_ref, ref_ref, hs_ref, out_ref, *, block, stages, groups, kv_len, q_offset, query_block,
             stride, num_q_blocks, tiles_per_block, sm_scale, per_step):
     bk = block
     width = per_step * bk  # keys of one step: per_step candidates side by side in one stage
@@ -134,7 +158,7 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, out_ref, *, block, stages, groups, 
                 ref_b = lax.broadcast_in_dim(ref, (WG_ROWS, width), [0])
                 cols = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, width), 1, layout=plgpu.Layout.WGMMA)
                 plgpu.barrier_wait(q_bar.at[wg])
-                scale = sm_scale * LOG2E
+                scale = hs_ref[batch, head] * (sm_scale * LOG2E)  # hs: the head's fp8 scales (else 1)
                 first_pos = qb * query_block + part * WG_ROWS * stride + q_offset  # the tile's first row
 
                 def mask(x, starts, limits):
@@ -148,8 +172,18 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, out_ref, *, block, stages, groups, 
                     ok = (k_pos <= first_pos + rows * stride) & (k_pos < limit)
                     return jnp.where(ok, x, -jnp.inf)
 
-                def step(i, carry):
-                    slot = ring * stages + lax.rem(i, stages)
+                def slot_of(i):
+                    return ring * stages + lax.rem(i, stages)
+
+                def issue(i, s_ref):
+                    """Wait for step i's K stage and issue its ``S = Q K^T`` into ``s_ref`` (asynchronous)."""
+                    slot = slot_of(i)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+
+                def work(i, s):
+                    """Step i's masses from its scores ``s`` ``[64, width]`` into the mass tile; every ``CHUNK``
+                    candidates the tile is summed over the rows and stored."""
                     j = i * per_step  # the step's first candidate
                     starts, limits, need = [], [], False
                     for p in range(per_step):
@@ -158,26 +192,25 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, out_ref, *, block, stages, groups, 
                         starts.append(start)
                         limits.append(limit)
                         need = need | (start + bk - 1 > first_pos) | (start + bk > limit)
-                    plgpu.barrier_wait(k_bar.at[slot])
-
-                    def scores(s_ref):
-                        plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
-                        return s_ref[...]
-
-                    s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, width), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[slot])
                     x = s * scale - ref_b
                     x = lax.cond(need, lambda v: mask(v, starts, limits), lambda v: v, x)
-                    e = jnp.exp2(x)
+                    masses = block_sums(x, parts=per_step, block=bk)
                     c = lax.rem(j, CHUNK)
-                    for p in range(per_step):
-                        part_e = e if per_step == 1 else jnp.where(cols // bk == p, e, 0.0)
-                        m_smem[wg, c + p] = part_e.sum(axis=1)
+                    for p, row_mass in enumerate(masses):
+                        m_smem[wg, c + p] = row_mass
 
                     @pl.when(c == CHUNK - per_step)
                     def _():
                         _flush(m_smem.at[wg], out_ref.at[batch, head, qb, part, pl.ds(j - c, CHUNK)])
 
+                def step(i, carry):
+                    def scores(s_ref):
+                        issue(i, s_ref)
+                        return s_ref[...]
+
+                    s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, width), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot_of(i)])
+                    work(i, s)
                     return carry
 
                 lax.fori_loop(0, n_cand // per_step, step, jnp.int32(0))
@@ -209,11 +242,14 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, out_ref, *, block, stages, groups, 
 
     dp = q_ref.shape[-1]
     n_slots = rings * stages
+    # 128-byte rows either way: 64 bf16 / fp16 or 128 fp8 elements per tile row
+    transforms = fa3.SMEM_TRANSFORMS if jnp.dtype(q_ref.dtype).itemsize == 2 else (
+        plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
     pl.run_scoped(
         lambda *scoped: body(scoped),
         (
-            plgpu.SMEM((2, WG_ROWS, dp), q_ref.dtype, transforms=fa3.SMEM_TRANSFORMS),
-            plgpu.SMEM((n_slots, width, dp), q_ref.dtype, transforms=fa3.SMEM_TRANSFORMS),
+            plgpu.SMEM((2, WG_ROWS, dp), q_ref.dtype, transforms=transforms),
+            plgpu.SMEM((n_slots, width, dp), q_ref.dtype, transforms=transforms),
             plgpu.SMEM((2, CHUNK, WG_ROWS), jnp.float32),
             plgpu.SMEM((2, WG_ROWS), jnp.float32),
         ),
@@ -224,11 +260,11 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, out_ref, *, block, stages, groups, 
 
 
 @functools.partial(jax.jit, static_argnames=("query_block", "block", "stride", "gamma", "sm_scale", "stages",
-                                             "sort", "heads_first", "per_step"))
+                                             "sort", "heads_first", "per_step", "qk_fp8"))
 def candidate_mass_mosaic_gpu(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: jax.Array, *,
                               query_block: int, block: int, stride: int, gamma: int, sm_scale: float,
                               stages: int | None = None, sort: bool = True, heads_first: bool = True,
-                              per_step: int | None = None) -> jax.Array:
+                              per_step: int | None = None, qk_fp8: bool = False) -> jax.Array:
     """Shapes and meaning as in `pallas_kernels.candidate_mass.api.candidate_mass`; inputs assumed validated and
     within `check_supported`. ``stages``: K stages per ring (default `stages_for`).
 
@@ -243,7 +279,12 @@ def candidate_mass_mosaic_gpu(q: jax.Array, k: jax.Array, candidates: jax.Array,
 
     ``per_step``: candidates per step, side by side in one K stage and one ``[64, per_step * block]`` score tile
     (default 2 for 64-key blocks, else 1): fewer, wider wgmma products (one H100 at 128k: 37.1 / 67.2 ms for every
-    2nd row / every row against 38.6 / 71.8 with one per step)."""
+    2nd row / every row against 38.6 / 71.8 with one per step).
+
+    ``qk_fp8``: the scores from float8 (e4m3) copies of the taken query rows and the keys, each head scaled by its
+    largest magnitude (to 448): half the bytes per K block, which is what bounds this kernel at every 2nd row (module
+    docstring); head dim 128 only. Masses within 0.6% (median) / 2.4-2.9% (largest) of the bf16 kernel's on random
+    inputs; MOMO's re-rank at 1M (`Momo(rerank_fp8=True)`) then captures 0.17 points less on the mixed family."""
     if per_step is None:
         per_step = 2 if block == 64 else 1
     b, t, n, d = q.shape
@@ -282,7 +323,18 @@ def candidate_mass_mosaic_gpu(q: jax.Array, k: jax.Array, candidates: jax.Array,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
-    mass = kernel(q_sub, k_in, cand, ref).sum(axis=3)[..., :c]
+    hs = jnp.ones((b, n), jnp.float32)
+    if qk_fp8:
+        if dp != 128:
+            raise ValueError(f"qk_fp8: expected head dim 128 (128-byte fp8 rows); received {d}")
+        fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
+        sq = jnp.max(jnp.abs(q_sub.astype(jnp.float32)), axis=(1, 3)) / fmax  # [B, N]
+        sk = jnp.max(jnp.abs(k_in.astype(jnp.float32)), axis=(1, 3)) / fmax  # [B, K]
+        sq, sk = jnp.where(sq > 0, sq, 1.0), jnp.where(sk > 0, sk, 1.0)
+        q_sub = (q_sub.astype(jnp.float32) / sq[:, None, :, None]).astype(jnp.float8_e4m3fn)
+        k_in = (k_in.astype(jnp.float32) / sk[:, None, :, None]).astype(jnp.float8_e4m3fn)
+        hs = sq * jnp.repeat(sk, n // kh, axis=1)
+    mass = kernel(q_sub, k_in, cand, ref, hs).sum(axis=3)[..., :c]
     if sort:  # back to the caller's order
         mass = jnp.put_along_axis(jnp.zeros_like(mass), order, mass, axis=-1, inplace=False)
     return mass

@@ -85,6 +85,30 @@ def test_candidate_mass_of_all_blocks_sums_to_each_rows_mass():
     np.testing.assert_allclose(np.asarray(got).sum(-1), 16.0, rtol=1e-5)
 
 
+def test_mosaic_candidate_mass_fp8_scores_lower_for_cuda():
+    """``qk_fp8``: the kernel lowers with fp8 Q / K tiles (head dim 128, and 80 padded to it); a head dim that pads
+    to 64 is refused by name."""
+    import jax
+
+    from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu
+
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+
+    def lower(d):
+        t, s = 1000, 2048
+        args = (jax.ShapeDtypeStruct((1, t, 4, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, s, 2, d), jnp.bfloat16),
+                jax.ShapeDtypeStruct((1, 4, -(-t // 128), 64), jnp.int32),
+                jax.ShapeDtypeStruct((1, 4, -(-t // 16)), jnp.float32))
+        f = jax.jit(lambda *a: candidate_mass_mosaic_gpu(*a, query_block=128, block=64, stride=2, gamma=16,
+                                                         sm_scale=0.1, qk_fp8=True))
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
+            return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "f8E4M3FN" in lower(128) and "f8E4M3FN" in lower(80)
+    with pytest.raises(ValueError, match=r"qk_fp8: expected head dim 128 \(128-byte fp8 rows\); received 64"):
+        lower(64)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(stride=16), r"stride: expected query_block / stride >= 16"),
     (dict(stride=3), r"stride: expected a power of two"),
