@@ -91,6 +91,7 @@ class MomoBenchConfig:
     # (candidates factor, row stride) re-rank variants of the timed pattern (`Momo.rerank`), timed and in the mass
     # section besides the default pattern's own (`_reranks`)
     reranks: tuple[tuple[int, int], ...] = ()
+    rerank_fp8: bool = False  # `Momo.rerank_fp8` of every pattern the bench builds
 
 
 GPU_CONFIG = MomoBenchConfig()
@@ -162,7 +163,8 @@ def _pattern(cfg: MomoBenchConfig, algorithm: str, k: int | None = None, trim_ru
     return Momo(gamma=cfg.gamma, block=cfg.block, k=cfg.k if k is None else k,
                 k_exact=min(cfg.k_exact, cfg.k if k is None else k), k_trim=cfg.k_trim,
                 query_block=cfg.query_block, topk=algorithm, sink=cfg.sink, local=cfg.local, trim_rule=trim_rule,
-                scan=scan, quantile=cfg.quantile if quantile is None else quantile, rerank=0)
+                scan=scan, quantile=cfg.quantile if quantile is None else quantile, rerank=0,
+                rerank_fp8=cfg.rerank_fp8)
 
 
 def _reranks(cfg: MomoBenchConfig) -> tuple[tuple[tuple[int, int], ...], tuple[int, int] | None]:
@@ -575,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rerank", type=positive_int, nargs=2, action="append", metavar=("C", "STRIDE"),
                    help="also run the default pattern with Momo(rerank=C, rerank_stride=STRIDE) in the timing and "
                         "mass sections (repeatable)")
+    p.add_argument("--rerank-fp8", action="store_true",
+                   help="the re-rank's scores from fp8 copies of q and k (Momo(rerank_fp8=True))")
     p.add_argument("--scans", nargs="+", choices=SCAN_ORDERS,
                    help="scan orders of the estimated top-k in the mass section (default golden_pairs natural)")
     p.add_argument("--quantile", choices=QUANTILES,
@@ -601,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, inputs=tuple(args.inputs))
     if args.rerank:
         cfg = dataclasses.replace(cfg, reranks=tuple(tuple(x) for x in args.rerank))
+    if args.rerank_fp8:
+        cfg = dataclasses.replace(cfg, rerank_fp8=True)
     if args.k_exact is not None:
         if args.k_exact > cfg.k:
             p.error(f"--k-exact: expected at most k={cfg.k}; received {args.k_exact}")
