@@ -7,7 +7,10 @@
 # kernel with its default options on the identical top-100 mask, and on the Vertical-Slash form that meets the issue's
 # 1.1x pair bound, `VerticalSlash(block_q=64, block_k=32, windows=True, window_align=8, window_tail=12,
 # window_tail_cap=4096)`, not the pattern's default; needs a MInference checkout at ./mi_ckpt, untracked, carried
-# with the tree). Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
+# with the tree); `momo` (the candidate-mass GPU tests, then MOMO at 1M against cuDNN, `Momo()` and with the
+# re-rank's scores in fp8), `candidate-mass` (that kernel with bf16 / fp8 scores at 128k) and `momo-mass` (MOMO's
+# captured mass at 1M, 16 query blocks per input, as `momo-mass-1m-16blocks-default_*`, re-rank in fp8 and bf16).
+# Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
 source "$(dirname "$0")/carried_wheels.sh" || exit 1
@@ -22,5 +25,19 @@ case $part in
       --skip-parts --no-trace --split 0 ;;
   minference) timeout 560 python3 tools/minference_side_by_side.py --minference mi_ckpt --out "$OUT/$part" \
       --select "mosaic_gpu: same 64x64 mask;mosaic_gpu: 64 rows, 32-key windows from multiples of 8, tails <= 12 as columns (at most 4096 a head)" ;;
+  momo) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/candidate_mass/test_candidate_mass_gpu.py \
+      && timeout 200 python3 -m mmjax.drivers.cli bench momo --seq-lens 1048576 --implementation mosaic_gpu \
+      --tile 64 4 --fig4-ks --mass-lens --out "$OUT/$part" --name momo-1m-timing \
+      && timeout 200 python3 -m mmjax.drivers.cli bench momo --seq-lens 1048576 --implementation mosaic_gpu \
+      --tile 64 4 --fig4-ks --mass-lens --rerank-fp8 --out "$OUT/$part" --name momo-1m-timing-rerank-fp8 ;;
+  candidate-mass) timeout 300 python3 tools/candidate_mass_tune.py --out "$OUT/$part/candidate-mass.jsonl" \
+      --label targets --seq-len 131072 --candidates 512 --strides 2 1 --skip-triton-sweep --mosaic-stages 2 \
+      --mosaic-per-steps 2 --fp8s 0 1 ;;
+  momo-mass) for prec in fp8 bf16; do
+      flag=(); [ "$prec" = fp8 ] && flag=(--rerank-fp8)
+      timeout 250 python3 -m mmjax.drivers.cli bench momo --mass-only --mass-rows 2048 --mass-lens 1048576 \
+        --implementation mosaic_gpu --algorithms estimated --scans golden_pairs --quantiles histogram "${flag[@]}" \
+        --out "$OUT/$part" --name "momo-mass-1m-16blocks-rerank-$prec" || exit 1
+    done ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac 2>&1 | tee "$OUT/$part/log.txt"

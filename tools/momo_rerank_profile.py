@@ -1,0 +1,168 @@
+"""Time, piece by piece, what `Momo()`'s re-rank adds to MOMO at one length on a GPU (the bench's video-like
+input and budget, `mmjax bench momo`), so its cost can be split between the kernel and the XLA work around it.
+
+One JSON line per piece (median ms of ``--reps`` calls, each piece jitted on its own):
+
+* ``attend_default`` / ``attend_rerank0``: `Momo().attend` and `Momo(rerank=0).attend` end to end;
+* ``union``: union + trim to ``rerank_factor * k_trim`` candidates (`Momo.union_candidates`);
+* ``rerank``: `Momo.rerank_candidates` (candidate mass through the api, then the top ``k_trim``);
+* ``mass_api``: `candidate_mass` alone (its default implementation);
+* ``mass_kernel_sorted``: the Mosaic GPU kernel on lists already in id order (``sort=False``), and
+  ``mass_kernel_rows_last``: the same with the grid's query blocks fastest (``heads_first=False``);
+* ``argsort`` / ``sort``: the wrapper's id sort of the lists (pairs) and a key-only sort;
+* ``q_rows``: the wrapper's gather of every ``rerank_rows``-th query row;
+* ``topk_take``: the top ``k_trim`` of the masses and their ids;
+* ``assemble``: `assemble_layout` of the kept ids;
+* ``union_sort`` / ``union_segments`` / ``union_topk``: the union's three stages on their own (the sort of the
+  query block's ``[gamma rows x k]`` (id, value) pairs by id; the runs' totals, counts and ids by segment sums; the
+  top ``rerank_factor * k_trim`` runs).
+
+Usage (a lent sm90 GPU): python3 tools/momo_rerank_profile.py --out $OUT/momo-rerank-profile.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from gpu_timing import median_ms
+from jax import lax
+from jsonl_log import append_jsonl
+
+from mmjax.drivers.bench.momo import GPU_CONFIG, _pattern, video_like
+from mmjax.sparse.layouts import KernelOptions
+from mmjax.sparse.patterns.momo import assemble_layout, window_start
+from pallas_kernels.candidate_mass import candidate_mass
+from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--label", default="tree")
+    p.add_argument("--seq-len", type=int, default=1048576)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--skip-attend", action="store_true", help="leave out the two end-to-end rows")
+    p.add_argument("--pieces", nargs="*", help="only these pieces (default: all)")
+    args = p.parse_args()
+
+    cfg, s = GPU_CONFIG, args.seq_len
+    q, k, v = video_like(cfg, s, seed=s)
+    base = _pattern(cfg, cfg.timed_algorithm, scan=cfg.timed_scan)  # Momo(rerank=0) with the bench's budget
+    pat = dataclasses.replace(base, rerank=None, rerank_stride=None)  # Momo()'s default re-rank
+    opts = KernelOptions(implementation="mosaic_gpu")
+    c, stride = pat.rerank_factor, pat.rerank_rows
+    device = jax.devices()[0].device_kind
+
+    def emit(piece, fn, **extra):
+        if args.pieces and piece not in args.pieces:
+            return
+        row = dict(label=args.label, piece=piece, S=s, rerank=c, rerank_stride=stride, device=device, **extra)
+        try:
+            row["ms"] = median_ms(fn, reps=args.reps, warmup=1)
+        except Exception as e:  # reported, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(row, flush=True)
+        append_jsonl(args.out, row)
+
+    if not args.skip_attend:
+        for name, pt in (("attend_default", pat), ("attend_rerank0", base)):
+            f = jax.jit(lambda q, k, v, pt=pt: pt.attend(q, k, v, options=opts))
+            emit(name, lambda f=f: f(q, k, v))
+    res = jax.jit(lambda q, k, v: pat.plan(q, k, v, options=opts).qsa)(q, k, v)
+    union = jax.jit(pat.union_candidates, static_argnums=(1, 2))
+    ids = union(res, s, s)
+    emit("union", lambda: union(res, s, s), candidates=int(ids.shape[-1]))
+    rerank = jax.jit(lambda q, k, ids, lse: pat.rerank_candidates(q, k, ids, lse, opts))
+    emit("rerank", lambda: rerank(q, k, ids, res.lse_gamma))
+    kw = dict(query_block=pat.query_block, block=pat.block, gamma=pat.gamma, stride=stride)
+    mass_api = jax.jit(lambda q, k, ids, lse: candidate_mass(q, k, ids, lse, **kw))
+    emit("mass_api", lambda: mass_api(q, k, ids, res.lse_gamma))
+    nk = -(-s // pat.block)
+    ids_sorted = jnp.sort(jnp.where(ids >= 0, ids, nk), axis=-1)
+    ids_sorted = jnp.where(ids_sorted < nk, ids_sorted, -1)
+    for name, heads_first in (("mass_kernel_sorted", True), ("mass_kernel_rows_last", False)):
+        f = jax.jit(lambda q, k, ids, lse, hf=heads_first: candidate_mass_mosaic_gpu(
+            q, k, ids, lse, sm_scale=q.shape[-1] ** -0.5, sort=False, heads_first=hf, **kw))
+        emit(name, lambda f=f: f(q, k, ids_sorted, res.lse_gamma))
+    argsort = jax.jit(lambda x: jnp.argsort(jnp.where(x >= 0, x, nk), axis=-1))
+    emit("argsort", lambda: argsort(ids))
+    sort = jax.jit(lambda x: jnp.sort(jnp.where(x >= 0, x, nk), axis=-1))
+    emit("sort", lambda: sort(ids))
+    rows = jax.jit(lambda q: q[:, jnp.arange(0, q.shape[1], stride)])
+    emit("q_rows", lambda: rows(q))
+    mass = mass_api(q, k, ids, res.lse_gamma)
+
+    def topk_take(ids, mass):
+        top, pick = lax.top_k(jnp.where(ids >= 0, mass, -jnp.inf), pat.trim)
+        return jnp.where(top > -jnp.inf, jnp.take_along_axis(ids, pick, -1), -1)
+
+    tt = jax.jit(topk_take)
+    emit("topk_take", lambda: tt(ids, mass))
+    kept = tt(ids, mass)
+    geo = pat._geometry(s, s)
+    asm = jax.jit(lambda x: assemble_layout(x, **geo))
+    emit("assemble", lambda: asm(kept))
+
+    # the union's stages, as `union_trim` runs them (rule "mass")
+    b, n, tg, kk = res.block_idx.shape
+    per, nq = pat.query_block // pat.gamma, -(-s // pat.query_block)
+    lo = jnp.asarray(window_start(s, s, query_block=pat.query_block, block=pat.block, local=pat.local))
+
+    def pairs(block_idx, block_score, lse):
+        sc = jnp.exp(block_score - lse[..., None])
+        ids = block_idx[:, :, : nq * per].reshape(b, n, nq, per * kk)
+        sc = sc[:, :, : nq * per].reshape(b, n, nq, per * kk)
+        valid = (ids >= pat.sink_blocks) & (ids < lo[None, None, :, None])
+        return jnp.where(valid, ids, nk), jnp.where(valid, sc, 0.0)
+
+    ids_u, sc_u = jax.jit(pairs)(res.block_idx, res.block_score, res.lse_gamma)
+    srt = jax.jit(lambda i, v: lax.sort((i, v), dimension=3, num_keys=1))
+    emit("union_sort", lambda: srt(ids_u, sc_u), entries=int(ids_u.shape[-1]))
+    ids_s, sc_s = srt(ids_u, sc_u)
+
+    def segments(ids, sc):
+        m = ids.shape[-1]
+        first = jnp.concatenate([jnp.ones(ids.shape[:-1] + (1,), bool), ids[..., 1:] != ids[..., :-1]], -1)
+        seg = jnp.cumsum(first, axis=-1) - 1
+        flat = (jnp.arange(b * n * nq).reshape(b, n, nq, 1) * m + seg).ravel()
+        total = jax.ops.segment_sum(sc.ravel(), flat, num_segments=b * n * nq * m)
+        count = jax.ops.segment_sum(jnp.ones_like(sc).ravel(), flat, num_segments=b * n * nq * m)
+        seg_id = jax.ops.segment_max(ids.ravel(), flat, num_segments=b * n * nq * m)
+        shape = (b, n, nq, m)
+        total, count, seg_id = total.reshape(shape), count.reshape(shape), seg_id.reshape(shape)
+        return jnp.where((count > 0) & (seg_id < nk), total, -jnp.inf), seg_id
+
+    seg = jax.jit(segments)
+    emit("union_segments", lambda: seg(ids_s, sc_s))
+    mean, seg_id = seg(ids_s, sc_s)
+    top = jax.jit(lambda mean, seg_id: jnp.take_along_axis(seg_id, lax.top_k(mean, c * pat.trim)[1], axis=-1))
+    emit("union_topk", lambda: top(mean, seg_id))
+    want = top(mean, seg_id)
+
+    # a candidate for a faster union: run totals by a segmented scan at each run's last entry instead of three
+    # segment sums
+    def scan_runs(ids, sc):
+        first = jnp.concatenate([jnp.ones(ids.shape[:-1] + (1,), bool), ids[..., 1:] != ids[..., :-1]], -1)
+        last = jnp.concatenate([ids[..., 1:] != ids[..., :-1], jnp.ones(ids.shape[:-1] + (1,), bool)], -1)
+
+        def comb(a, b):
+            return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
+
+        total = lax.associative_scan(comb, (first, sc), axis=3)[1]
+        return jnp.where(last & (ids < nk), total, -jnp.inf), ids
+
+    scan = jax.jit(scan_runs)
+    emit("union_scan_runs", lambda: scan(ids_s, sc_s))
+    for name, ids_x, sc_x in (("scan", ids_s, sc_s),):
+        got = top(*scan(ids_x, sc_x))
+        same = (jnp.sort(got, -1) == jnp.sort(want, -1)).mean()
+        row = dict(label=args.label, piece=f"union_{name}_same_ids", S=s, share=float(same), device=device)
+        print(row, flush=True)
+        append_jsonl(args.out, row)
+
+
+if __name__ == "__main__":
+    main()
