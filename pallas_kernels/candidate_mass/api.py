@@ -5,10 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.candidate_mass.mosaic_gpu import (
-    candidate_mass_mosaic_gpu,
-    check_supported,
-)
+from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu, check_supported
 from pallas_kernels.candidate_mass.reference import candidate_mass_reference
 from pallas_kernels.candidate_mass.triton import candidate_mass_triton
 from pallas_kernels.checks import check_int, check_pow2, check_sm_scale, fmt_shape
