@@ -172,45 +172,34 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, hs_ref, out_ref, *, block, stages, 
                     ok = (k_pos <= first_pos + rows * stride) & (k_pos < limit)
                     return jnp.where(ok, x, -jnp.inf)
 
-                def slot_of(i):
-                    return ring * stages + lax.rem(i, stages)
-
-                def issue(i, s_ref):
-                    """Wait for step i's K stage and issue its ``S = Q K^T`` into ``s_ref`` (asynchronous)."""
-                    slot = slot_of(i)
-                    plgpu.barrier_wait(k_bar.at[slot])
-                    plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
-
-                def work(i, s):
-                    """Step i's masses from its scores ``s`` ``[64, width]`` into the mass tile; every ``CHUNK``
-                    candidates the tile is summed over the rows and stored."""
+                def step(i, carry):
+                    slot = ring * stages + lax.rem(i, stages)
                     j = i * per_step  # the step's first candidate
                     starts, limits, need = [], [], False
-                    for p in range(per_step):
+                    for p in range(per_step):  # before the wait: these loads overlap it
                         start, in_range = entry(wg, j + p)
                         limit = jnp.where(in_range, kv_len, 0)  # an id out of range shows nothing
                         starts.append(start)
                         limits.append(limit)
                         need = need | (start + bk - 1 > first_pos) | (start + bk > limit)
+                    plgpu.barrier_wait(k_bar.at[slot])
+
+                    def scores(s_ref):
+                        plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                        return s_ref[...]
+
+                    s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, width), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
                     x = s * scale - ref_b
                     x = lax.cond(need, lambda v: mask(v, starts, limits), lambda v: v, x)
-                    masses = block_sums(x, parts=per_step, block=bk)
                     c = lax.rem(j, CHUNK)
-                    for p, row_mass in enumerate(masses):
+                    for p, row_mass in enumerate(block_sums(x, parts=per_step, block=bk)):
                         m_smem[wg, c + p] = row_mass
 
                     @pl.when(c == CHUNK - per_step)
                     def _():
                         _flush(m_smem.at[wg], out_ref.at[batch, head, qb, part, pl.ds(j - c, CHUNK)])
 
-                def step(i, carry):
-                    def scores(s_ref):
-                        issue(i, s_ref)
-                        return s_ref[...]
-
-                    s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, width), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[slot_of(i)])
-                    work(i, s)
                     return carry
 
                 lax.fori_loop(0, n_cand // per_step, step, jnp.int32(0))
