@@ -33,7 +33,7 @@ from jsonl_log import append_jsonl
 
 from mmjax.drivers.bench.momo import GPU_CONFIG, _pattern, video_like
 from mmjax.sparse.layouts import KernelOptions
-from mmjax.sparse.patterns.momo import assemble_layout, window_start
+from mmjax.sparse.patterns.momo import assemble_layout, run_values, union_pairs
 from pallas_kernels.candidate_mass import candidate_mass
 from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu
 
@@ -106,36 +106,15 @@ def main() -> None:
     asm = jax.jit(lambda x: assemble_layout(x, **geo))
     emit("assemble", lambda: asm(kept))
 
-    # the union's stages, as `union_trim` runs them (rule "mass")
-    b, n, tg, kk = res.block_idx.shape
-    per, nq = pat.query_block // pat.gamma, -(-s // pat.query_block)
-    lo = jnp.asarray(window_start(s, s, query_block=pat.query_block, block=pat.block, local=pat.local))
-
-    def pairs(block_idx, block_score, lse):
-        sc = jnp.exp(block_score - lse[..., None])
-        ids = block_idx[:, :, : nq * per].reshape(b, n, nq, per * kk)
-        sc = sc[:, :, : nq * per].reshape(b, n, nq, per * kk)
-        valid = (ids >= pat.sink_blocks) & (ids < lo[None, None, :, None])
-        return jnp.where(valid, ids, nk), jnp.where(valid, sc, 0.0)
-
-    ids_u, sc_u = jax.jit(pairs)(res.block_idx, res.block_score, res.lse_gamma)
+    # the union's stages, as `union_trim` runs them
+    geo_u = dict(q_len=s, kv_len=s, gamma=pat.gamma, query_block=pat.query_block, block=pat.block,
+                 sink_blocks=pat.sink_blocks, local=pat.local, rule=pat.rule)
+    ids_u, sc_u = jax.jit(lambda i, v, lse: union_pairs(i, v, lse=lse, **geo_u))(
+        res.block_idx, res.block_score, res.lse_gamma)
     srt = jax.jit(lambda i, v: lax.sort((i, v), dimension=3, num_keys=1))
     emit("union_sort", lambda: srt(ids_u, sc_u), entries=int(ids_u.shape[-1]))
     ids_s, sc_s = srt(ids_u, sc_u)
-
-    def segments(ids, sc):
-        m = ids.shape[-1]
-        first = jnp.concatenate([jnp.ones(ids.shape[:-1] + (1,), bool), ids[..., 1:] != ids[..., :-1]], -1)
-        seg = jnp.cumsum(first, axis=-1) - 1
-        flat = (jnp.arange(b * n * nq).reshape(b, n, nq, 1) * m + seg).ravel()
-        total = jax.ops.segment_sum(sc.ravel(), flat, num_segments=b * n * nq * m)
-        count = jax.ops.segment_sum(jnp.ones_like(sc).ravel(), flat, num_segments=b * n * nq * m)
-        seg_id = jax.ops.segment_max(ids.ravel(), flat, num_segments=b * n * nq * m)
-        shape = (b, n, nq, m)
-        total, count, seg_id = total.reshape(shape), count.reshape(shape), seg_id.reshape(shape)
-        return jnp.where((count > 0) & (seg_id < nk), total, -jnp.inf), seg_id
-
-    seg = jax.jit(segments)
+    seg = jax.jit(lambda i, v: run_values(i, v, rule=pat.rule, big=nk))
     emit("union_segments", lambda: seg(ids_s, sc_s))
     mean, seg_id = seg(ids_s, sc_s)
     top = jax.jit(lambda mean, seg_id: jnp.take_along_axis(seg_id, lax.top_k(mean, c * pat.trim)[1], axis=-1))
@@ -156,12 +135,10 @@ def main() -> None:
 
     scan = jax.jit(scan_runs)
     emit("union_scan_runs", lambda: scan(ids_s, sc_s))
-    for name, ids_x, sc_x in (("scan", ids_s, sc_s),):
-        got = top(*scan(ids_x, sc_x))
-        same = (jnp.sort(got, -1) == jnp.sort(want, -1)).mean()
-        row = dict(label=args.label, piece=f"union_{name}_same_ids", S=s, share=float(same), device=device)
-        print(row, flush=True)
-        append_jsonl(args.out, row)
+    same = (jnp.sort(top(*scan(ids_s, sc_s)), -1) == jnp.sort(want, -1)).mean()
+    row = dict(label=args.label, piece="union_scan_same_ids", S=s, share=float(same), device=device)
+    print(row, flush=True)
+    append_jsonl(args.out, row)
 
 
 if __name__ == "__main__":

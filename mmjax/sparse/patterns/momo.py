@@ -159,8 +159,31 @@ def union_trim(block_idx: jax.Array, block_score: jax.Array, *, q_len: int, kv_l
 
     Returns (ids int32 ``[B, N, nq, k_trim]``, values f32 ``[B, N, nq, k_trim]``): per query
     block the k_trim blocks with the highest value (ties to the lower id), forced blocks
-    excluded; by value descending, empty slots -1 / -inf.
+    excluded; by value descending, empty slots -1 / -inf. Three stages: `union_pairs`, a sort by id, `run_values`.
     """
+    ids, sc = union_pairs(block_idx, block_score, q_len=q_len, kv_len=kv_len, gamma=gamma, query_block=query_block,
+                          block=block, sink_blocks=sink_blocks, local=local, rule=rule, lse=lse)
+    ids, sc = lax.sort((ids, sc), dimension=3, num_keys=1)  # ascending id, empties last
+    mean, seg_id = run_values(ids, sc, rule=rule, big=cdiv(kv_len, block))
+    m = ids.shape[-1]
+    take = min(k_trim, m)
+    vals, pos = lax.top_k(mean, take)  # segments are in id order: ties go to the lower id
+    out_ids = jnp.take_along_axis(seg_id, pos, axis=-1)
+    empty = jnp.isneginf(vals)
+    out_ids = jnp.where(empty, -1, out_ids).astype(jnp.int32)
+    if take < k_trim:
+        widths = ((0, 0), (0, 0), (0, 0), (0, k_trim - take))
+        out_ids = jnp.pad(out_ids, widths, constant_values=-1)
+        vals = jnp.pad(vals, widths, constant_values=-jnp.inf)
+    return out_ids, vals
+
+
+def union_pairs(block_idx: jax.Array, block_score: jax.Array, *, q_len: int, kv_len: int, gamma: int,
+                query_block: int, block: int, sink_blocks: int, local: int, rule: str = "mean",
+                lse: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`union_trim`'s first stage: each query block's sampled selections as (ids int32, values float32) ``[B, N,
+    nq, (query_block / gamma) * k]``, the value a selection's score ("mean") or ``exp(score - lse)`` ("mass");
+    forced and empty selections get id ``ceil(kv_len / block)`` and value 0."""
     if rule not in TRIM_RULES:
         raise ValueError(f"rule: expected one of {TRIM_RULES}; received {rule!r}")
     if rule == "mass":
@@ -181,10 +204,14 @@ def union_trim(block_idx: jax.Array, block_score: jax.Array, *, q_len: int, kv_l
     lo = jnp.asarray(window_start(q_len, kv_len, query_block=query_block, block=block, local=local))
     big = cdiv(kv_len, block)
     valid = (ids >= sink_blocks) & (ids < lo[None, None, :, None])
-    ids = jnp.where(valid, ids, big)
-    sc = jnp.where(valid, sc, 0.0)
-    ids, sc = lax.sort((ids, sc), dimension=3, num_keys=1)  # ascending id, empties last
-    m = ids.shape[-1]
+    return jnp.where(valid, ids, big), jnp.where(valid, sc, 0.0)
+
+
+def run_values(ids: jax.Array, sc: jax.Array, *, rule: str, big: int) -> tuple[jax.Array, jax.Array]:
+    """`union_trim`'s third stage, on `union_pairs`' output sorted by id (``[B, N, nq, M]``): each run of one id
+    at its run number (the runs in id order), as (value float32: the run's summed values ("mass") or their mean
+    ("mean"), -inf past the last run and for id ``big``; the run's id)."""
+    b, n, nq, m = ids.shape
     first = jnp.concatenate([jnp.ones(ids.shape[:-1] + (1,), bool), ids[..., 1:] != ids[..., :-1]], -1)
     seg = jnp.cumsum(first, axis=-1) - 1  # segment number within the row, [.., M]
     flat = (jnp.arange(b * n * nq).reshape(b, n, nq, 1) * m + seg).ravel()
@@ -194,17 +221,7 @@ def union_trim(block_idx: jax.Array, block_score: jax.Array, *, q_len: int, kv_l
     shape = (b, n, nq, m)
     total, count, seg_id = total.reshape(shape), count.reshape(shape), seg_id.reshape(shape)
     value = total if rule == "mass" else total / jnp.maximum(count, 1.0)
-    mean = jnp.where((count > 0) & (seg_id < big), value, -jnp.inf)
-    take = min(k_trim, m)
-    vals, pos = lax.top_k(mean, take)  # segments are in id order: ties go to the lower id
-    out_ids = jnp.take_along_axis(seg_id, pos, axis=-1)
-    empty = jnp.isneginf(vals)
-    out_ids = jnp.where(empty, -1, out_ids).astype(jnp.int32)
-    if take < k_trim:
-        widths = ((0, 0), (0, 0), (0, 0), (0, k_trim - take))
-        out_ids = jnp.pad(out_ids, widths, constant_values=-1)
-        vals = jnp.pad(vals, widths, constant_values=-jnp.inf)
-    return out_ids, vals
+    return jnp.where((count > 0) & (seg_id < big), value, -jnp.inf), seg_id
 
 
 def assemble_layout(trim_ids: jax.Array, *, q_len: int, kv_len: int, query_block: int,
