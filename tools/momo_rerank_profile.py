@@ -17,25 +17,36 @@ One JSON line per piece (median ms of ``--reps`` calls, each piece jitted on its
   query block's ``[gamma rows x k]`` (id, value) pairs by id; the runs' totals, counts and ids by segment sums; the
   top ``rerank_factor * k_trim`` runs).
 
-Usage (a lent sm90 GPU): python3 tools/momo_rerank_profile.py --out $OUT/momo-rerank-profile.jsonl
+Usage (a lent sm90 GPU): python3 tools/momo_rerank_profile.py --out $OUT/momo-rerank-profile.jsonl [--plot]
+       python3 tools/momo_rerank_profile.py --out FILE.jsonl --plot-only   (bars of ms per piece, a PNG beside FILE)
+The patterns are `Momo()` and `Momo(rerank=0)` with their defaults, which are the bench's budget (`GPU_CONFIG`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
+from bar_panels import add_plot_args, plot_ms_bars
 from gpu_timing import median_ms
 from jax import lax
 from jsonl_log import append_jsonl
 
-from mmjax.drivers.bench.momo import GPU_CONFIG, _pattern, video_like
+from mmjax.drivers.bench.momo import GPU_CONFIG, video_like
 from mmjax.sparse.layouts import KernelOptions
+from mmjax.sparse.patterns import Momo
 from mmjax.sparse.patterns.momo import assemble_layout, run_values, union_pairs
 from pallas_kernels.candidate_mass import candidate_mass
 from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu
+
+
+def plot(jsonl: str) -> str:
+    """Bars of ms per piece (the latest row per device, length and piece), one panel per device and length, from the
+    JSON-lines file ``jsonl``, written atomically beside it as a PNG; returns its path."""
+    return plot_ms_bars(jsonl, name="piece", highlight=lambda piece: piece.startswith("attend"), log=True, height=4,
+                        title=lambda device, s: f"MOMO's re-rank by piece, {s} tokens\n{device}")
 
 
 def main() -> None:
@@ -46,12 +57,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-attend", action="store_true", help="leave out the two end-to-end rows")
     p.add_argument("--pieces", nargs="*", help="only these pieces (default: all)")
+    add_plot_args(p)
     args = p.parse_args()
+    if args.plot_only:
+        print(plot(args.out), file=sys.stderr)
+        return
 
-    cfg, s = GPU_CONFIG, args.seq_len
-    q, k, v = video_like(cfg, s, seed=s)
-    base = _pattern(cfg, cfg.timed_algorithm, scan=cfg.timed_scan)  # Momo(rerank=0) with the bench's budget
-    pat = dataclasses.replace(base, rerank=None, rerank_stride=None)  # Momo()'s default re-rank
+    s = args.seq_len
+    q, k, v = video_like(GPU_CONFIG, s, seed=s)
+    base, pat = Momo(rerank=0), Momo()
     opts = KernelOptions(implementation="mosaic_gpu")
     c, stride = pat.rerank_factor, pat.rerank_rows
     device = jax.devices()[0].device_kind
@@ -102,8 +116,8 @@ def main() -> None:
     tt = jax.jit(topk_take)
     emit("topk_take", lambda: tt(ids, mass))
     kept = tt(ids, mass)
-    geo = pat._geometry(s, s)
-    asm = jax.jit(lambda x: assemble_layout(x, **geo))
+    asm = jax.jit(lambda x: assemble_layout(x, q_len=s, kv_len=s, query_block=pat.query_block, block=pat.block,
+                                            sink_blocks=pat.sink_blocks, local=pat.local))
     emit("assemble", lambda: asm(kept))
 
     # the union's stages, as `union_trim` runs them
@@ -139,6 +153,8 @@ def main() -> None:
     row = dict(label=args.label, piece="union_scan_same_ids", S=s, share=float(same), device=device)
     print(row, flush=True)
     append_jsonl(args.out, row)
+    if args.plot:
+        print(plot(args.out), file=sys.stderr)
 
 
 if __name__ == "__main__":

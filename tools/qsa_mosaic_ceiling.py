@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bar_panels import add_plot_args, plot_ms_bars
 from compare import rel_err
 from gpu_timing import queued_median_ms
-from jsonl_log import append_jsonl, latest_timed_rows, write_atomic
+from jsonl_log import append_jsonl
 
 from pallas_kernels import qsa_topk
 from pallas_kernels.block_sparse.mosaic_gpu import default_stages, launch
@@ -72,24 +72,8 @@ def random_qkv(s: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 def plot(jsonl: str) -> str:
     """Bars of ms per case, one panel per length, from the JSON-lines file ``jsonl`` (the latest row per device,
     length and case; rows with an error left out), written atomically beside it as a PNG; returns its path."""
-    import matplotlib  # here, not at the top, as in swiglu_quantize_bench.py
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    latest = latest_timed_rows(jsonl, ("device", "S", "case"))
-    panels = sorted({(d, s) for d, s, _ in latest}, key=lambda x: (x[0], x[1]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3), squeeze=False)
-    for ax, (device, s) in zip(axes[0], panels):
-        rows = sorted((r for (d, n, _), r in latest.items() if (d, n) == (device, s)), key=lambda r: r["ms"])
-        colors = ["tab:orange" if r["case"].startswith("triton") else "tab:blue" for r in rows]
-        ax.barh([r["case"] for r in rows], [r["ms"] for r in rows], color=colors)
-        ax.invert_yaxis()
-        ax.set_xlabel("ms per call")
-        ax.set_title(f"QSA of every {GAMMA}th query, {s} tokens\n{device}", fontsize=9)
-    fig.tight_layout()
-    png = os.path.splitext(jsonl)[0] + ".png"
-    write_atomic(png, lambda fh: fig.savefig(fh, format="png", dpi=110), binary=True)
-    plt.close(fig)
-    return png
+    return plot_ms_bars(jsonl, name="case", highlight=lambda case: case.startswith("triton"),
+                        title=lambda device, s: f"QSA of every {GAMMA}th query, {s} tokens\n{device}")
 
 
 def main() -> None:
@@ -97,8 +81,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--lens", type=int, nargs="+", default=[131072, 1048576])
     p.add_argument("--calls", type=int, default=4)
-    p.add_argument("--plot", action="store_true", help="draw the --out file's rows into a PNG beside it")
-    p.add_argument("--plot-only", action="store_true", help="only draw (no measurement)")
+    add_plot_args(p)
     args = p.parse_args()
     if args.plot_only:
         print(plot(args.out), file=sys.stderr)
