@@ -13,6 +13,7 @@ from mmjax.sparse.patterns.momo import (
     assemble_layout,
     delta_correct,
     forced_blocks,
+    run_values,
     union_trim,
 )
 from pallas_kernels.qsa_topk.common import SCAN_ORDERS
@@ -108,6 +109,16 @@ def test_union_trim_mass_rule_matches_numpy():
         union_trim(jnp.asarray(ids), jnp.asarray(scores), query_block=chi, rule="mass", **geo)
     with pytest.raises(ValueError, match="rule"):
         union_trim(jnp.asarray(ids), jnp.asarray(scores), query_block=chi, rule="max", **geo)
+
+
+def test_union_stages_and_rerank_fp8_name_bad_arguments():
+    ids = jnp.zeros((1, 2, 3, 8), jnp.int32)
+    with pytest.raises(ValueError, match="^rule: expected one of"):
+        run_values(ids, jnp.zeros((1, 2, 3, 8)), rule="max", big=10)
+    with pytest.raises(ValueError, match=r"^ids, sc: expected two arrays of one shape"):
+        run_values(ids, jnp.zeros((1, 2, 3, 7)), rule="mass", big=10)
+    with pytest.raises(ValueError, match="^rerank_fp8: expected a bool"):
+        Momo(rerank_fp8=1)
 
 
 def test_forced_blocks_cover_sink_window_and_diagonal():

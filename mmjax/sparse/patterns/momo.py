@@ -211,6 +211,11 @@ def run_values(ids: jax.Array, sc: jax.Array, *, rule: str, big: int) -> tuple[j
     """`union_trim`'s third stage, on `union_pairs`' output sorted by id (``[B, N, nq, M]``): each run of one id
     at its run number (the runs in id order), as (value float32: the run's summed values ("mass") or their mean
     ("mean"), -inf past the last run and for id ``big``; the run's id)."""
+    if rule not in TRIM_RULES:
+        raise ValueError(f"rule: expected one of {TRIM_RULES}; received {rule!r}")
+    if ids.ndim != 4 or sc.shape != ids.shape:
+        raise ValueError(f"ids, sc: expected two arrays of one shape [B, N, nq, M]; received {list(ids.shape)} and "
+                         f"{list(sc.shape)}")
     b, n, nq, m = ids.shape
     first = jnp.concatenate([jnp.ones(ids.shape[:-1] + (1,), bool), ids[..., 1:] != ids[..., :-1]], -1)
     seg = jnp.cumsum(first, axis=-1) - 1  # segment number within the row, [.., M]
@@ -380,6 +385,8 @@ class Momo(Pattern):
             raise ValueError(f"k_exact: expected 0 <= k_exact <= k={self.k}; received {self.k_exact}")
         if self.k_trim is not None:
             check_int("k_trim", self.k_trim, 1)
+        if not isinstance(self.rerank_fp8, bool):
+            raise ValueError(f"rerank_fp8: expected a bool; received {self.rerank_fp8!r}")
         if self.query_block % self.gamma:
             raise ValueError(f"gamma: expected a divisor of query_block={self.query_block}; "
                              f"received {self.gamma}")
