@@ -2,11 +2,13 @@
 T (queries the last T of S), empty candidates, strides, rows without a reference; bad arguments name
 themselves."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.candidate_mass import candidate_mass
+from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu
 from pallas_kernels.candidate_mass.triton import candidate_mass_triton
 from tests.pallas_kernels.helpers import random_qkv
 
@@ -88,10 +90,6 @@ def test_candidate_mass_of_all_blocks_sums_to_each_rows_mass():
 def test_mosaic_candidate_mass_fp8_scores_lower_for_cuda():
     """``qk_fp8``: the kernel lowers with fp8 Q / K tiles (head dim 128, and 80 padded to it); a head dim that pads
     to 64 is refused by name."""
-    import jax
-
-    from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu
-
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 
     def lower(d):
