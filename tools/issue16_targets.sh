@@ -9,7 +9,9 @@
 # window_tail_cap=4096)`, not the pattern's default; needs a MInference checkout at ./mi_ckpt, untracked, carried
 # with the tree); `momo` (the candidate-mass GPU tests, then MOMO at 1M against cuDNN, `Momo()` and with the
 # re-rank's scores in fp8), `candidate-mass` (that kernel with bf16 / fp8 scores at 128k) and `momo-mass` (MOMO's
-# captured mass at 1M, 16 query blocks per input, as `momo-mass-1m-16blocks-default_*`, re-rank in fp8 and bf16).
+# captured mass at 1M, 16 query blocks per input, as `momo-mass-1m-16blocks-default_*`, re-rank in fp8 and bf16) and
+# `rerank-keep` / `rerank-orders` (cheaper re-ranks' captured mass from one scoring per input: fewer candidates, some
+# kept unscored, and the kernel's ms per scored count / other union orders, `momo_rerank_keep.py`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
@@ -39,5 +41,8 @@ case $part in
         --implementation mosaic_gpu --algorithms estimated --scans golden_pairs --quantiles histogram "${flag[@]}" \
         --out "$OUT/$part" --name "momo-mass-1m-16blocks-rerank-$prec" || exit 1
     done ;;
+  rerank-keep) timeout 560 python3 tools/momo_rerank_keep.py --out "$OUT/$part/momo-rerank-keep.jsonl" --fp8 --time \
+      --orders mass --keeps 0 16 32 64 96 ;;
+  rerank-orders) timeout 560 python3 tools/momo_rerank_keep.py --out "$OUT/$part/momo-rerank-orders.jsonl" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac 2>&1 | tee "$OUT/$part/log.txt"

@@ -13,6 +13,7 @@ from mmjax.sparse.patterns.momo import (
     assemble_layout,
     delta_correct,
     forced_blocks,
+    rerank_pick,
     run_values,
     union_trim,
 )
@@ -293,6 +294,25 @@ def test_golden_scan_changes_only_the_estimated_selection():
             ids[topk, scan] = np.asarray(Momo(topk=topk, scan=scan, **kw).plan(q, k, v, options=opts).qsa.block_idx)
     np.testing.assert_array_equal(ids["exact", "golden"], ids["exact", "natural"])
     assert (ids["estimated", "golden"] != ids["estimated", "natural"]).any()
+
+
+def test_rerank_pick_keeps_the_candidates_with_the_most_mass():
+    """The k_trim candidates with the most mass (ties to the earlier one); empty candidates (-1) only fill slots
+    nothing else can; bad shapes and counts are named."""
+    rng = np.random.default_rng(5)
+    cands = rng.permutation(40)[None, None, None, :12].astype(np.int32)
+    cands = np.concatenate([cands, np.array([[[[-1, -1]]]], np.int32)], -1)  # C = 14, two empty
+    mass = rng.uniform(0.1, 1.0, size=cands.shape).astype(np.float32)
+    mass[..., 3] = mass[..., 5]  # a tie: the earlier candidate wins it
+    got = np.asarray(rerank_pick(jnp.asarray(cands), jnp.asarray(mass), k_trim=6))
+    best = sorted(range(12), key=lambda j: (-mass[0, 0, 0, j], j))[:6]
+    np.testing.assert_array_equal(got[0, 0, 0], cands[0, 0, 0, best])
+    few = np.asarray(rerank_pick(jnp.asarray(cands[..., 8:]), jnp.asarray(mass[..., 8:]), k_trim=6))
+    assert sorted(few[0, 0, 0].tolist()) == sorted(cands[0, 0, 0, 8:12].tolist() + [-1, -1])
+    with pytest.raises(ValueError, match="^k_trim: expected 1 <= k_trim <= 14"):
+        rerank_pick(jnp.asarray(cands), jnp.asarray(mass), k_trim=15)
+    with pytest.raises(ValueError, match="^mass: expected the candidates' shape"):
+        rerank_pick(jnp.asarray(cands), jnp.asarray(mass[..., 2:]), k_trim=6)
 
 
 def test_default_reranks_four_times_the_kept_blocks_with_every_second_row():

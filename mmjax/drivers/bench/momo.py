@@ -157,6 +157,16 @@ def mixed_like(cfg: MomoBenchConfig, s: int, seed: int):
     return q, k, v
 
 
+MASS_INPUTS = (("video", video_like), ("needle", needle_like), ("mixed", mixed_like))  # the mass section's order
+
+
+def mass_query_blocks(rng: np.random.Generator, nq: int, cfg: MomoBenchConfig) -> np.ndarray:
+    """The query blocks the mass section measures for one input of ``nq`` query blocks: ``mass_rows / query_block``
+    distinct blocks from the second half, ascending. The section draws them from ``np.random.default_rng(S)`` for
+    each input of `MASS_INPUTS` in turn (also for inputs it skips, with ``S // query_block``)."""
+    return np.sort(rng.choice(np.arange(nq // 2, nq), max(1, cfg.mass_rows // cfg.query_block), replace=False))
+
+
 def _pattern(cfg: MomoBenchConfig, algorithm: str, k: int | None = None, trim_rule: str = "auto",
              scan: str = "golden_pairs", quantile: str | None = None) -> Momo:
     """MOMO without re-rank (as published) with the bench's budget; the re-rank variants replace ``rerank``."""
@@ -360,10 +370,10 @@ class Runner:
         cfg = self.cfg
         rng = np.random.default_rng(s)
 
-        def draw_blocks(nq: int) -> np.ndarray:  # the query blocks measured, from the second half
-            return np.sort(rng.choice(np.arange(nq // 2, nq), max(1, cfg.mass_rows // cfg.query_block), replace=False))
+        def draw_blocks(nq: int) -> np.ndarray:
+            return mass_query_blocks(rng, nq, cfg)
 
-        for kind, make in (("video", video_like), ("needle", needle_like), ("mixed", mixed_like)):
+        for kind, make in MASS_INPUTS:
             if kind not in cfg.inputs:
                 # Draw its query blocks anyway, so the later inputs get the same blocks as in a run of all three
                 # (video and needle are exactly s long).

@@ -229,6 +229,20 @@ def run_values(ids: jax.Array, sc: jax.Array, *, rule: str, big: int) -> tuple[j
     return jnp.where((count > 0) & (seg_id < big), value, -jnp.inf), seg_id
 
 
+def rerank_pick(candidates: jax.Array, mass: jax.Array, *, k_trim: int) -> jax.Array:
+    """The re-rank's choice: the ``k_trim`` of ``candidates`` (int ids ``[B, N, nq, C]``, -1 empty) with the most
+    ``mass`` (float, same shape); int32 ids ``[B, N, nq, k_trim]``, -1 where fewer candidates are left (ties to the
+    earlier candidate)."""
+    c = candidates.shape[-1]
+    if candidates.ndim != 4 or tuple(mass.shape) != tuple(candidates.shape):
+        raise ValueError(f"mass: expected the candidates' shape [B, N, nq, C] = {list(candidates.shape)}; received "
+                         f"{list(mass.shape)}")
+    if not 1 <= k_trim <= c:
+        raise ValueError(f"k_trim: expected 1 <= k_trim <= {c} (the candidates); received {k_trim}")
+    top, pick = lax.top_k(jnp.where(candidates >= 0, mass, -jnp.inf), k_trim)
+    return jnp.where(top > -jnp.inf, jnp.take_along_axis(candidates, pick, -1), -1).astype(jnp.int32)
+
+
 def assemble_layout(trim_ids: jax.Array, *, q_len: int, kv_len: int, query_block: int,
                     block: int, sink_blocks: int, local: int) -> BlockLayout:
     """Forced blocks ∪ selected blocks ``trim_ids [B, N, nq, k']`` (-1 = empty, never a
@@ -438,18 +452,24 @@ class Momo(Pattern):
     def plan(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
              options: KernelOptions = KernelOptions()) -> MomoPlan:
         """QSA + top-k, then union/trim and the layout (jit-able)."""
-        self.check_lengths(k.shape[1])
         t, s = q.shape[1], k.shape[1]
-        qsa_impl, rows = self.qsa_kernel(q, options)
-        res = qsa_topk(q, k, v, gamma=self.gamma, block_kv=self.block, top_k=self.k,
-                       k_exact=self.k_exact, topk=self.topk, sink_blocks=self.sink_blocks,
-                       local=self.local, scan=self.scan, quantile=self.quantile, sm_scale=options.sm_scale,
-                       implementation=qsa_impl, interpret=options.interpret, rows=rows,
-                       check_finite=options.check_finite)
+        res = self.qsa(q, k, v, options=options)
         ids = self.union_candidates(res, t, s)
         if self.rerank_factor:
             ids = self.rerank_candidates(q, k, ids, res.lse_gamma, options)
         return MomoPlan(res, assemble_layout(ids, **self._geometry(t, s)))
+
+    def qsa(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
+            options: KernelOptions = KernelOptions()) -> QSATopKResult:
+        """MOMO's first stage: `qsa_topk` (every ``gamma``-th row against all keys, each sampled row's top ``k``
+        blocks) on the kernel `qsa_kernel` picks."""
+        self.check_lengths(k.shape[1])
+        qsa_impl, rows = self.qsa_kernel(q, options)
+        return qsa_topk(q, k, v, gamma=self.gamma, block_kv=self.block, top_k=self.k,
+                        k_exact=self.k_exact, topk=self.topk, sink_blocks=self.sink_blocks,
+                        local=self.local, scan=self.scan, quantile=self.quantile, sm_scale=options.sm_scale,
+                        implementation=qsa_impl, interpret=options.interpret, rows=rows,
+                        check_finite=options.check_finite)
 
     def _geometry(self, q_len: int, kv_len: int) -> dict:
         return dict(q_len=q_len, kv_len=kv_len, query_block=self.query_block, block=self.block,
@@ -469,8 +489,7 @@ class Momo(Pattern):
                               gamma=self.gamma, stride=self.rerank_rows, sm_scale=options.sm_scale,
                               implementation=_measure_implementation(options), interpret=options.interpret,
                               qk_fp8=self.rerank_fp8)
-        top, pick = lax.top_k(jnp.where(candidates >= 0, mass, -jnp.inf), self.trim)
-        return jnp.where(top > -jnp.inf, jnp.take_along_axis(candidates, pick, -1), -1).astype(jnp.int32)
+        return rerank_pick(candidates, mass, k_trim=self.trim)
 
     def build_layout(self, q: jax.Array, k: jax.Array, *, modality=None) -> BlockLayout:
         """The MOMO layout (``modality`` is ignored: MOMO measures every head directly). The
