@@ -144,6 +144,9 @@ class MosaicConfig:
         first) in rounds of ``grid``, in snake order (round r's position p is CTA p for even r, ``grid - 1 - p``
         for odd r); each consumer loads its next item's Q once its last ``S = Q K^T`` is done and stores O from
         an O tile of its own.
+      heads_first: work items run query heads fastest (then query blocks, the last rows first), so the CTAs that run
+        at the same time are the heads of a few query blocks, and the query heads of one key / value head read
+        their shared tiles from L2; else query blocks fastest.
     """
 
     block_k: int
@@ -169,6 +172,7 @@ class MosaicConfig:
     pingpong: bool = True
     persistent: bool = False
     visible: bool = False
+    heads_first: bool = False
 
 
 def _rings(block_q: int) -> int:
@@ -381,8 +385,9 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     my_items = full + (position(full) < items).astype(jnp.int32) if rest else jnp.int32(full)
 
     class Item(NamedTuple):
-        """One (128 query rows, head, batch) work item. Item indices run query blocks fastest, the last rows (the
-        longest causal ones) first; the item grid takes them in that order, the persistent grid in `item_order`'s."""
+        """One (128 query rows, head, batch) work item. Item indices run query blocks fastest (``heads_first``:
+        query heads fastest, then query blocks), the last rows (the longest causal ones) first; the item grid takes
+        them in that order, the persistent grid in `item_order`'s."""
         cta: jax.Array
         head: jax.Array
         batch: jax.Array
@@ -391,8 +396,11 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
         @classmethod
         def of(cls, t):
             w = order_ref[position(t)] if cfg.persistent else position(t)
-            head = lax.rem(w // ctas, heads)
-            return cls(ctas - 1 - lax.rem(w, ctas), head, w // (ctas * heads), lax.div(head, cfg.groups))
+            if cfg.heads_first:
+                head, row = lax.rem(w, heads), lax.rem(w // heads, ctas)
+            else:
+                head, row = lax.rem(w // ctas, heads), lax.rem(w, ctas)
+            return cls(ctas - 1 - row, head, w // (ctas * heads), lax.div(head, cfg.groups))
 
         def lead(self, name, qb):
             has_b, has_n, has_q = leads[name]
@@ -786,10 +794,12 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     )
 
 
-def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: int, pair: bool) -> jax.Array:
+def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: int, pair: bool,
+               heads_first: bool = False) -> jax.Array:
     """The persistent grid's item order: int32 ``[batch * heads * ctas]`` item indices (item w is batch ``w // (heads
-    * ctas)``, head ``w // ctas % heads``, 128-row block ``ctas - 1 - w % ctas``), most steps first (a stable sort,
-    so equal items keep that order: query blocks fastest, the last rows first). count int32 ``[B|1, N|1, nq]``;
+    * ctas)``, head ``w // ctas % heads``, 128-row block ``ctas - 1 - w % ctas``; ``heads_first``: head ``w %
+    heads``, block ``ctas - 1 - w // heads % ctas``), most steps first (a stable sort, so equal items keep that
+    order: query blocks (or heads) fastest, the last rows first). count int32 ``[B|1, N|1, nq]``;
     an item's steps are its list's (``block_q`` 128) or the longer of its two 64-row blocks' lists, in entries or
     (``pair``) pairs of entries."""
     nq = count.shape[2]
@@ -798,7 +808,8 @@ def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: 
         steps = (steps + 1) // 2
     if block_q == WG_ROWS:  # two query blocks per item (a missing last one has no steps)
         steps = jnp.pad(steps, ((0, 0), (0, 0), (0, 2 * ctas - nq))).reshape(batch, heads, ctas, 2).max(-1)
-    cost = steps[..., ::-1].reshape(-1)  # by item index
+    cost = steps[..., ::-1]  # [batch, heads, ctas], the last rows first
+    cost = (jnp.swapaxes(cost, 1, 2) if heads_first else cost).reshape(-1)  # by item index
     return jnp.argsort(-cost, stable=True).astype(jnp.int32)
 
 
@@ -865,7 +876,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
            pair: bool = False, profile: tuple[int, str] | None = None,
            overlap: bool = False, pingpong: bool = True,
-           skip_visible_masks: bool = True) -> tuple[jax.Array, jax.Array]:
+           skip_visible_masks: bool = True, heads_first: bool = False) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of two list
     entries, ``stages`` K stages and `_pair_v_stages` V stages per ring).
@@ -879,8 +890,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         (keys at positions >= kv_len are never visible).
       ranges: None, or (lo, hi) int32 shaped like blocks: ``blocks`` then holds tile starts (multiples of 8 in
         ``[0, Sp - block_k]``) and entry j computes only the keys ``[lo_j, hi_j)`` of its tile (`window_tiles`).
-      overlap, pingpong: as in `MosaicConfig` (overlap is refused with original positions and one V stage per
-        ring: the next step's key positions arrive with its V tile).
+      overlap, pingpong, heads_first: as in `MosaicConfig` (overlap is refused with original positions and one V stage
+        per ring: the next step's key positions arrive with its V tile).
       skip_visible_masks: with original positions, skip the position mask of entries every row of their query
         block sees whole (`visible_entries`; where that table stays small).
       profile: None, or (ranges, directory): Mosaic GPU's profiler records the kernel's named regions (``qk``,
@@ -895,7 +906,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
     names = {"kv_blocks": blocks, "kv_block_count": count[..., None]}
     operands = [q_in, k_in, v_in, blocks, count]
     if persistent:
-        operands.append(item_order(count, block_q=block_q, ctas=tp // BLOCK_Q, batch=b, heads=n, pair=pair))
+        operands.append(item_order(count, block_q=block_q, ctas=tp // BLOCK_Q, batch=b, heads=n, pair=pair,
+                                   heads_first=heads_first))
     if ranges is not None:
         names["kv_lo"] = ranges[0]
         operands += list(ranges)
@@ -916,7 +928,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         leads=tuple((name, _lead_flags(x)) for name, x in names.items()), has_pos=has_pos,
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
         pair=pair, v_stages=_pair_v_stages(stages, block_q, block_k) if pair else stages, overlap=overlap,
-        pingpong=pingpong, persistent=persistent, visible=vis is not None,
+        pingpong=pingpong, persistent=persistent, visible=vis is not None, heads_first=heads_first,
     )
     if overlap and has_pos and cfg.v_stages < 2:
         raise ValueError(f"overlap: needs two V stages per ring with original positions (the next step's key "
@@ -1028,7 +1040,7 @@ def _prepared_kv(k, v, layout: BlockLayout, groups: int, d_pad: int) -> tuple[ja
 
 
 def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                overlap, pingpong, profile=None):
+                overlap, pingpong, heads_first=False, profile=None):
     """The layout's key blocks; q_in is padded and in the layout's row order."""
     s = k.shape[1]
     bk, nk = layout.block_k, layout.num_kv_blocks
@@ -1049,7 +1061,7 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
                   block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile,
-                  overlap=overlap, pingpong=pingpong)
+                  overlap=overlap, pingpong=pingpong, heads_first=heads_first)
 
 
 def row_range_pass(layout: BlockLayout) -> bool:
@@ -1138,7 +1150,7 @@ def _shared_column_keys(k, v, layout: BlockLayout, d_pad: int) -> tuple[jax.Arra
 
 
 def _shared_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
-                        pair, overlap, pingpong):
+                        pair, overlap, pingpong, heads_first=False):
     """`_column_pass` for `shared_columns`: the list's keys gathered once into ``ceil(max_cols / block_k)`` tiles
     per key / value head (`_shared_column_keys`), each query block reading the first ``count`` of them as key
     windows (its last tile only up to its count), with the original position of every gathered key."""
@@ -1153,7 +1165,7 @@ def _shared_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, st
                   groups=q_in.shape[2] // kh, num_kv_blocks=tiles, kv_len=layout.kv_len, q_offset=layout.q_offset,
                   block_k=bk, causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
                   block_q=layout.block_q, persistent=persistent, ranges=(lo, hi), pair=pair, overlap=overlap,
-                  pingpong=pingpong)
+                  pingpong=pingpong, heads_first=heads_first)
 
 
 def fused_columns(layout: BlockLayout) -> bool:
@@ -1199,7 +1211,7 @@ def fused_lists(blocks: jax.Array, count: jax.Array, column_count: jax.Array, *,
 
 
 def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
-                       pair, overlap, pingpong, profile=None):
+                       pair, overlap, pingpong, heads_first=False, profile=None):
     """The block pass and the `shared_columns` in one launch (``column_pass="fused"``): the columns' keys gathered
     once per key / value head (`_shared_column_keys`) are appended to the prepared k / v, each query block's list
     goes on with its column tiles (`fused_lists`), and every key carries its original position; no second output
@@ -1221,11 +1233,11 @@ def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, sta
                   kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal, gap=layout.gap,
                   window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
                   persistent=persistent, ranges=(lo, hi), pair=pair, profile=profile, overlap=overlap,
-                  pingpong=pingpong)
+                  pingpong=pingpong, heads_first=heads_first)
 
 
 def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                 overlap, pingpong):
+                 overlap, pingpong, heads_first=False):
     """The layout's single key columns: for each (batch, head, query block) its columns are
     gathered into dense ``block_k`` tiles of one key array (``nq * ceil(max_cols / block_k)``
     tiles per query head), and the kernel runs over the tiles of its query block with the
@@ -1234,7 +1246,7 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
     if shared_columns(layout):
         return _shared_column_pass(q_in, k, v, layout, sm_scale=sm_scale, causal=causal, stages=stages,
                                    t_pad=t_pad, d_pad=d_pad, persistent=persistent, pair=pair, overlap=overlap,
-                                   pingpong=pingpong)
+                                   pingpong=pingpong, heads_first=heads_first)
     b, s, kh, _ = k.shape
     n = q_in.shape[2]
     groups = n // kh
@@ -1260,12 +1272,12 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
     return launch(q_in, k_c, v_c, blocks, count, q_pos, k_pos, groups=1, num_kv_blocks=nq * tiles,
                   kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
                   gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
-                  persistent=persistent, pair=pair, overlap=overlap, pingpong=pingpong)
+                  persistent=persistent, pair=pair, overlap=overlap, pingpong=pingpong, heads_first=heads_first)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass",
                                              "key_pairs", "profile", "overlap",
-                                             "pingpong", "poison"))
+                                             "pingpong", "poison", "heads_first"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -1282,8 +1294,17 @@ def block_sparse_attention_mosaic_gpu(
     overlap: bool = False,
     pingpong: bool = True,
     poison: bool | None = True,
+    heads_first: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
+
+    ``heads_first``: the work items run query heads fastest, so the query heads of one key / value head run at the
+    same time and read the tiles their lists share from L2 (`MosaicConfig`); False (default): query blocks fastest.
+    Not faster where measured (one H200, 2026-11-28, `tools/heads_first_bench.py`, `heads-first_*.jsonl`, 28 / 4
+    heads; time with query blocks fastest over time with heads fastest): `Momo()`'s key-sparse layout 0.99x at 128k
+    and 1.01x at 1M (262.5 / 259.6 ms: that pass is not bound by its HBM reads), dense 0.99-1.00x, random 10% / 3%
+    0.92-0.96x at 32k and 128k. The same results bit for bit (GPU test). A layout with a ``q_block_range`` run as
+    `block_sparse_attention_rows_mosaic_gpu`'s work items keeps that pass's order.
 
     ``persistent``: one CTA per multiprocessor, each running its share of the work items (longest lists first,
     `item_order`, in snake rounds), its next item's first K / V tiles loading while the consumers finish the last
@@ -1367,6 +1388,8 @@ def block_sparse_attention_mosaic_gpu(
         raise ValueError("key_pairs: expected True or None for layout.block_k=32 (32-key entries run two per step: "
                          "the P V product needs 64 keys); received False")
     _check_poison(poison)
+    if not isinstance(heads_first, bool):
+        raise ValueError(f"heads_first: expected True or False; received {heads_first!r}")
     if row_range_pass(layout) and not persistent and profile is None:  # its rows alone, lists in chunks
         rows, out, lse = _rows_result(q, k, v, layout, sm_scale=sm_scale, causal=causal, num_stages=num_stages,
                                       key_pairs=key_pairs, overlap=overlap, pingpong=pingpong, poison=poison)
@@ -1388,7 +1411,7 @@ def block_sparse_attention_mosaic_gpu(
     q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
-          "pingpong": pingpong}
+          "pingpong": pingpong, "heads_first": heads_first}
 
     def passes(kp, vp):
         """The Mosaic passes on k / v as `_on_keys` gives them."""

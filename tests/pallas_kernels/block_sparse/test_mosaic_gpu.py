@@ -302,6 +302,35 @@ def test_item_order_puts_the_longest_items_first_and_keeps_ties_in_item_order():
     assert np.asarray(one_head).tolist() == [2, 5, 8, 11, 0, 3, 6, 9, 1, 4, 7, 10]
 
 
+def test_item_order_heads_first_decodes_items_with_the_heads_fastest():
+    """`item_order(heads_first=True)`: item w is (batch w // (N * ctas), head w % N, 128-row block ctas - 1 - w // N %
+    ctas); the same items by steps, descending, ties in item order (so the heads of a query block stay together)."""
+    rng = np.random.default_rng(1)
+    b, n, ctas = 2, 3, 5
+    count = jnp.asarray(rng.integers(0, 4, (b, n, ctas)), jnp.int32)
+    order = np.asarray(item_order(count, block_q=128, ctas=ctas, batch=b, heads=n, pair=False, heads_first=True))
+    assert sorted(order.tolist()) == list(range(b * n * ctas))
+    c = np.asarray(count)
+    steps = [c[w // (n * ctas), w % n, ctas - 1 - w // n % ctas] for w in order]
+    assert all(x >= y for x, y in zip(steps, steps[1:])), steps
+    assert all(t == sorted(t) for t in [[w for w, st in zip(order, steps) if st == v] for v in set(steps)])
+    same = item_order(jnp.ones((1, 1, 3), jnp.int32), block_q=128, ctas=3, batch=1, heads=2, pair=False,
+                      heads_first=True)
+    assert np.asarray(same).tolist() == list(range(6))
+
+
+@pytest.mark.parametrize("bq,persistent,perm", [(128, False, False), (64, True, False), (128, True, True)])
+def test_heads_first_lowers_for_cuda(bq, persistent, perm):
+    """``heads_first=True`` on the item grid and the persistent grid, with and without original positions."""
+    t = 3000
+    layout = _dense_variant(t, bq, 64, perm, False)
+    _lower((1, t, 16, 128), (1, t, 4, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+           sm_scale=0.1, persistent=persistent, heads_first=True)
+    q, k, v = random_qkv(0, 1, 300, 300, 4, 2, 128, jnp.bfloat16)
+    with pytest.raises(ValueError, match="^heads_first: expected True or False; received 1"):
+        block_sparse_attention_mosaic_gpu(q, k, v, BlockLayout.dense_causal(300, 300), sm_scale=0.1, heads_first=1)
+
+
 @pytest.mark.parametrize("profile,match", [((0, "/tmp"), r"profile\[0\]"), ((8, ""), "profile: expected"),
                                            ("/tmp", "profile: expected")])
 def test_mosaic_rejects_a_bad_profile_request(profile, match):

@@ -204,6 +204,24 @@ def test_mosaic_persistent_grid_runs_many_items_per_cta(block_q, perm, columns, 
 
 
 @needs_hopper
+@pytest.mark.parametrize("block_q,persistent,perm,columns", [(128, False, False, 0), (64, False, True, 24),
+                                                             (128, True, False, 0), (64, True, False, 0)])
+def test_mosaic_heads_first_is_the_same_result(block_q, persistent, perm, columns):
+    """``heads_first=True`` only changes which work items run together (the query heads fastest): the result is
+    the masked dense one and equals, bit for bit, the kernel's with query blocks fastest (GQA 4, ragged length)."""
+    b, t, s, n, kh, d = 2, 1500, 1500, 16, 4, 128
+    rng = np.random.default_rng(block_q + 7 * perm + persistent)
+    q, k, v = random_qkv(int(rng.integers(1 << 30)), b, t, s, n, kh, d, jnp.bfloat16)
+    layout = random_layout(rng, b, n, t, s, block_q, 64, density=0.3, perm=perm, columns=columns)
+    kw = dict(sm_scale=d ** -0.5, persistent=persistent)
+    first = block_sparse_attention_mosaic_gpu(q, k, v, layout, heads_first=True, **kw)
+    _check(*first, q, k, v, layout, jnp.bfloat16)
+    base = block_sparse_attention_mosaic_gpu(q, k, v, layout, heads_first=False, **kw)
+    for x, y in zip(first, base, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@needs_hopper
 @pytest.mark.parametrize("bq,bk,perm,columns,column_pass", [
     (128, 64, False, 0, "mosaic"), (64, 64, False, 24, "triton"), (64, 64, True, 24, "mosaic"),
     (128, 128, True, 0, "mosaic"), (64, 64, False, 24, "mosaic"), (64, 32, True, 24, "triton"),
