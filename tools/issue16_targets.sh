@@ -9,11 +9,11 @@
 # window_tail_cap=4096)`, not the pattern's default; needs a MInference checkout at ./mi_ckpt, untracked, carried
 # with the tree); `momo` (the candidate-mass GPU tests, then MOMO at 1M against cuDNN, `Momo()` and with the
 # re-rank's scores in fp8), `candidate-mass` (that kernel with bf16 / fp8 scores at 128k) and `momo-mass` (MOMO's
-# captured mass at 1M, 16 query blocks per input, as `momo-mass-1m-16blocks-default_*`, re-rank in fp8 and bf16) and
+# captured mass at 1M, 16 query blocks per input, as `momo-mass-1m-16blocks-default_*`, re-rank in fp8 and bf16),
 # `rerank-keep` / `rerank-orders` (cheaper re-ranks' captured mass from one scoring per input: fewer candidates, some
-# kept unscored, and the kernel's ms per scored count / other union orders, `momo_rerank_keep.py`) and `heads-first`
-# (the block-sparse Mosaic kernel's GPU tests of its item orders, then its time with query heads fastest against query
-# blocks fastest on MOMO's layout and the kernel rows, `heads_first_bench.py`).
+# kept unscored, and the kernel's ms per scored count / other union orders, `momo_rerank_variants.py`) and
+# `heads-first` (the block-sparse Mosaic kernel's GPU tests of its item orders, then its time with query heads fastest
+# against query blocks fastest on MOMO's layout and the kernel rows, `heads_first_bench.py`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
@@ -43,9 +43,9 @@ case $part in
         --implementation mosaic_gpu --algorithms estimated --scans golden_pairs --quantiles histogram "${flag[@]}" \
         --out "$OUT/$part" --name "momo-mass-1m-16blocks-rerank-$prec" || exit 1
     done ;;
-  rerank-keep) timeout 560 python3 tools/momo_rerank_keep.py --out "$OUT/$part/momo-rerank-keep.jsonl" --fp8 --time \
+  rerank-keep) timeout 560 python3 tools/momo_rerank_variants.py --out "$OUT/$part/momo-rerank-keep.jsonl" --fp8 --time \
       --orders mass --keeps 0 16 32 64 96 ;;
-  rerank-orders) timeout 560 python3 tools/momo_rerank_keep.py --out "$OUT/$part/momo-rerank-orders.jsonl" ;;
+  rerank-orders) timeout 560 python3 tools/momo_rerank_variants.py --out "$OUT/$part/momo-rerank-orders.jsonl" ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
       -k "heads_first or persistent_grid" 2>&1 | tail -5; \
       timeout 400 python3 tools/heads_first_bench.py --out "$OUT/$part/heads-first.jsonl" --cudnn ;;

@@ -313,6 +313,8 @@ def test_rerank_pick_keeps_the_candidates_with_the_most_mass():
         rerank_pick(jnp.asarray(cands), jnp.asarray(mass), k_trim=15)
     with pytest.raises(ValueError, match="^mass: expected the candidates' shape"):
         rerank_pick(jnp.asarray(cands), jnp.asarray(mass[..., 2:]), k_trim=6)
+    with pytest.raises(ValueError, match="^candidates: expected a 4-D array"):
+        rerank_pick(jnp.asarray(cands[0]), jnp.asarray(mass[0]), k_trim=6)
 
 
 def test_default_reranks_four_times_the_kept_blocks_with_every_second_row():

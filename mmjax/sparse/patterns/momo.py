@@ -233,8 +233,10 @@ def rerank_pick(candidates: jax.Array, mass: jax.Array, *, k_trim: int) -> jax.A
     """The re-rank's choice: the ``k_trim`` of ``candidates`` (int ids ``[B, N, nq, C]``, -1 empty) with the most
     ``mass`` (float, same shape); int32 ids ``[B, N, nq, k_trim]``, -1 where fewer candidates are left (ties to the
     earlier candidate)."""
+    if candidates.ndim != 4:
+        raise ValueError(f"candidates: expected a 4-D array [B, N, nq, C]; received shape {list(candidates.shape)}")
     c = candidates.shape[-1]
-    if candidates.ndim != 4 or tuple(mass.shape) != tuple(candidates.shape):
+    if tuple(mass.shape) != tuple(candidates.shape):
         raise ValueError(f"mass: expected the candidates' shape [B, N, nq, C] = {list(candidates.shape)}; received "
                          f"{list(mass.shape)}")
     if not 1 <= k_trim <= c:

@@ -24,8 +24,12 @@ scores). ``("mass", 512, 0)`` with every 2nd row in bf16 is `Momo()`'s re-rank: 
 its candidates' order (share of the kept blocks per rank bin). With ``--time``: the kernel's ms on the video input
 per (row stride, scored count), lists already in id order (the wrapper's sort is about 5 ms at 1M).
 
-Usage (a lent sm90 GPU): python3 tools/momo_rerank_keep.py --out $OUT/momo-rerank-keep.jsonl [--fp8] [--time]
-       python3 tools/momo_rerank_keep.py --out FILE.jsonl --plot-only   (gap against scored candidates, a PNG beside)
+Measured (one H200, 2026-11-28, `bench/results/momo-rerank-{keep,orders}_NVIDIA-H200_2026-11-28.{jsonl,png}`, README
+"Can the re-rank score fewer candidates?"): no cheaper variant keeps the mixed gap within 1.5 points (384 candidates:
+1.502; the whole union scored: 1.34; every row instead of every 2nd: 0.79 at 512).
+
+Usage (a lent sm90 GPU): python3 tools/momo_rerank_variants.py --out $OUT/momo-rerank-keep.jsonl [--fp8] [--time]
+       python3 tools/momo_rerank_variants.py --out FILE.jsonl --plot-only   (gap per scored candidates: a PNG beside)
 """
 
 from __future__ import annotations
