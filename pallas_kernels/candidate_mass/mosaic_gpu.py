@@ -32,7 +32,12 @@ every 2nd row the kernel is bound by those reads (about 6.3 TB/s of K from L2), 
 None of these moved the first: the exponentials as packed bf16 pairs (``ex2.approx.ftz.bf16x2``: 39.5 ms); each
 consumer issuing its next ``Q K^T`` before the current step's masses (38.6 against 38.1 ms); 2 / 3 / 4 of every 8
 exponentials from a polynomial on the FMA pipes, FlashAttention-4's trick (38.0 / 40.7 / 41.7 against 38.7 ms).
-What does: fewer bytes per K block, ``qk_fp8`` (33.2 against 38.4 ms; every row 63.3 against 70.2).
+What does: fewer bytes per K block, ``qk_fp8`` (33.2 against 38.4 ms; every row 63.3 against 70.2). Those reads are
+not HBM reads: with the 7 query heads of each key head listing the same blocks, so that all but the first read of a
+block hit L2 (``--shared-in-group``, `candidate-mass-shared-in-group_NVIDIA-H200_2026-11-28.jsonl`), every 2nd row takes
+36.5 against 36.8 ms and every row 67.1 against 67.0. What bounds every 2nd row is moving K from L2 into shared memory
+(about 6.4 TB/s) close to its arithmetic (about half of every row's 67 ms), so a walk over the union of a key head's
+lists (each K block loaded once for its query heads) would gain at most about 10%.
 
 CPU: the kernel lowers for CUDA on a CPU machine (tests/pallas_kernels/candidate_mass/test_candidate_mass.py);
 it runs on a Hopper GPU only (test_candidate_mass_gpu.py).
