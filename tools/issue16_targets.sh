@@ -10,10 +10,12 @@
 # with the tree); `momo` (the candidate-mass GPU tests, then MOMO at 1M against cuDNN, `Momo()` and with the
 # re-rank's scores in fp8), `candidate-mass` (that kernel with bf16 / fp8 scores at 128k) and `momo-mass` (MOMO's
 # captured mass at 1M, 16 query blocks per input, as `momo-mass-1m-16blocks-default_*`, re-rank in fp8 and bf16),
-# `rerank-keep` / `rerank-orders` (cheaper re-ranks' captured mass from one scoring per input: fewer candidates, some
-# kept unscored, and the kernel's ms per scored count / other union orders, `momo_rerank_variants.py`) and
+# `rerank-keep` / `rerank-orders` / `rerank-adaptive` (cheaper re-ranks' captured mass from one scoring per input: fewer candidates, some
+# kept unscored, and the kernel's ms per scored count / other union orders / a share of the lists re-ranked,
+# `momo_rerank_variants.py`) and
 # `heads-first` (the block-sparse Mosaic kernel's GPU tests of its item orders, then its time with query heads fastest
-# against query blocks fastest on MOMO's layout and the kernel rows, `heads_first_bench.py`).
+# against query blocks fastest on MOMO's layout and the kernel rows, `heads_first_bench.py`); `momo-share` (the
+# candidate-mass GPU tests, MOMO at 1M and its 16-block mass with the default `rerank_share`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
@@ -46,6 +48,15 @@ case $part in
   rerank-keep) timeout 560 python3 tools/momo_rerank_variants.py --out "$OUT/$part/momo-rerank-keep.jsonl" --fp8 --time \
       --orders mass --keeps 0 16 32 64 96 ;;
   rerank-orders) timeout 560 python3 tools/momo_rerank_variants.py --out "$OUT/$part/momo-rerank-orders.jsonl" ;;
+  rerank-adaptive) timeout 560 python3 tools/momo_rerank_variants.py --out "$OUT/$part/momo-rerank-adaptive.jsonl" \
+      --strides 2 --orders mass --adaptive ;;
+  momo-share) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/candidate_mass/test_candidate_mass_gpu.py \
+      -k matches_reference 2>&1 | tail -3; \
+      timeout 110 python3 -m mmjax.drivers.cli bench momo --seq-lens 1048576 --implementation mosaic_gpu \
+      --tile 64 4 --fig4-ks --mass-lens --out "$OUT/$part" --name momo-1m-timing-share; \
+      timeout 130 python3 -m mmjax.drivers.cli bench momo --mass-only --mass-rows 2048 --mass-lens 1048576 \
+        --implementation mosaic_gpu --algorithms estimated --scans golden_pairs --quantiles histogram \
+        --out "$OUT/$part" --name momo-mass-1m-16blocks-share ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
       -k "heads_first or persistent_grid" 2>&1 | tail -5; \
       timeout 400 python3 tools/heads_first_bench.py --out "$OUT/$part/heads-first.jsonl" --cudnn ;;

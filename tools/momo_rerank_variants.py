@@ -24,9 +24,13 @@ scores). ``("mass", 512, 0)`` with every 2nd row in bf16 is `Momo()`'s re-rank: 
 its candidates' order (share of the kept blocks per rank bin). With ``--time``: the kernel's ms on the video input
 per (row stride, scored count), lists already in id order (the wrapper's sort is about 5 ms at 1M).
 
-Measured (one H200, 2026-11-28, `bench/results/momo-rerank-{keep,orders}_NVIDIA-H200_2026-11-28.{jsonl,png}`, README
-"Can the re-rank score fewer candidates?"): no cheaper variant keeps the mixed gap within 1.5 points (384 candidates:
-1.502; the whole union scored: 1.34; every row instead of every 2nd: 0.79 at 512).
+With ``--adaptive``: `Momo()`'s re-rank on a share of the lists only (`adaptive`).
+
+Measured (one H200, 2026-11-28, `bench/results/momo-rerank-{keep,orders,adaptive}_NVIDIA-H200_2026-11-28.{jsonl,png}`,
+README "Can the re-rank score fewer candidates?"): fewer candidates per list, unscored first candidates or other
+union orders do not keep the mixed gap within 1.5 points (384 candidates: 1.502; the whole union scored: 1.34; every
+row instead of every 2nd: 0.79 at 512). Fewer lists do: the 5/8 of each head's lists with the largest union tail
+give 1.41 / 0.27 / 0.06 points (`Momo.rerank_share`, its default since).
 
 Usage (a lent sm90 GPU): python3 tools/momo_rerank_variants.py --out $OUT/momo-rerank-keep.jsonl [--fp8] [--time]
        python3 tools/momo_rerank_variants.py --out FILE.jsonl --plot-only   (gap per scored candidates: a PNG beside)
@@ -88,6 +92,37 @@ def union_runs(pat: Momo, res, t: int) -> tuple[jax.Array, dict[str, jax.Array]]
     return runs, {name: jnp.take_along_axis(v, order, -1) for name, v in keys.items()}
 
 
+ADAPTIVE_SHARES = (0.25, 0.375, 0.5, 0.625, 0.6875, 0.75, 0.875)
+
+
+def adaptive(runs, mass, score, pat: Momo, emit, **info) -> None:
+    """`Momo()`'s re-rank (the union's first ``4 * k_trim``, scored) on a share of the lists only, the others keeping
+    the union's first ``k_trim`` (``Momo(rerank=0)``), the share chosen over all (head, query block) lists by:
+
+    * ``tail``: the share of the union's summed mass (``mass``, union order) past its first ``k_trim`` blocks;
+    * ``tail_head``: the same, the share taken in each (batch, head) alone;
+    * ``distinct``: how many distinct blocks the union holds;
+    * ``random``: at random (a control).
+
+    One `emit` per (criterion, share) with ``scored`` the mean scored candidates per list (a list not re-ranked scores
+    none)."""
+    k_trim, c = pat.trim, pat.rerank_factor * pat.trim
+    base = runs[..., :k_trim]
+    full = rerank_pick(runs[..., :c], score[..., :c], k_trim=k_trim)
+    v = jnp.where(jnp.isfinite(mass), mass, 0.0)
+    criteria = {"tail": v[..., k_trim:].sum(-1) / jnp.maximum(v.sum(-1), 1e-30),
+                "distinct": (runs >= 0).sum(-1).astype(jnp.float32),
+                "random": jax.random.uniform(jax.random.key(0), runs.shape[:-1])}
+    criteria["tail_head"] = criteria["tail"]
+    for name, crit in criteria.items():
+        for share in ADAPTIVE_SHARES:
+            axis = -1 if name == "tail_head" else None
+            chosen = crit >= jnp.quantile(crit, 1.0 - share, axis=axis, keepdims=True)
+            frac = float(jnp.mean(chosen))
+            emit(jnp.where(chosen[..., None], full, base), order="mass", C=c, keep=0, scored=frac * c, adaptive=name,
+                 share=frac, **info)
+
+
 def plot(jsonl: str) -> str:
     """Gap (points) against scored candidates per query block, one panel per input: a solid line per (order, rows,
     dtype) over C with keep = 0; where the file has keep > 0, a dashed line per C of `Momo()`'s order over its keeps;
@@ -104,6 +139,9 @@ def plot(jsonl: str) -> str:
         for r in mine:
             name = f"rows/{r['rows']}{' fp8' if r['fp8'] else ''}"
             order = r.get("order", "mass")
+            if "adaptive" in r:  # a share of the lists re-ranked: x = the mean scored candidates per list
+                dashed.setdefault((f"{name}, re-ranked by {r['adaptive']}", None), []).append((r["scored"], r["gap"]))
+                continue
             if r["keep"] == 0:
                 solid.setdefault((order, name), []).append((r["C"], r["gap"]))
             if order == "mass" and r["C"] in kept_cs:
@@ -117,7 +155,7 @@ def plot(jsonl: str) -> str:
             ax.plot(*zip(*pts), "-", marker=".", label=f"{order}, {name}")
         for (name, c), pts in sorted(dashed.items()):
             pts.sort()
-            label = f"mass, {name}, C={c}, keep {pts[-1][0] - pts[0][0]}..0"
+            label = name if c is None else f"mass, {name}, C={c}, keep {pts[-1][0] - pts[0][0]}..0"
             ax.plot(*zip(*pts), "--", marker="x", lw=0.8, label=label)
         ax.axhline(1.5, color="gray", lw=0.8)
         ax.set(title=f"{kind}, S={rows[0]['S']}", xlabel="scored candidates per query block", ylabel="gap (points)")
@@ -141,6 +179,9 @@ def main() -> None:
     p.add_argument("--orders", nargs="+", default=list(ORDERS), choices=ORDERS)
     p.add_argument("--keeps", nargs="+", type=int, default=[0], help="keep counts (with the mass order only)")
     p.add_argument("--implementation", default="mosaic_gpu", help="kernels (None: the defaults, e.g. on a CPU)")
+    p.add_argument("--strides", nargs="+", type=int, default=[1, 2], help="row strides to score with (bf16)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="re-rank only a share of the lists, chosen by a criterion (module docstring)")
     p.add_argument("--plot-only", action="store_true")
     args = p.parse_args()
     if args.plot_only:
@@ -155,7 +196,7 @@ def main() -> None:
     k_trim = pat.trim
     device = jax.devices()[0].device_kind
     rng = np.random.default_rng(s)
-    scorings = [(1, False), (2, False)] + ([(2, True)] if args.fp8 else [])
+    scorings = [(st, False) for st in args.strides] + ([(2, True)] if args.fp8 else [])
 
     for kind, make in MASS_INPUTS:
         q, k, v = make(cfg, s, seed=s + 1)
@@ -204,6 +245,8 @@ def main() -> None:
                             append_jsonl(args.out, dict(S=t, input=kind, union_rank=dict(bins=list(RANK_BINS),
                                                                                          share=share), device=device))
                             print(f"{kind:6s} kept blocks' union ranks {list(RANK_BINS)}: {share}", file=sys.stderr)
+            if args.adaptive and (stride, fp8) == (pat.rerank_rows, False):
+                adaptive(runs, keys["mass"], score, pat, emit, rows=stride, fp8=fp8)
             del score
         if args.time and kind == "video":
             for stride, scored in [(2, n) for n in (512, 448, 384, 320, 256)] + [(1, n) for n in (256, 192)]:

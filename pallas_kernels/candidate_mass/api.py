@@ -17,7 +17,8 @@ IMPLEMENTATIONS = ("reference", "triton", "mosaic_gpu")
 
 def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: jax.Array, *, query_block: int,
                    block: int, gamma: int, stride: int = 1, sm_scale: float | None = None,
-                   implementation: str | None = None, interpret: bool = False, qk_fp8: bool = False) -> jax.Array:
+                   implementation: str | None = None, interpret: bool = False, qk_fp8: bool = False,
+                   query_blocks: jax.Array | None = None) -> jax.Array:
     """Softmax mass the rows of each query block put on each of its candidate key blocks.
 
     For query block i, candidate c (key block ``j = candidates[b, h, i, c]``, keys ``[j * block, (j + 1) *
@@ -41,7 +42,11 @@ def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: j
         error in a mass on random inputs; half the bytes per key block, `mosaic_gpu.candidate_mass_mosaic_gpu`);
         elsewhere it is ignored and the scores keep the inputs' precision.
 
-    Returns float32 ``[B, N, nq, C]``.
+      query_blocks: None, or int ``[B, N, M]``: list m of (b, h) belongs to query block ``query_blocks[b, h, m]``
+        (distinct, in ``[0, nq)``), and ``candidates`` is ``[B, N, M, C]``: only those lists are scored (the Mosaic
+        GPU kernel does only their work; elsewhere they are scored as parts of the whole ``[B, N, nq, C]``).
+
+    Returns float32 ``[B, N, nq, C]`` (``[B, N, M, C]`` with ``query_blocks``).
     """
     for name, x, nd in (("q", q, 4), ("k", k, 4), ("candidates", candidates, 4), ("ref_lse", ref_lse, 3)):
         if getattr(x, "ndim", None) != nd:
@@ -61,8 +66,18 @@ def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: j
     if q.dtype != k.dtype or jnp.dtype(q.dtype) not in map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)):
         raise ValueError(f"q / k: expected one dtype of bfloat16, float16, float32; received {q.dtype} / {k.dtype}")
     nq = -(-t // query_block)
-    if candidates.shape[:3] != (b, n, nq) or not jnp.issubdtype(candidates.dtype, jnp.integer):
-        raise ValueError(f"candidates: expected an integer array [B={b}, N={n}, nq={nq}, C]; received "
+    lists = nq
+    if query_blocks is not None:
+        m = getattr(query_blocks, "shape", (None,) * 3)[-1]
+        if getattr(query_blocks, "ndim", None) != 3 or query_blocks.shape[:2] != (b, n) or not 1 <= m <= nq or \
+                not jnp.issubdtype(query_blocks.dtype, jnp.integer):
+            raise ValueError(f"query_blocks: expected an integer array [B={b}, N={n}, M] with 1 <= M <= nq={nq}; "
+                             f"received {getattr(query_blocks, 'dtype', None)} "
+                             f"{fmt_shape(getattr(query_blocks, 'shape', ()))}")
+        lists = m
+    if candidates.shape[:3] != (b, n, lists) or not jnp.issubdtype(candidates.dtype, jnp.integer):
+        name = "nq" if query_blocks is None else "M"
+        raise ValueError(f"candidates: expected an integer array [B={b}, N={n}, {name}={lists}, C]; received "
                          f"{candidates.dtype} {fmt_shape(candidates.shape)}")
     tg = -(-t // gamma)
     if ref_lse.shape != (b, n, tg):
@@ -79,13 +94,20 @@ def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: j
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
     kw = dict(query_block=query_block, block=block, stride=stride, gamma=gamma, sm_scale=scale)
+    cands = candidates.astype(jnp.int32)
+    if query_blocks is not None and implementation != "mosaic_gpu":  # the chosen lists as parts of the whole
+        sel = jnp.broadcast_to(jnp.clip(query_blocks.astype(jnp.int32), 0, nq - 1)[..., None], cands.shape)
+        whole = jnp.put_along_axis(jnp.full((b, n, nq, cands.shape[-1]), -1, jnp.int32), sel, cands, axis=2,
+                                   inplace=False)
+        mass = candidate_mass(q, k, whole, ref_lse, implementation=implementation, interpret=interpret, **kw)
+        return jnp.take_along_axis(mass, sel, axis=2)
     if implementation == "reference":
-        return candidate_mass_reference(q, k, candidates.astype(jnp.int32), ref_lse, **kw)
+        return candidate_mass_reference(q, k, cands, ref_lse, **kw)
     if implementation == "mosaic_gpu":
         if interpret:
             raise ValueError("interpret: expected False for implementation='mosaic_gpu' (Mosaic GPU's interpreter "
                              "cannot run the kernel; use 'triton' or 'reference' on a CPU); received True")
         check_supported(q, query_block=query_block, block=block, stride=stride)
         fp8 = bool(qk_fp8) and padded_head_dim(d) == 128
-        return candidate_mass_mosaic_gpu(q, k, candidates.astype(jnp.int32), ref_lse, qk_fp8=fp8, **kw)
-    return candidate_mass_triton(q, k, candidates.astype(jnp.int32), ref_lse, interpret=interpret, **kw)
+        return candidate_mass_mosaic_gpu(q, k, cands, ref_lse, qk_fp8=fp8, query_blocks=query_blocks, **kw)
+    return candidate_mass_triton(q, k, cands, ref_lse, interpret=interpret, **kw)

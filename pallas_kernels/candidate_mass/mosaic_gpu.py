@@ -122,7 +122,8 @@ def block_sums(x: jax.Array, *, parts: int, block: int) -> tuple[jax.Array, ...]
     return sums(x)
 
 
-def _kernel(q_ref, k_ref, cand_ref, ref_ref, hs_ref, out_ref, *, block, stages, groups, kv_len, q_offset, query_block,
+def _kernel(q_ref, k_ref, cand_ref, ref_ref, hs_ref, qbs_ref, out_ref, *, block, stages, groups, kv_len, q_offset,
+            query_block,
             stride, num_q_blocks, tiles_per_block, sm_scale, per_step):
     bk = block
     width = per_step * bk  # keys of one step: per_step candidates side by side in one stage
@@ -164,7 +165,8 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, hs_ref, out_ref, *, block, stages, 
                 cols = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, width), 1, layout=plgpu.Layout.WGMMA)
                 plgpu.barrier_wait(q_bar.at[wg])
                 scale = hs_ref[batch, head] * (sm_scale * LOG2E)  # hs: the head's fp8 scales (else 1)
-                first_pos = qb * query_block + part * WG_ROWS * stride + q_offset  # the tile's first row
+                # the tile's first row (qbs: the query block each list belongs to)
+                first_pos = qbs_ref[batch, head, qb] * query_block + part * WG_ROWS * stride + q_offset
 
                 def mask(x, starts, limits):
                     """-inf where a key is after the row or past its candidate's limit (candidate p: columns
@@ -258,7 +260,8 @@ def _kernel(q_ref, k_ref, cand_ref, ref_ref, hs_ref, out_ref, *, block, stages, 
 def candidate_mass_mosaic_gpu(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: jax.Array, *,
                               query_block: int, block: int, stride: int, gamma: int, sm_scale: float,
                               stages: int | None = None, sort: bool = True, heads_first: bool = True,
-                              per_step: int | None = None, qk_fp8: bool = False) -> jax.Array:
+                              per_step: int | None = None, qk_fp8: bool = False,
+                              query_blocks: jax.Array | None = None) -> jax.Array:
     """Shapes and meaning as in `pallas_kernels.candidate_mass.api.candidate_mass`; inputs assumed validated and
     within `check_supported`. ``stages``: K stages per ring (default `stages_for`).
 
@@ -278,24 +281,37 @@ def candidate_mass_mosaic_gpu(q: jax.Array, k: jax.Array, candidates: jax.Array,
     ``qk_fp8``: the scores from float8 (e4m3) copies of the taken query rows and the keys, each head scaled by its
     largest magnitude (to 448): half the bytes per K block, which is what bounds this kernel at every 2nd row (module
     docstring); head dim 128 only. Masses within 0.6% (median) / 2.4-2.9% (largest) of the bf16 kernel's on random
-    inputs; MOMO's re-rank at 1M (`Momo(rerank_fp8=True)`) then captures 0.17 points less on the mixed family."""
+    inputs; MOMO's re-rank at 1M (`Momo(rerank_fp8=True)`) then captures 0.17 points less on the mixed family.
+
+    ``query_blocks`` (int ``[B, N, M]``, as in the api): the lists are those of these query blocks only; the wrapper
+    gathers their rows per head, so the grid runs M lists per head."""
     if per_step is None:
         per_step = 2 if block == 64 else 1
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
-    nq, c = candidates.shape[2], candidates.shape[3]
+    nq, c = candidates.shape[2], candidates.shape[3]  # lists (M with query_blocks)
+    nq_all = cdiv(t, query_block)
     nk = cdiv(s, block)
     dp = fa3.padded_head_dim(d)
     rows = query_block // stride
     tiles_per_block = rows // WG_ROWS
     ctas = cdiv(nq * tiles_per_block, 2)
     rows_pad = ctas * 2 * WG_ROWS
-    t_pad = nq * query_block
-    idx = jnp.arange(0, t_pad, stride, dtype=jnp.int32)  # the rows taken, [nq * rows]
-    q_sub = _pad_to(_pad_to(_pad_to(q, 1, t_pad)[:, idx], 3, dp), 1, rows_pad)  # [B, rows_pad, N, Dp]
+    t_pad = nq_all * query_block
+    if query_blocks is None:
+        qbs = jnp.broadcast_to(jnp.arange(nq, dtype=jnp.int32), (b, n, nq))
+        idx = jnp.arange(0, t_pad, stride, dtype=jnp.int32)[None, None]  # the rows taken, [1, 1, nq * rows]
+        q_sub = _pad_to(q, 1, t_pad)[:, idx[0, 0]]
+    else:  # each head's lists' rows, in list order
+        qbs = jnp.clip(query_blocks.astype(jnp.int32), 0, nq_all - 1)
+        idx = (qbs[..., None] * query_block + jnp.arange(0, query_block, stride, dtype=jnp.int32)).reshape(
+            b, n, nq * rows)
+        q_sub = _pad_to(q, 1, t_pad)[jnp.arange(b)[:, None, None], jnp.swapaxes(idx, 1, 2),
+                                      jnp.arange(n)[None, None, :]]  # [B, nq * rows, N, D]
+    q_sub = _pad_to(_pad_to(q_sub, 3, dp), 1, rows_pad)  # [B, rows_pad, N, Dp]
     k_in = _pad_to(_pad_to(k, 3, dp), 1, nk * block)
-    ref = jnp.pad(ref_lse.astype(jnp.float32), ((0, 0), (0, 0), (0, t_pad // gamma + 1)),
-                  constant_values=-jnp.inf)[..., idx // gamma]  # [B, N, nq * rows]
+    ref = jnp.pad(ref_lse.astype(jnp.float32), ((0, 0), (0, 0), (0, t_pad // gamma + 1)), constant_values=-jnp.inf)
+    ref = jnp.take_along_axis(ref, jnp.broadcast_to(idx // gamma, (b, n, idx.shape[-1])), axis=-1)  # [B, N, nq*rows]
     ref = jnp.where((ref == -jnp.inf) | (idx >= t), jnp.inf, ref * LOG2E)  # +inf: the row counts nothing
     ref = jnp.pad(ref, ((0, 0), (0, 0), (0, rows_pad - nq * rows)), constant_values=jnp.inf)
     c_pad = cdiv(c, CHUNK) * CHUNK
@@ -328,7 +344,7 @@ def candidate_mass_mosaic_gpu(q: jax.Array, k: jax.Array, candidates: jax.Array,
         q_sub = (q_sub.astype(jnp.float32) / sq[:, None, :, None]).astype(jnp.float8_e4m3fn)
         k_in = (k_in.astype(jnp.float32) / sk[:, None, :, None]).astype(jnp.float8_e4m3fn)
         hs = sq * jnp.repeat(sk, n // kh, axis=1)
-    mass = kernel(q_sub, k_in, cand, ref, hs).sum(axis=3)[..., :c]
+    mass = kernel(q_sub, k_in, cand, ref, hs, qbs).sum(axis=3)[..., :c]
     if sort:  # back to the caller's order
         mass = jnp.put_along_axis(jnp.zeros_like(mass), order, mass, axis=-1, inplace=False)
     return mass

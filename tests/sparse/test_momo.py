@@ -317,6 +317,34 @@ def test_rerank_pick_keeps_the_candidates_with_the_most_mass():
         rerank_pick(jnp.asarray(cands[0]), jnp.asarray(mass[0]), k_trim=6)
 
 
+def test_rerank_share_scores_the_query_blocks_union_trim_is_least_sure_of():
+    """`Momo(rerank_share=f)`: in each (batch, head) the ceil(f * nq) query blocks with the largest union tail keep
+    the re-ranked lists of `rerank_share=1`, the others union + trim's first k_trim; the share is checked by name."""
+    q, k, v = random_qkv(6, 1, 512, 512, 2, 1, 16)
+    kw = dict(gamma=4, block=16, k=4, k_exact=1, k_trim=4, query_block=32, sink=16, local=16, topk="exact",
+              rerank=4, rerank_stride=2)
+    some, every = Momo(rerank_share=0.4, **kw), Momo(rerank_share=1.0, **kw)
+    res = every.qsa(q, k, v)
+    cands = every.union_candidates(res, 512, 512)
+    tail = np.asarray(cands.tail)
+    assert cands.ids.shape == (1, 2, 16, 16) and ((tail >= 0) & (tail <= 1)).all() and tail.max() > 0
+    got = np.asarray(some.rerank_candidates(q, k, cands, res.lse_gamma))
+    full = np.asarray(every.rerank_candidates(q, k, cands, res.lse_gamma))
+    for h in range(2):
+        chosen = set(np.argsort(-tail[0, h], kind="stable")[:7].tolist())  # ceil(0.4 * 16)
+        for i in range(16):
+            want = full[0, h, i] if i in chosen else np.asarray(cands.ids)[0, h, i, :4]
+            np.testing.assert_array_equal(got[0, h, i], want)
+    assert not np.array_equal(got, full)
+    np.testing.assert_array_equal(np.asarray(some.plan(q, k, v).layout.kv_blocks),
+                                  np.asarray(assemble_layout(jnp.asarray(got), q_len=512, kv_len=512, query_block=32,
+                                                             block=16, sink_blocks=1, local=16).kv_blocks))
+    assert Momo(trim_rule="mean", rerank_share=0.5).rerank_fraction == 1.0 and Momo().rerank_fraction == 0.625
+    for bad in (0, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="^rerank_share: expected a number in \\(0, 1\\]"):
+            Momo(rerank_share=bad)
+
+
 def test_default_reranks_four_times_the_kept_blocks_with_every_second_row():
     """`Momo()` re-ranks (4 x k_trim candidates, every 2nd row); the factor is capped by the union of a query block's
     sampled selections and off below 2; the stride falls back to every row where 2 would leave < 16 rows."""

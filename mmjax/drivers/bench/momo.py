@@ -44,7 +44,7 @@ from mmjax.drivers.args import ArgumentParser, add_result_args, is_pow2, nonneg_
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.sparse.layouts import KernelOptions
 from mmjax.sparse.metrics import block_mass, captured_mass, mean_pooled_layout, momo_sparsity
-from mmjax.sparse.patterns.momo import Momo, assemble_layout, delta_correct, union_trim
+from mmjax.sparse.patterns.momo import DEFAULT_RERANK_SHARE, Momo, assemble_layout, delta_correct, union_trim
 from mmjax.sparse.synthetic import GridVideo, mixed_video_text_qkv
 from mmjax.timing import device_name, time_fn
 from pallas_kernels import block_sparse_attention, qsa_topk
@@ -92,6 +92,7 @@ class MomoBenchConfig:
     # section besides the default pattern's own (`_reranks`)
     reranks: tuple[tuple[int, int], ...] = ()
     rerank_fp8: bool = False  # `Momo.rerank_fp8` of every pattern the bench builds
+    rerank_share: float = DEFAULT_RERANK_SHARE  # `Momo.rerank_share` of every pattern the bench builds
 
 
 GPU_CONFIG = MomoBenchConfig()
@@ -174,7 +175,7 @@ def _pattern(cfg: MomoBenchConfig, algorithm: str, k: int | None = None, trim_ru
                 k_exact=min(cfg.k_exact, cfg.k if k is None else k), k_trim=cfg.k_trim,
                 query_block=cfg.query_block, topk=algorithm, sink=cfg.sink, local=cfg.local, trim_rule=trim_rule,
                 scan=scan, quantile=cfg.quantile if quantile is None else quantile, rerank=0,
-                rerank_fp8=cfg.rerank_fp8)
+                rerank_fp8=cfg.rerank_fp8, rerank_share=cfg.rerank_share)
 
 
 def _reranks(cfg: MomoBenchConfig) -> tuple[tuple[tuple[int, int], ...], tuple[int, int] | None]:
@@ -224,8 +225,8 @@ def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
 
 
 def _rerank_stages(pattern: Momo, options: KernelOptions):
-    """Jitted (union + trim to ``rerank * k_trim`` candidates: ``(res, t, s) -> ids``, the re-rank:
-    ``(q, k, ids, lse_gamma) -> ids``) of a re-rank variant, the two stages it adds to MOMO."""
+    """Jitted (union + trim to ``rerank * k_trim`` candidates: ``(res, t, s) -> UnionCandidates``, the re-rank:
+    ``(q, k, candidates, lse_gamma) -> ids``) of a re-rank variant, the two stages it adds to MOMO."""
 
     return (jax.jit(pattern.union_candidates, static_argnums=(1, 2)),
             jax.jit(lambda q, k, ids, lse: pattern.rerank_candidates(q, k, ids, lse, options)))
@@ -351,7 +352,7 @@ class Runner:
                     ids = union_c(res, s, s)
                     row[f"{name}_union_trim_ms"] = _time(lambda: union_c(res, s, s), s)
                     row[f"{name}_candidate_mass_ms"] = _time(lambda: rerank(q, k, ids, res.lse_gamma), s)
-                    saving = _shared_reads(ids, q.shape[2] // k.shape[2])
+                    saving = _shared_reads(ids.ids, q.shape[2] // k.shape[2])
                     row[f"{name}_union_saving"] = saving
                     msg = (f" (union + trim to {c} x k_trim {row[f'{name}_union_trim_ms']:.1f}, candidate mass + top-k "
                            f"{row[f'{name}_candidate_mass_ms']:.1f}; reads a union walk saves: neighbouring query "
@@ -589,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
                         "mass sections (repeatable)")
     p.add_argument("--rerank-fp8", action="store_true",
                    help="the re-rank's scores from fp8 copies of q and k (Momo(rerank_fp8=True))")
+    p.add_argument("--rerank-share", type=positive_float,
+                   help="the share of the query blocks the re-rank scores (Momo(rerank_share=...), default "
+                        f"{DEFAULT_RERANK_SHARE})")
     p.add_argument("--scans", nargs="+", choices=SCAN_ORDERS,
                    help="scan orders of the estimated top-k in the mass section (default golden_pairs natural)")
     p.add_argument("--quantile", choices=QUANTILES,
@@ -617,6 +621,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, reranks=tuple(tuple(x) for x in args.rerank))
     if args.rerank_fp8:
         cfg = dataclasses.replace(cfg, rerank_fp8=True)
+    if args.rerank_share is not None:
+        if args.rerank_share > 1:
+            p.error(f"--rerank-share: expected a number in (0, 1]; received {args.rerank_share}")
+        cfg = dataclasses.replace(cfg, rerank_share=args.rerank_share)
     if args.k_exact is not None:
         if args.k_exact > cfg.k:
             p.error(f"--k-exact: expected at most k={cfg.k}; received {args.k_exact}")

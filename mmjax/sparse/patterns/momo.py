@@ -75,6 +75,12 @@ correction.
    `bench/results/momo-{1m-default-rerank-timing-final,mass-1m-16blocks-default}_*`): c = 4 with every
    2nd row keeps the mixed / video / needle gaps at 1.36 / 0.23 / 0.04 points (without re-rank 4.41 / 0.44 /
    0.07), MOMO 2153 ms = 7.58x cuDNN (1767 ms = 9.24x without).
+   Since 2026-11-28 it scores only ``rerank_share`` (5/8) of each head's query blocks: those whose union puts the
+   largest share of its value past its first k_trim blocks (`UnionCandidates.tail`), where union + trim alone is
+   least sure; the others keep union + trim's k_trim. One H200 at 1M (`tools/momo_rerank_variants.py --adaptive`,
+   `momo-rerank-adaptive_*`, the bench's inputs and blocks): gaps 1.41 / 0.27 / 0.06 points (all blocks: 1.36 /
+   0.23 / 0.04; 3/4 of them: 1.36 / 0.25 / 0.05; 5/8 chosen at random: 2.66 mixed), and MOMO 1535 ms = 10.17x
+   cuDNN's 15.62 s, the re-rank 214 ms instead of 337 (`momo-1m-timing-share_*`).
 3. Key-sparse attention of all queries on that layout (`block_sparse_attention`) -> O_*.
 4. Delta correction (Eq. 3): ``out[t] = O_*[t] + (O_gamma - O_*)[gamma * (t // gamma)]``,
    so the sampled rows equal dense attention and every row of a gamma group is shifted by
@@ -88,6 +94,7 @@ its local window and after the sink), so k and k_trim count selected blocks beyo
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -109,6 +116,7 @@ from pallas_kernels.tiling import cdiv
 TOPK_ALGORITHMS = ("exact", "tournament", "estimated")
 DEFAULT_RERANK = 4  # the re-rank's candidates per kept block by default (``Momo.rerank=None``)
 DEFAULT_RERANK_STRIDE = 2  # its rows: every 2nd row of a query block (``Momo.rerank_stride=None``)
+DEFAULT_RERANK_SHARE = 0.625  # the share of the query blocks it scores (``Momo.rerank_share``)
 
 
 # ----------------------------------------------------------------- forced blocks
@@ -147,8 +155,8 @@ MOMO_TRIM_RULES = ("auto",) + TRIM_RULES
 
 def union_trim(block_idx: jax.Array, block_score: jax.Array, *, q_len: int, kv_len: int,
                gamma: int, query_block: int, block: int, k_trim: int, sink_blocks: int,
-               local: int, rule: str = "mean", lse: jax.Array | None = None
-               ) -> tuple[jax.Array, jax.Array]:
+               local: int, rule: str = "mean", lse: jax.Array | None = None, total: bool = False
+               ) -> tuple[jax.Array, ...]:
     """MOMO Algorithm 2 on the QSA selections.
 
     Args:
@@ -160,6 +168,7 @@ def union_trim(block_idx: jax.Array, block_score: jax.Array, *, q_len: int, kv_l
     Returns (ids int32 ``[B, N, nq, k_trim]``, values f32 ``[B, N, nq, k_trim]``): per query
     block the k_trim blocks with the highest value (ties to the lower id), forced blocks
     excluded; by value descending, empty slots -1 / -inf. Three stages: `union_pairs`, a sort by id, `run_values`.
+    ``total``: also the sum of every block's value in the union (float32 ``[B, N, nq]``), as a third output.
     """
     ids, sc = union_pairs(block_idx, block_score, q_len=q_len, kv_len=kv_len, gamma=gamma, query_block=query_block,
                           block=block, sink_blocks=sink_blocks, local=local, rule=rule, lse=lse)
@@ -175,6 +184,8 @@ def union_trim(block_idx: jax.Array, block_score: jax.Array, *, q_len: int, kv_l
         widths = ((0, 0), (0, 0), (0, 0), (0, k_trim - take))
         out_ids = jnp.pad(out_ids, widths, constant_values=-1)
         vals = jnp.pad(vals, widths, constant_values=-jnp.inf)
+    if total:
+        return out_ids, vals, jnp.sum(jnp.where(jnp.isfinite(mean), mean, 0.0), axis=-1)
     return out_ids, vals
 
 
@@ -287,6 +298,12 @@ def _measure_implementation(options: KernelOptions) -> str | None:
     return None if options.implementation == "mosaic_gpu" else options.implementation
 
 
+class UnionCandidates(NamedTuple):
+    """`Momo.union_candidates`: each query block's candidates and how sure union + trim is of its first ``k_trim``."""
+    ids: jax.Array  # int32 [B, N, nq, C]: by union value, descending; -1 empty
+    tail: jax.Array  # float32 [B, N, nq]: the share of the union's summed value past its first k_trim blocks
+
+
 class MomoPlan(NamedTuple):
     """What MOMO measures once: the QSA result and the layout built from it."""
 
@@ -329,6 +346,11 @@ class Momo(Pattern):
         128; `pallas_kernels.candidate_mass`'s ``qk_fp8``): one H200 at 1M, the re-rank 337 -> 265 ms (`Momo()`
         9.50x -> 10.02x cuDNN) and the mixed family's gap 1.36 -> 1.53 points (video / needle unchanged), so off by
         default.
+      rerank_share: the share of each (batch, head)'s query blocks the re-rank scores (0 < share <= 1): those whose
+        union puts the largest share of its value past its first ``k_trim`` blocks (`UnionCandidates.tail`, where
+        union + trim alone is least sure); the others keep union + trim's ``k_trim``. Default `DEFAULT_RERANK_SHARE`
+        (5/8: one H200 at 1M, mixed gap 1.41 points against 1.36 with every block, MOMO 10.17x cuDNN against about
+        9.3x; module docstring); the "mean" trim rule scores every query block (`rerank_fraction`).
     """
 
     gamma: int = 16
@@ -346,6 +368,7 @@ class Momo(Pattern):
     rerank: int | None = None
     rerank_stride: int | None = None
     rerank_fp8: bool = False
+    rerank_share: float = DEFAULT_RERANK_SHARE
 
     def __post_init__(self) -> None:
         self.validate()  # names block / query_block (the base class would say block_q / block_k)
@@ -384,6 +407,12 @@ class Momo(Pattern):
         return c if c >= 2 else 0
 
     @property
+    def rerank_fraction(self) -> float:
+        """The share of the query blocks the re-rank scores: ``rerank_share`` with the "mass" trim rule, 1 with
+        "mean" (its union values are scores, whose tail says nothing)."""
+        return self.rerank_share if self.rule == "mass" else 1.0
+
+    @property
     def rerank_rows(self) -> int:
         """The re-rank's row stride in use (``rerank_stride``, or for None `DEFAULT_RERANK_STRIDE` where it leaves
         16 rows per query block, else 1)."""
@@ -403,6 +432,9 @@ class Momo(Pattern):
             check_int("k_trim", self.k_trim, 1)
         if not isinstance(self.rerank_fp8, bool):
             raise ValueError(f"rerank_fp8: expected a bool; received {self.rerank_fp8!r}")
+        if isinstance(self.rerank_share, bool) or not isinstance(self.rerank_share, (int, float)) or not (
+                0.0 < self.rerank_share <= 1.0):
+            raise ValueError(f"rerank_share: expected a number in (0, 1]; received {self.rerank_share!r}")
         if self.query_block % self.gamma:
             raise ValueError(f"gamma: expected a divisor of query_block={self.query_block}; "
                              f"received {self.gamma}")
@@ -456,9 +488,8 @@ class Momo(Pattern):
         """QSA + top-k, then union/trim and the layout (jit-able)."""
         t, s = q.shape[1], k.shape[1]
         res = self.qsa(q, k, v, options=options)
-        ids = self.union_candidates(res, t, s)
-        if self.rerank_factor:
-            ids = self.rerank_candidates(q, k, ids, res.lse_gamma, options)
+        cands = self.union_candidates(res, t, s)
+        ids = self.rerank_candidates(q, k, cands, res.lse_gamma, options) if self.rerank_factor else cands.ids
         return MomoPlan(res, assemble_layout(ids, **self._geometry(t, s)))
 
     def qsa(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -477,21 +508,35 @@ class Momo(Pattern):
         return dict(q_len=q_len, kv_len=kv_len, query_block=self.query_block, block=self.block,
                     sink_blocks=self.sink_blocks, local=self.local)
 
-    def union_candidates(self, res: QSATopKResult, q_len: int, kv_len: int) -> jax.Array:
-        """Union + trim of the sampled rows' selections (``res`` from `qsa_topk`): int32 ids ``[B, N, nq, C]`` (-1
-        empty), ``C = k_trim``, or ``rerank_factor * k_trim`` candidates for `rerank_candidates` when it re-ranks."""
-        return union_trim(res.block_idx, res.block_score, gamma=self.gamma,
-                          k_trim=self.trim * max(1, self.rerank_factor), rule=self.rule, lse=res.lse_gamma,
-                          **self._geometry(q_len, kv_len))[0]
+    def union_candidates(self, res: QSATopKResult, q_len: int, kv_len: int) -> UnionCandidates:
+        """Union + trim of the sampled rows' selections (``res`` from `qsa_topk`): `UnionCandidates` with ``C =
+        k_trim``, or ``rerank_factor * k_trim`` candidates for `rerank_candidates` when it re-ranks."""
+        ids, vals, total = union_trim(res.block_idx, res.block_score, gamma=self.gamma,
+                                      k_trim=self.trim * max(1, self.rerank_factor), rule=self.rule,
+                                      lse=res.lse_gamma, total=True, **self._geometry(q_len, kv_len))
+        kept = jnp.sum(jnp.where(jnp.isfinite(vals[..., :self.trim]), vals[..., :self.trim], 0.0), axis=-1)
+        tail = jnp.maximum(total - kept, 0.0) / jnp.where(total > 0, total, 1.0)  # in [0, 1]; 0 for an empty union
+        return UnionCandidates(ids, jnp.minimum(tail, 1.0))
 
-    def rerank_candidates(self, q, k, candidates, lse_gamma, options: KernelOptions = KernelOptions()) -> jax.Array:
-        """The ``k_trim`` candidates (ids ``[B, N, nq, rerank_factor * k_trim]``, -1 empty) with the most mass over
-        the query block's rows (every ``rerank_rows``-th), as ``[B, N, nq, k_trim]`` ids (-1 empty)."""
-        mass = candidate_mass(q, k, candidates, lse_gamma, query_block=self.query_block, block=self.block,
-                              gamma=self.gamma, stride=self.rerank_rows, sm_scale=options.sm_scale,
-                              implementation=_measure_implementation(options), interpret=options.interpret,
-                              qk_fp8=self.rerank_fp8)
-        return rerank_pick(candidates, mass, k_trim=self.trim)
+    def rerank_candidates(self, q, k, candidates: UnionCandidates, lse_gamma,
+                          options: KernelOptions = KernelOptions()) -> jax.Array:
+        """The kept ``k_trim`` blocks per query block, int32 ids ``[B, N, nq, k_trim]`` (-1 empty): in the
+        ``rerank_share`` of each (batch, head)'s query blocks with the largest ``candidates.tail``, the candidates
+        (``[B, N, nq, rerank_factor * k_trim]``) with the most mass over the query block's rows (every
+        ``rerank_rows``-th); elsewhere union + trim's first ``k_trim``."""
+        ids = candidates.ids
+        nq = ids.shape[2]
+        n_sel = min(nq, max(1, math.ceil(self.rerank_fraction * nq)))
+        kw = dict(query_block=self.query_block, block=self.block, gamma=self.gamma, stride=self.rerank_rows,
+                  sm_scale=options.sm_scale, implementation=_measure_implementation(options),
+                  interpret=options.interpret, qk_fp8=self.rerank_fp8)
+        if n_sel == nq:
+            return rerank_pick(ids, candidate_mass(q, k, ids, lse_gamma, **kw), k_trim=self.trim)
+        sel = jnp.sort(lax.top_k(candidates.tail, n_sel)[1], axis=-1).astype(jnp.int32)  # [B, N, n_sel]
+        chosen = jnp.take_along_axis(ids, sel[..., None], axis=2)
+        picked = rerank_pick(chosen, candidate_mass(q, k, chosen, lse_gamma, query_blocks=sel, **kw), k_trim=self.trim)
+        return jnp.put_along_axis(ids[..., :self.trim], jnp.broadcast_to(sel[..., None], picked.shape), picked, axis=2,
+                                  inplace=False)
 
     def build_layout(self, q: jax.Array, k: jax.Array, *, modality=None) -> BlockLayout:
         """The MOMO layout (``modality`` is ignored: MOMO measures every head directly). The

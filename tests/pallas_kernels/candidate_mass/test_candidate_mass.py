@@ -57,6 +57,33 @@ def test_candidate_mass_matches_numpy(b, t, s, n, kh, qb, block, gamma, stride):
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=1e-6, err_msg=impl)
 
 
+def test_query_blocks_score_those_lists_only():
+    """``query_blocks``: lists of some query blocks per (batch, head), in any order, score as in the whole call;
+    bad shapes are named."""
+    b, t, s, n, kh, qb, block, gamma = 2, 200, 260, 4, 2, 32, 16, 8
+    rng = np.random.default_rng(3)
+    q, k, _ = random_qkv(5, b, t, s, n, kh, 32)
+    nq, nk = -(-t // qb), -(-s // block)
+    cand = rng.integers(-1, nk, size=(b, n, nq, 6)).astype(np.int32)
+    ref = rng.normal(2.0, 1.0, size=(b, n, -(-t // gamma))).astype(np.float32)
+    kw = dict(query_block=qb, block=block, gamma=gamma, stride=2)
+    sel = np.stack([np.stack([rng.permutation(nq)[:3] for _ in range(n)]) for _ in range(b)]).astype(np.int32)
+    chosen = np.take_along_axis(cand, sel[..., None], axis=2)
+    for impl in ("reference", "triton"):
+        whole = np.asarray(candidate_mass(q, k, jnp.asarray(cand), jnp.asarray(ref), implementation=impl,
+                                          interpret=True, **kw))
+        got = candidate_mass(q, k, jnp.asarray(chosen), jnp.asarray(ref), implementation=impl, interpret=True,
+                             query_blocks=jnp.asarray(sel), **kw)
+        np.testing.assert_allclose(np.asarray(got), np.take_along_axis(whole, sel[..., None], axis=2), rtol=1e-6,
+                                   atol=1e-7, err_msg=impl)
+        assert np.asarray(got).max() > 0
+    with pytest.raises(ValueError, match=r"query_blocks: expected an integer array \[B=2, N=4, M\] with 1 <= M"):
+        candidate_mass(q, k, jnp.asarray(chosen), jnp.asarray(ref), query_blocks=jnp.zeros((2, 4, nq + 1), jnp.int32),
+                       **kw)
+    with pytest.raises(ValueError, match=r"candidates: expected an integer array \[B=2, N=4, M=2, C\]"):
+        candidate_mass(q, k, jnp.asarray(chosen), jnp.asarray(ref), query_blocks=jnp.asarray(sel[..., :2]), **kw)
+
+
 @pytest.mark.parametrize("per_step", [1, 2, 4])
 def test_triton_candidates_per_step(per_step):
     """Any number of candidate blocks per loop step gives the same masses, also when C is not a multiple of it
@@ -131,22 +158,25 @@ def test_shape_errors_name_the_argument():
                        gamma=4)
 
 
-@pytest.mark.parametrize("stride,block,d", [(2, 64, 128), (1, 64, 80), (2, 128, 64)])
-def test_mosaic_candidate_mass_lowers_for_cuda(stride, block, d):
+@pytest.mark.parametrize("stride,block,d,lists", [(2, 64, 128, None), (1, 64, 80, None), (2, 128, 64, None),
+                                                  (2, 64, 128, 9), (1, 64, 128, 4)])
+def test_mosaic_candidate_mass_lowers_for_cuda(stride, block, d, lists):
     """The Mosaic GPU kernel (it runs on an sm90 GPU only: test_candidate_mass_gpu.py) lowers to a Mosaic GPU module
-    for CUDA: two query blocks per CTA (stride 2) and two halves of one (stride 1), both key block sizes."""
+    for CUDA: two query blocks per CTA (stride 2) and two halves of one (stride 1), both key block sizes, and the
+    lists of some query blocks only (``query_blocks``)."""
     import jax
 
     t, s = 3000, 5000
     q = jax.ShapeDtypeStruct((1, t, 8, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, s, 2, d), jnp.bfloat16)
-    cand = jax.ShapeDtypeStruct((1, 8, -(-t // 128), 100), jnp.int32)
+    cand = jax.ShapeDtypeStruct((1, 8, lists or -(-t // 128), 100), jnp.int32)
     ref = jax.ShapeDtypeStruct((1, 8, -(-t // 16)), jnp.float32)
-    f = jax.jit(lambda q, k, c, r: candidate_mass(q, k, c, r, query_block=128, block=block, gamma=16, stride=stride,
-                                                  implementation="mosaic_gpu"))
+    qbs = jax.ShapeDtypeStruct((1, 8, lists), jnp.int32) if lists else None
+    f = jax.jit(lambda q, k, c, r, qbs: candidate_mass(q, k, c, r, query_block=128, block=block, gamma=16,
+                                                       stride=stride, implementation="mosaic_gpu", query_blocks=qbs))
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
-        text = f.trace(q, k, cand, ref).lower(lowering_platforms=("cuda",)).as_text()
+        text = f.trace(q, k, cand, ref, qbs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 

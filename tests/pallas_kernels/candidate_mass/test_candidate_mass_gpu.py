@@ -53,6 +53,12 @@ def test_candidate_mass_mosaic_matches_reference_on_gpu(dtype, stride, block, d,
     # the default on this GPU is the Mosaic kernel
     default = candidate_mass(q, k, jnp.asarray(cand), jnp.asarray(ref), **kw)
     np.testing.assert_array_equal(np.asarray(default), got)
+    # the lists of some query blocks per head only (query_blocks): the same masses as in the whole call
+    sel = np.stack([np.stack([rng.permutation(nq)[:max(1, nq // 3)] for _ in range(n)]) for _ in range(b)])
+    sel = sel.astype(np.int32)
+    some = candidate_mass(q, k, jnp.asarray(np.take_along_axis(cand, sel[..., None], axis=2)), jnp.asarray(ref),
+                          implementation="mosaic_gpu", query_blocks=jnp.asarray(sel), **kw)
+    np.testing.assert_allclose(np.asarray(some), np.take_along_axis(got, sel[..., None], axis=2), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.skipif(not is_sm90(), reason="needs an sm90 GPU (H100 / H200)")
