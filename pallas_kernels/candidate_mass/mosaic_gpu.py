@@ -123,8 +123,7 @@ def block_sums(x: jax.Array, *, parts: int, block: int) -> tuple[jax.Array, ...]
 
 
 def _kernel(q_ref, k_ref, cand_ref, ref_ref, hs_ref, qbs_ref, out_ref, *, block, stages, groups, kv_len, q_offset,
-            query_block,
-            stride, num_q_blocks, tiles_per_block, sm_scale, per_step):
+            query_block, stride, num_q_blocks, tiles_per_block, sm_scale, per_step):
     bk = block
     width = per_step * bk  # keys of one step: per_step candidates side by side in one stage
     nk = k_ref.shape[1] // bk
