@@ -30,6 +30,7 @@ from jsonl_log import append_jsonl
 
 from mmjax.drivers.bench.momo import GPU_CONFIG, video_like
 from mmjax.sparse.layouts import KernelOptions
+from mmjax.sparse.patterns import Momo
 from pallas_kernels import BlockLayout
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
 
@@ -39,7 +40,6 @@ N, K, D = 28, 4, 128
 def layouts(s: int, q, k, momo: bool) -> dict[str, BlockLayout]:
     """The rows' layouts at length s (module docstring)."""
     if momo:
-        from mmjax.sparse.patterns import Momo
         lay = jax.jit(lambda q, k: Momo().plan(q, k, k, options=KernelOptions(implementation="mosaic_gpu")).layout)
         return {"momo": lay(q, k)}
     key = jax.random.PRNGKey(4)

@@ -95,11 +95,12 @@ def union_runs(pat: Momo, res, t: int) -> tuple[jax.Array, dict[str, jax.Array]]
 ADAPTIVE_SHARES = (0.25, 0.375, 0.5, 0.625, 0.6875, 0.75, 0.875)
 
 
-def adaptive(runs, mass, score, pat: Momo, emit, **info) -> None:
+def adaptive(runs, tail, score, pat: Momo, emit, **info) -> None:
     """`Momo()`'s re-rank (the union's first ``4 * k_trim``, scored) on a share of the lists only, the others keeping
     the union's first ``k_trim`` (``Momo(rerank=0)``), the share chosen over all (head, query block) lists by:
 
-    * ``tail``: the share of the union's summed mass (``mass``, union order) past its first ``k_trim`` blocks;
+    * ``tail``: the share of the union's summed mass past its first ``k_trim`` blocks (``tail``, `Momo()`'s own
+      `UnionCandidates.tail`);
     * ``tail_head``: the same, the share taken in each (batch, head) alone;
     * ``distinct``: how many distinct blocks the union holds;
     * ``random``: at random (a control).
@@ -109,8 +110,7 @@ def adaptive(runs, mass, score, pat: Momo, emit, **info) -> None:
     k_trim, c = pat.trim, pat.rerank_factor * pat.trim
     base = runs[..., :k_trim]
     full = rerank_pick(runs[..., :c], score[..., :c], k_trim=k_trim)
-    v = jnp.where(jnp.isfinite(mass), mass, 0.0)
-    criteria = {"tail": v[..., k_trim:].sum(-1) / jnp.maximum(v.sum(-1), 1e-30),
+    criteria = {"tail": tail,
                 "distinct": (runs >= 0).sum(-1).astype(jnp.float32),
                 "random": jax.random.uniform(jax.random.key(0), runs.shape[:-1])}
     criteria["tail_head"] = criteria["tail"]
@@ -246,7 +246,8 @@ def main() -> None:
                                                                                          share=share), device=device))
                             print(f"{kind:6s} kept blocks' union ranks {list(RANK_BINS)}: {share}", file=sys.stderr)
             if args.adaptive and (stride, fp8) == (pat.rerank_rows, False):
-                adaptive(runs, keys["mass"], score, pat, emit, rows=stride, fp8=fp8)
+                tail = jax.jit(lambda r: pat.union_candidates(r, t, t).tail)(res)
+                adaptive(runs, tail, score, pat, emit, rows=stride, fp8=fp8)
             del score
         if args.time and kind == "video":
             for stride, scored in [(2, n) for n in (512, 448, 384, 320, 256)] + [(1, n) for n in (256, 192)]:

@@ -165,7 +165,11 @@ def mass_query_blocks(rng: np.random.Generator, nq: int, cfg: MomoBenchConfig) -
     """The query blocks the mass section measures for one input of ``nq`` query blocks: ``mass_rows / query_block``
     distinct blocks from the second half, ascending. The section draws them from ``np.random.default_rng(S)`` for
     each input of `MASS_INPUTS` in turn (also for inputs it skips, with ``S // query_block``)."""
-    return np.sort(rng.choice(np.arange(nq // 2, nq), max(1, cfg.mass_rows // cfg.query_block), replace=False))
+    want = max(1, cfg.mass_rows // cfg.query_block)
+    if want > nq - nq // 2:
+        raise ValueError(f"mass_rows: expected at most {(nq - nq // 2) * cfg.query_block} rows (whole query blocks "
+                         f"of the second half of {nq}); received {cfg.mass_rows}")
+    return np.sort(rng.choice(np.arange(nq // 2, nq), want, replace=False))
 
 
 def _pattern(cfg: MomoBenchConfig, algorithm: str, k: int | None = None, trim_rule: str = "auto",
