@@ -54,7 +54,7 @@ case $part in
       -k matches_reference 2>&1 | tail -3; \
       timeout 110 python3 -m mmjax.drivers.cli bench momo --seq-lens 1048576 --implementation mosaic_gpu \
       --tile 64 4 --fig4-ks --mass-lens --out "$OUT/$part" --name momo-1m-timing-share; \
-      timeout 130 python3 -m mmjax.drivers.cli bench momo --mass-only --mass-rows 2048 --mass-lens 1048576 \
+      timeout 250 python3 -m mmjax.drivers.cli bench momo --mass-only --mass-rows 2048 --mass-lens 1048576 \
         --implementation mosaic_gpu --algorithms estimated --scans golden_pairs --quantiles histogram \
         --out "$OUT/$part" --name momo-mass-1m-16blocks-share ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \

@@ -20,8 +20,10 @@ def test_mass_only_reports_both_scan_orders_and_flags_the_default(tmp_path, caps
             "mean-pooled"} <= methods
     assert {r["input"] for r in rows} == {"video", "needle"}
     defaults = [r for r in rows if r["default"]]
-    # Momo() re-ranks (4x the kept blocks, every 2nd row): that variant of the estimated top-k is the default
-    assert {r["method"] for r in defaults} == {"estimated (mass trim) + re-rank 4x, rows/2"} and len(defaults) == 2
+    # Momo() re-ranks (4x the kept blocks, every 2nd row, 5/8 of the query blocks): that variant of the estimated
+    # top-k is the default
+    default = "estimated (mass trim) + re-rank 4x, rows/2, 5/8 of query blocks"
+    assert {r["method"] for r in defaults} == {default} and len(defaults) == 2
     for r in rows:
         assert 0.0 <= r["captured"] <= r["oracle"] + 1e-6 and r["oracle_block"] <= r["oracle"] + 1e-6
     assert "timing" not in result and "fig4" not in result
@@ -43,7 +45,15 @@ def test_rerank_variant_gets_a_mass_row(tmp_path):
     (path,) = tmp_path.glob("r_*.json")
     assert json.loads(path.read_text())["config"]["k_exact"] == 2
     rows = {r["method"]: r for r in json.loads(path.read_text())["mass"] if "captured" in r}
-    rr = rows["exact + re-rank 2x, rows/1"]
+    rr = rows["exact + re-rank 2x, rows/1, 5/8 of query blocks"]
     assert 0.0 < rr["captured"] <= rr["oracle"] + 1e-6 and rr["blocks"] == rows["exact (mass trim)"]["blocks"]
     judged = [t for t in json.loads(path.read_text())["targets"] if "re-rank 2x" in t["target"]]
     assert len(judged) == 1 and judged[0]["value"] == pytest.approx(rr["gap_block"])
+
+
+def test_rerank_label_names_the_share_only_when_some_blocks_are_left_out():
+    from mmjax.drivers.bench.momo import _rerank_label
+
+    assert _rerank_label(4, 2, 1.0) == "re-rank 4x, rows/2"
+    assert _rerank_label(4, 2, 0.625) == "re-rank 4x, rows/2, 5/8 of query blocks"
+    assert _rerank_label(2, 1, 0.5) == "re-rank 2x, rows/1, 1/2 of query blocks"

@@ -31,6 +31,7 @@ run cut short still leaves its results. On a CPU the same at toy sizes in interp
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import gc
 import math
 import sys
@@ -188,6 +189,15 @@ def _reranks(cfg: MomoBenchConfig) -> tuple[tuple[tuple[int, int], ...], tuple[i
     auto = dataclasses.replace(_pattern(cfg, cfg.timed_algorithm), rerank=None, rerank_stride=None)
     default = (auto.rerank_factor, auto.rerank_rows) if auto.rerank_factor else None
     return ((default,) if default else ()) + tuple(r for r in cfg.reranks if r != default), default
+
+
+def _rerank_label(c: int, stride: int, share: float) -> str:
+    """The re-rank variant's name in logs, tables and targets: "re-rank 4x, rows/2", plus the share of query blocks
+    it scores ("5/8 of query blocks") where ``Momo.rerank_share`` leaves some out."""
+    label = f"re-rank {c}x, rows/{stride}"
+    if share < 1:
+        label += f", {fractions.Fraction(share).limit_denominator(64)} of query blocks"
+    return label
 
 
 def _stages(cfg: MomoBenchConfig, pattern: Momo, tile: tuple[int, int]):
@@ -363,10 +373,11 @@ class Runner:
                            f"blocks {saving['neighbour_blocks']:.2f}, a key head's query heads "
                            f"{saving['head_group']:.2f})")
                     del ids
-                self.log(f"  S={s} MOMO + re-rank {c}x, rows/{st}: total {row[f'{name}_total_ms']:.1f} ms{msg}")
+                label = _rerank_label(c, st, cfg.rerank_share)
+                self.log(f"  S={s} MOMO + {label}: total {row[f'{name}_total_ms']:.1f} ms{msg}")
             except Exception as e:
                 row[f"{name}_error"] = _err(e)
-                self.log(f"  S={s} MOMO + re-rank {c}x, rows/{st} failed: {_err(e)[:300]}")
+                self.log(f"  S={s} MOMO + {_rerank_label(c, st, cfg.rerank_share)} failed: {_err(e)[:300]}")
         self.result.setdefault("timing", []).append(row)
         del q, k, v, res
         gc.collect()
@@ -423,10 +434,10 @@ class Runner:
             for c, st in variants:  # re-rank variants of the base pattern (the first: the default's)
                 rr = dataclasses.replace(default, rerank=c, rerank_stride=st)
                 opts = KernelOptions(implementation=cfg.implementation, interpret=cfg.interpret)
-                layouts[f"{base_name} + re-rank {c}x, rows/{st}"] = jax.jit(
+                layouts[f"{base_name} + {_rerank_label(c, st, cfg.rerank_share)}"] = jax.jit(
                     lambda q, k, p=rr: p.plan(q, k, k, options=opts).layout)(q, k)
             if default_rerank:  # `Momo()` re-ranks with this budget: that variant is the default
-                default_name = f"{base_name} + re-rank {default_rerank[0]}x, rows/{default_rerank[1]}"
+                default_name = f"{base_name} + {_rerank_label(*default_rerank, cfg.rerank_share)}"
             layouts["mean-pooled"] = jax.jit(lambda q, k: mean_pooled_layout(
                 q, k, query_block=cfg.query_block, block=cfg.block, k_trim=cfg.k_trim,
                 sink_blocks=_pattern(cfg, "exact").sink_blocks, local=cfg.local))(q, k)
@@ -532,16 +543,20 @@ class Runner:
             print_table(fig4, [("S", "S", "d"), ("k", "k", "d"), ("algorithm", "top-k", "s"), ("ms", "ms", ".2f")])
         targets = []
         variants, default_rerank = _reranks(cfg)
-        for r in timing:  # issue 16: MOMO >= 10x at 1M; issue 15: the default keeps today's 6.7x (H200)
+        for r in timing:  # issue 16: MOMO >= 10x at 1M; issue 15: the re-rank keeps 6.7x (H200)
             if r["S"] >= 1048576 and "speedup" in r:
                 targets.append({"target": f"MOMO without re-rank: >= 10x faster than {cfg.anchor} at S={r['S']}",
                                 "value": r["speedup"], "met": r["speedup"] >= 10.0})
             for c, st in variants:
                 key = f"rerank_{c}x_rows{st}_speedup"
                 if r["S"] >= 1048576 and key in r:
+                    label = _rerank_label(c, st, cfg.rerank_share)
                     tag = " (the default)" if (c, st) == default_rerank else ""
-                    targets.append({"target": f"re-rank {c}x, rows/{st}{tag}: >= 6.7x faster than {cfg.anchor} at "
-                                              f"S={r['S']}", "value": r[key], "met": r[key] >= 6.7})
+                    targets.append({"target": f"{label}{tag}: >= 6.7x faster than {cfg.anchor} at S={r['S']}",
+                                    "value": r[key], "met": r[key] >= 6.7})
+                    if tag:  # issue 16 asks Momo() itself for 10x
+                        targets.append({"target": f"Momo() ({label}): >= 10x faster than {cfg.anchor} at "
+                                                  f"S={r['S']}", "value": r[key], "met": r[key] >= 10.0})
         for r in mass:
             if r.get("default") or " + re-rank " in r["method"]:
                 targets.append({"target": f"captured mass within 0.015 of the per-query-block oracle "
