@@ -15,7 +15,11 @@
 # `momo_rerank_variants.py`) and
 # `heads-first` (the block-sparse Mosaic kernel's GPU tests of its item orders, then its time with query heads fastest
 # against query blocks fastest on MOMO's layout and the kernel rows, `heads_first_bench.py`); `momo-share` (the
-# candidate-mass GPU tests, MOMO at 1M and its 16-block mass with the default `rerank_share`).
+# candidate-mass GPU tests, MOMO at 1M and its 16-block mass with the default `rerank_share`); `item-order` (the
+# persistent-grid GPU tests, the persistent grid's item order by counting against XLA's sort at 32k,
+# `short_work_trace.py --orders-only`, and MInference's top-100 mask at 32k); `short-rows` (the item orders again,
+# then the kernel rows at 32k and 128k without the checks); `order-traces` (the item orders with each form's device
+# time from a profiler trace).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
@@ -57,6 +61,14 @@ case $part in
       timeout 250 python3 -m mmjax.drivers.cli bench momo --mass-only --mass-rows 2048 --mass-lens 1048576 \
         --implementation mosaic_gpu --algorithms estimated --scans golden_pairs --quantiles histogram \
         --out "$OUT/$part" --name momo-mass-1m-16blocks-share ;;
+  item-order) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
+      -k "persistent" 2>&1 | tail -3; \
+      timeout 300 python3 tools/short_work_trace.py --out "$OUT/$part" --orders-only; \
+      timeout 200 python3 tools/minference_side_by_side.py --minference mi_ckpt --out "$OUT/$part" --lens 32768 \
+        --indexes block --select "mosaic_gpu: same 64x64 mask" ;;
+  short-rows) timeout 200 python3 tools/short_work_trace.py --out "$OUT/$part" --orders-only; \
+      timeout 360 python3 tools/bench_mosaic_gpu.py --out "$OUT/$part" --lens 32768,131072 --skip-checks ;;
+  order-traces) timeout 300 python3 tools/short_work_trace.py --out "$OUT/$part" --orders-only --order-traces ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
       -k "heads_first or persistent_grid" 2>&1 | tail -5; \
       timeout 400 python3 tools/heads_first_bench.py --out "$OUT/$part/heads-first.jsonl" --cudnn ;;

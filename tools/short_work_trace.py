@@ -3,8 +3,10 @@ Mosaic GPU kernel reaches 0.60-0.86 of cuDNN's TFLOP/s): a `jax.profiler` trace 
 (`mmjax.drivers.bench.trace_summary`), next to the call's queued time and the time of its pieces alone: the
 non-finite key poisoning (`pallas_kernels.nonfinite.poison_keys`) and the persistent grid's item order; and the
 call with the poisoning only when some value is not finite (``poison=None``, a device-side ``lax.cond``) and,
-where the persistent grid runs, with its items in two static orders instead of sorted (heads fastest; index order);
-the compile time of both poison forms; and the item orders on MInference's top-100 mask (`top100_orders`).
+where the persistent grid runs, with its items placed by XLA's sort (`item_order(method="sort")`, the form before
+`stable_descending_order`) and in two static orders instead of sorted (heads fastest; index order);
+the compile time of both poison forms; and the item orders on MInference's top-100 mask (`top100_orders`). With
+``--order-traces``, a profiler trace of each item-order form alone (its device time, not its dispatch).
 
 Run on a GPU: ``python tools/short_work_trace.py --out DIR [--len 32768]``; B = 1, 28 / 4 heads, D = 128, bf16,
 the inputs and layouts of ``tools/bench_mosaic_gpu.py`` (`BlockLayout.random_causal`, seed 4). Writes
@@ -58,20 +60,28 @@ def compile_s(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def identity_order(count, *, block_q, ctas, batch, heads, pair):
+def identity_order(count, *, block_q, ctas, batch, heads, pair, heads_first=False):
     """`mosaic_gpu.item_order` without the sort: the items in index order (query blocks fastest, the last rows
     first; the sorted order's tie order)."""
-    del count, block_q, pair
+    del count, block_q, pair, heads_first
     return jnp.arange(batch * heads * ctas, dtype=jnp.int32)
 
 
-def static_order(count, *, block_q, ctas, batch, heads, pair):
+def static_order(count, *, block_q, ctas, batch, heads, pair, heads_first=False):
     """`mosaic_gpu.item_order` without the sort: the last 128-row blocks first, the heads fastest (for causal lists
     about longest first), as item indices."""
-    del count, block_q, pair
+    del count, block_q, pair, heads_first
     p = jnp.arange(batch * heads * ctas, dtype=jnp.int32)
     h, b, r = p % heads, (p // heads) % batch, p // (heads * batch)
     return (b * heads + h) * ctas + r
+
+
+_ITEM_ORDER = mosaic_gpu.item_order
+
+
+def sort_order(count, **kw):
+    """`mosaic_gpu.item_order` as it was before 2026-11-28 (evening): the same order from XLA's sort."""
+    return _ITEM_ORDER(count, method="sort", **kw)
 
 
 def trace(fn, log_dir: str) -> dict:
@@ -97,31 +107,34 @@ def trace(fn, log_dir: str) -> dict:
 
 def with_order(order, fn):
     """``fn()`` with `mosaic_gpu.item_order` replaced by ``order`` (None: as it is), caches cleared around it."""
-    sorted_order = mosaic_gpu.item_order
-    mosaic_gpu.item_order = order or sorted_order
+    default_order = mosaic_gpu.item_order
+    mosaic_gpu.item_order = order or default_order
     jax.clear_caches()
     try:
         return fn()
     finally:
-        mosaic_gpu.item_order = sorted_order
+        mosaic_gpu.item_order = default_order
         jax.clear_caches()
 
 
 def top100_orders(s: int) -> dict:
     """MInference's pooled top-100 mask (64 x 64 blocks, 8 / 8 heads, `tools/top100_locality.py`'s input) on the
-    persistent grid, with the items sorted (the default) and in the two static orders: ms each."""
+    persistent grid, with the items longest first (the default, placed by counting; and by XLA's sort) and in the
+    two static orders: ms each."""
     q, k, v = video_qkv(jax.random.key(s), s, heads=8, kv_heads=8, head_dim=D, dtype=jnp.bfloat16)
     idx = jax.jit(pooled_block_index, static_argnums=2)(q, k, 100)
     lay = BlockLayout(kv_blocks=idx, kv_block_count=block_index_counts(idx), block_q=64, block_k=64, q_len=s,
                       kv_len=s)
     out = {"persistent": bool(mosaic_gpu.auto_persistent(q, lay, mosaic_gpu.auto_key_pairs(lay, None)))}
-    for name, order in (("sorted", None), ("static", static_order), ("identity", identity_order)):
-        out[f"ms_{name}_order"] = with_order(order, lambda: ms(lambda f=mosaic(persistent=True): f(q, k, v, lay)))
+    for key, order in (("ms", None), ("ms_sort_order", sort_order), ("ms_static_order", static_order),
+                       ("ms_identity_order", identity_order)):
+        out[key] = with_order(order, lambda: ms(lambda f=mosaic(persistent=True): f(q, k, v, lay)))
     print(f"top-100 mask at {s}: {out}", flush=True)
     return out
 
 
-FORMS = (("ms", "default"), ("ms_poison_auto", "poison=None"), ("ms_sorted_order", "items sorted"),
+FORMS = (("ms", "default (items placed by counting)"), ("ms_poison_auto", "poison=None"),
+         ("ms_sort_order", "items placed by XLA's sort"),
          ("ms_static_order", "heads fastest"), ("ms_identity_order", "index order"))
 
 
@@ -149,6 +162,8 @@ def main() -> int:
     ap.add_argument("--len", type=int, default=32768)
     ap.add_argument("--orders-only", action="store_true",
                     help="only the item orders (no traces, no poison form, no compile times)")
+    ap.add_argument("--order-traces", action="store_true",
+                    help="also a profiler trace of the item order alone, placed by counting and by XLA's sort")
     args = ap.parse_args()
     s = args.len
     q, k, v = inputs(s, 3)
@@ -169,31 +184,42 @@ def main() -> int:
             print(f"compile s: {result['compile_s']}", flush=True)
         t = ms(lambda: call(q, k, v, lay))
         pair = mosaic_gpu.auto_key_pairs(lay, None)
-        order = jax.jit(lambda c: mosaic_gpu.item_order(c, block_q=128, ctas=s // 128, batch=1, heads=N, pair=pair))
+        orders = {m: jax.jit(lambda c, m=m: mosaic_gpu.item_order(c, block_q=128, ctas=s // 128, batch=1, heads=N,
+                                                                  pair=pair, method=m)) for m in ("rank", "sort")}
         row = {"keep": keep, "block_k": bk, "density": density, "ms": t,
                "of_cudnn_tflops": density * t_cudnn / t,
                "persistent": bool(mosaic_gpu.auto_persistent(q, lay, pair)),
-               "item_order_ms": ms(lambda: order(lay.kv_block_count))}
+               "item_order_ms": ms(lambda: orders["rank"](lay.kv_block_count)),
+               "item_order_sort_ms": ms(lambda: orders["sort"](lay.kv_block_count))}
         if not args.orders_only:
             auto = mosaic(poison=None)
             row["ms_poison_auto"] = ms(lambda: auto(q, k, v, lay))
         if row["persistent"]:  # the persistent grid with items in a static order instead of sorted
-            for name, order in (("static", static_order), ("identity", identity_order)):
+            for name, order in (("sort", sort_order), ("static", static_order), ("identity", identity_order)):
                 row[f"ms_{name}_order"] = with_order(order, lambda: ms(lambda f=mosaic(): f(q, k, v, lay)))
+            row["ms_again"] = ms(lambda: call(q, k, v, lay))  # the default once more, after the other orders
+        if args.order_traces:  # device time of the item order alone, each form
+            for name, fn in orders.items():
+                with tempfile.TemporaryDirectory() as d:
+                    row[f"item_order_{name}_trace"] = trace(lambda fn=fn: fn(lay.kv_block_count), d)
         if not args.orders_only:
             with tempfile.TemporaryDirectory() as d:
                 row["trace"] = trace(lambda: call(q, k, v, lay), d)
         nan = float("nan")
         print(f"random {keep:.0%} bk{bk}: {t:.3f} ms = {row['of_cudnn_tflops']:.2f} of cuDNN's TFLOP/s, item order "
-              f"{row['item_order_ms']:.3f} ms, poison only if not finite {row.get('ms_poison_auto', nan):.3f} ms, "
+              f"{row['item_order_ms']:.3f} ms (XLA's sort {row['item_order_sort_ms']:.3f}; the call with it "
+              f"{row.get('ms_sort_order', nan):.3f} ms), poison only if not finite "
+              f"{row.get('ms_poison_auto', nan):.3f} ms, "
               f"static / identity order {row.get('ms_static_order', nan):.3f} / "
-              f"{row.get('ms_identity_order', nan):.3f} ms", flush=True)
+              f"{row.get('ms_identity_order', nan):.3f} ms; the default again {row.get('ms_again', nan):.3f} ms",
+              flush=True)
         result["rows"].append(row)
     result["top100"] = top100_orders(s)
     os.makedirs(args.out, exist_ok=True)
     write_atomic(os.path.join(args.out, "short_work_trace.json"), lambda f: json.dump(result, f, indent=1))
     fig = figure(result)
-    write_atomic(os.path.join(args.out, "short_work_trace.png"), lambda f: fig.savefig(f, format="png", dpi=120))
+    write_atomic(os.path.join(args.out, "short_work_trace.png"), lambda f: fig.savefig(f, format="png", dpi=120),
+                 binary=True)
     return 0
 
 

@@ -795,13 +795,14 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
 
 def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: int, pair: bool,
-               heads_first: bool = False) -> jax.Array:
+               heads_first: bool = False, method: str = "auto") -> jax.Array:
     """The persistent grid's item order: int32 ``[batch * heads * ctas]`` item indices (item w is batch ``w // (heads
     * ctas)``, head ``w // ctas % heads``, 128-row block ``ctas - 1 - w % ctas``; ``heads_first``: head ``w %
     heads``, block ``ctas - 1 - w // heads % ctas``), most steps first (a stable sort, so equal items keep that
     order: query blocks (or heads) fastest, the last rows first). count int32 ``[B|1, N|1, nq]``;
     an item's steps are its list's (``block_q`` 128) or the longer of its two 64-row blocks' lists, in entries or
-    (``pair``) pairs of entries."""
+    (``pair``) pairs of entries. ``method``: "sort" (``jnp.argsort``), "rank" (`stable_descending_order`, the same
+    order), "auto" (default): "rank" up to `RANK_ORDER_ITEMS` items."""
     nq = count.shape[2]
     steps = jnp.broadcast_to(count, (batch, heads, nq))
     if pair:
@@ -810,9 +811,32 @@ def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: 
         steps = jnp.pad(steps, ((0, 0), (0, 0), (0, 2 * ctas - nq))).reshape(batch, heads, ctas, 2).max(-1)
     cost = steps[..., ::-1]  # [batch, heads, ctas], the last rows first
     cost = (jnp.swapaxes(cost, 1, 2) if heads_first else cost).reshape(-1)  # by item index
-    return jnp.argsort(-cost, stable=True).astype(jnp.int32)
+    if method == "auto":
+        method = "rank" if cost.shape[0] <= RANK_ORDER_ITEMS else "sort"
+    if method == "sort":
+        return jnp.argsort(-cost, stable=True).astype(jnp.int32)
+    if method != "rank":
+        raise ValueError(f"method: expected 'auto', 'rank' or 'sort'; received {method!r}")
+    return stable_descending_order(cost)
 
 
+def stable_descending_order(cost: jax.Array) -> jax.Array:
+    """int32 ``[n]`` (>= 0) -> int32 ``[n]``: ``jnp.argsort(-cost, stable=True)`` without a sort. Each item gets the
+    key ``cost * n + n - 1 - i`` (distinct; larger goes first), its place is the number of larger keys, counted over
+    all n x n pairs in one reduction, and the order is the scatter of each item to its place: O(n^2) work in two
+    small kernels, against the several passes of XLA's sort (see `RANK_ORDER_ITEMS`). Costs above ``(2^31 - 1) // n
+    - 1`` (over 262,000 steps at n = 8,192) count as that much, so the key stays in int32; their items keep index
+    order among themselves."""
+    n = cost.shape[0]
+    i = jnp.arange(n, dtype=jnp.int32)
+    key = jnp.minimum(cost.astype(jnp.int32), (2**31 - 1) // n - 1) * n + (n - 1 - i)
+    place = jnp.sum(key[None, :] > key[:, None], axis=1, dtype=jnp.int32)
+    return jnp.zeros(n, jnp.int32).at[place].set(i, unique_indices=True)
+
+
+# `item_order` places up to this many items by counting (`stable_descending_order`, n^2 comparisons) rather than
+# with XLA's sort (`auto_persistent` allows 7,168).
+RANK_ORDER_ITEMS = 8192
 VISIBLE_MAX_ENTRIES = 1 << 25  # `visible_entries` builds its table only up to this many entries (128 MiB)
 
 

@@ -20,6 +20,7 @@ from pallas_kernels.block_sparse.mosaic_gpu import (
     max_stages,
     preferred,
     smem_bytes,
+    stable_descending_order,
 )
 from tests.pallas_kernels.helpers import random_qkv
 
@@ -317,6 +318,29 @@ def test_item_order_heads_first_decodes_items_with_the_heads_fastest():
     same = item_order(jnp.ones((1, 1, 3), jnp.int32), block_q=128, ctas=3, batch=1, heads=2, pair=False,
                       heads_first=True)
     assert np.asarray(same).tolist() == list(range(6))
+
+
+def test_item_order_by_counting_is_the_sorts_order():
+    """`item_order(method="rank")` (`stable_descending_order`, the default up to `RANK_ORDER_ITEMS` items) gives
+    XLA's stable sort's order on random counts with many ties, few ties and one value, for every item layout; an
+    unknown method is named."""
+    rng = np.random.default_rng(2)
+    b, n, ctas = 2, 3, 7
+    for hi in (1, 3, 1000):
+        for bq, nq, pair, heads_first in ((128, ctas, False, False), (128, ctas, True, True),
+                                          (64, 2 * ctas - 1, False, False)):
+            count = jnp.asarray(rng.integers(0, hi, (b, n, nq)), jnp.int32)
+            kw = dict(block_q=bq, ctas=ctas, batch=b, heads=n, pair=pair, heads_first=heads_first)
+            rank = np.asarray(item_order(count, method="rank", **kw))
+            np.testing.assert_array_equal(rank, np.asarray(item_order(count, method="sort", **kw)))
+            np.testing.assert_array_equal(rank, np.asarray(item_order(count, **kw)))
+    cost = jnp.asarray(rng.integers(0, 50, 300), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(stable_descending_order(cost)),
+                                  np.argsort(-np.asarray(cost), kind="stable"))
+    huge = jnp.array([5, 2**30, 7, 2**31 - 1, 2**30], jnp.int32)  # past the key's cap: tied, in index order
+    assert np.asarray(stable_descending_order(huge)).tolist() == [1, 3, 4, 2, 0]
+    with pytest.raises(ValueError, match="method: expected 'auto', 'rank' or 'sort'; received 'heap'"):
+        item_order(count, block_q=128, ctas=ctas, batch=b, heads=n, pair=False, method="heap")
 
 
 @pytest.mark.parametrize("bq,persistent,perm", [(128, False, False), (64, True, False), (128, True, True)])
