@@ -337,6 +337,7 @@ def test_item_order_by_counting_is_the_sorts_order():
     cost = jnp.asarray(rng.integers(0, 50, 300), jnp.int32)
     np.testing.assert_array_equal(np.asarray(stable_descending_order(cost)),
                                   np.argsort(-np.asarray(cost), kind="stable"))
+    assert stable_descending_order(jnp.zeros(0, jnp.int32)).shape == (0,)
     huge = jnp.array([5, 2**30, 7, 2**31 - 1, 2**30], jnp.int32)  # past the key's cap: tied, in index order
     assert np.asarray(stable_descending_order(huge)).tolist() == [1, 3, 4, 2, 0]
     with pytest.raises(ValueError, match="method: expected 'auto', 'rank' or 'sort'; received 'heap'"):
