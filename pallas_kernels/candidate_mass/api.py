@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu, check_supported
 from pallas_kernels.candidate_mass.reference import candidate_mass_reference
@@ -74,6 +75,8 @@ def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: j
             raise ValueError(f"query_blocks: expected an integer array [B={b}, N={n}, M] with 1 <= M <= nq={nq}; "
                              f"received {getattr(query_blocks, 'dtype', None)} "
                              f"{fmt_shape(getattr(query_blocks, 'shape', ()))}")
+        if not isinstance(query_blocks, jax.core.Tracer):  # concrete: the values too
+            _check_query_blocks(np.asarray(query_blocks), nq)
         lists = m
     if candidates.shape[:3] != (b, n, lists) or not jnp.issubdtype(candidates.dtype, jnp.integer):
         name = "nq" if query_blocks is None else "M"
@@ -111,3 +114,19 @@ def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: j
         fp8 = bool(qk_fp8) and padded_head_dim(d) == 128
         return candidate_mass_mosaic_gpu(q, k, cands, ref_lse, qk_fp8=fp8, query_blocks=query_blocks, **kw)
     return candidate_mass_triton(q, k, cands, ref_lse, interpret=interpret, **kw)
+
+
+def _check_query_blocks(qb: np.ndarray, nq: int) -> None:
+    """Concrete ``query_blocks`` ``[B, N, M]``: every value in ``[0, nq)`` and distinct within each (b, h) (a repeat
+    would score one query block's list twice and, off the Mosaic kernel, drop the other list it stands for)."""
+    bad = np.argwhere((qb < 0) | (qb >= nq))
+    if bad.size:
+        where = tuple(int(i) for i in bad[0])
+        raise ValueError(f"query_blocks: expected values in [0, nq={nq}); received {int(qb[where])} at index "
+                         f"{list(where)}")
+    srt = np.sort(qb, axis=-1)
+    rep = np.argwhere(srt[..., 1:] == srt[..., :-1])
+    if rep.size:
+        bb, hh, mm = (int(i) for i in rep[0])
+        raise ValueError(f"query_blocks: expected distinct query blocks in each (batch, head); received "
+                         f"{int(srt[bb, hh, mm])} twice at (batch {bb}, head {hh})")

@@ -59,7 +59,7 @@ def test_candidate_mass_matches_numpy(b, t, s, n, kh, qb, block, gamma, stride):
 
 def test_query_blocks_score_those_lists_only():
     """``query_blocks``: lists of some query blocks per (batch, head), in any order, score as in the whole call;
-    bad shapes are named."""
+    bad shapes, values out of range and repeats (concrete arrays) are named."""
     b, t, s, n, kh, qb, block, gamma = 2, 200, 260, 4, 2, 32, 16, 8
     rng = np.random.default_rng(3)
     q, k, _ = random_qkv(5, b, t, s, n, kh, 32)
@@ -82,6 +82,16 @@ def test_query_blocks_score_those_lists_only():
                        **kw)
     with pytest.raises(ValueError, match=r"candidates: expected an integer array \[B=2, N=4, M=2, C\]"):
         candidate_mass(q, k, jnp.asarray(chosen), jnp.asarray(ref), query_blocks=jnp.asarray(sel[..., :2]), **kw)
+    out_of_range = sel.copy()
+    out_of_range[1, 2, 0] = nq
+    with pytest.raises(ValueError, match=rf"query_blocks: expected values in \[0, nq={nq}\); received {nq} at index "
+                                         r"\[1, 2, 0\]"):
+        candidate_mass(q, k, jnp.asarray(chosen), jnp.asarray(ref), query_blocks=jnp.asarray(out_of_range), **kw)
+    repeat = sel.copy()
+    repeat[0, 3, 2] = repeat[0, 3, 0]
+    with pytest.raises(ValueError, match=rf"query_blocks: expected distinct query blocks in each \(batch, head\); "
+                                         rf"received {repeat[0, 3, 0]} twice at \(batch 0, head 3\)"):
+        candidate_mass(q, k, jnp.asarray(chosen), jnp.asarray(ref), query_blocks=jnp.asarray(repeat), **kw)
 
 
 @pytest.mark.parametrize("per_step", [1, 2, 4])
