@@ -802,7 +802,7 @@ def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: 
                heads_first: bool = False, method: str = "auto") -> jax.Array:
     """The persistent grid's item order: int32 ``[batch * heads * ctas]`` item indices (item w is batch ``w // (heads
     * ctas)``, head ``w // ctas % heads``, 128-row block ``ctas - 1 - w % ctas``; ``heads_first``: head ``w %
-    heads``, block ``ctas - 1 - w // heads % ctas``), most steps first (a stable sort, so equal items keep that
+    heads``, block ``ctas - 1 - w // heads % ctas``), most steps first (stably: equal items keep that
     order: query blocks (or heads) fastest, the last rows first). count int32 ``[B|1, N|1, nq]``;
     an item's steps are its list's (``block_q`` 128) or the longer of its two 64-row blocks' lists, in entries or
     (``pair``) pairs of entries. ``method``: "sort" (``jnp.argsort``), "rank" (`stable_descending_order`, the same
