@@ -34,11 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jsonl_log import write_atomic  # noqa: E402
 
-import mmjax  # noqa: E402
-from models.qwen2_5_vl.model import cached_forward  # noqa: E402
 from pallas_kernels.tree_decode import tree_decode_attention  # noqa: E402
-from tests.models.helpers import video_prompt  # noqa: E402
-from tests.speculative.test_speculative import _model  # noqa: E402
+from tests.speculative.test_speculative_gpu import model_and_prompt, verification_case  # noqa: E402
+from tests.speculative.test_speculative_gpu import verification_logits as forward  # noqa: E402
 
 REFERENCE = functools.partial(tree_decode_attention, implementation="reference")
 
@@ -49,27 +47,13 @@ def kernel(*args):
                                  interpret=None if jax.default_backend() == "gpu" else True)
 
 
-def test_inputs():
-    """The model and the forward's arguments of the GPU test."""
-    model = _model()
-    inputs = video_prompt(model.config, frames=4, rng=np.random.default_rng(0))
-    pre = mmjax.prefill(model, inputs, max_length=inputs["input_ids"].shape[1] + 64)
-    t = int(pre.cache.length)
-    rng = np.random.default_rng(0)
-    toks = jnp.asarray(rng.integers(0, 60, (1, 9)), jnp.int32)
-    block = jnp.asarray(np.tril(rng.random((1, 9, 9)) < 0.5) | np.eye(9, dtype=bool)[None])
-    pos = pre.cache.next_position[:, None] + jnp.arange(9)
-    return model, pre, t, toks, block, pos
+def the_case():
+    """The model and the verification case of the GPU test."""
+    model, inputs = model_and_prompt()
+    return model, verification_case(model, inputs)
 
 
-def forward(model, pre, t, toks, block, pos, attn) -> np.ndarray:
-    cache = jax.tree.map(jnp.copy, pre.cache)
-    logits, _, _ = cached_forward(model, cache, toks, pos, jnp.asarray(t, jnp.int32), pre.cache.valid,
-                                  jnp.asarray(t, jnp.int32), block, tree_attn=attn)
-    return np.asarray(logits)
-
-
-def per_layer(model, pre, t, toks, block, pos) -> list[dict]:
+def per_layer(model, case) -> list[dict]:
     """Each layer's kernel output against the reference on the same inputs (the forward keeps the reference's)."""
     rows = []
 
@@ -86,7 +70,7 @@ def per_layer(model, pre, t, toks, block, pos) -> list[dict]:
                            ordered=True)
         return ref
 
-    forward(model, pre, t, toks, block, pos, both)
+    forward(model, case, both)
     return rows
 
 
@@ -101,9 +85,12 @@ def random_case(dtype) -> dict:
     mask = jnp.asarray(np.tril(np.random.default_rng(1).random((1, t, w)) < 0.5) | np.eye(t, w, dtype=bool)[None])
     args = (q, k, v, valid, jnp.asarray(start, jnp.int32), mask)
     ref, got = REFERENCE(*args), kernel(*args)
-    return {"dtype": jnp.dtype(dtype).name, "max_abs_diff": float(jnp.max(jnp.abs(got.astype(jnp.float32) -
-                                                                                  ref.astype(jnp.float32)))),
-            "out_abs_max": float(jnp.max(jnp.abs(ref.astype(jnp.float32))))}
+    row = {"dtype": jnp.dtype(dtype).name,
+           "max_abs_diff": float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))),
+           "out_abs_max": float(jnp.max(jnp.abs(ref.astype(jnp.float32))))}
+    print(f"random inputs, {row['dtype']}: max |diff| {row['max_abs_diff']:.3g} (output up to "
+          f"{row['out_abs_max']:.3g})", flush=True)
+    return row
 
 
 def main() -> int:
@@ -111,26 +98,21 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     result = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__}
-    model, pre, t, toks, block, pos = test_inputs()
-    result["per_layer"] = per_layer(model, pre, t, toks, block, pos)
+    model, case = the_case()
+    result["per_layer"] = per_layer(model, case)
     for row in result["per_layer"]:
         print(f"layer {row['layer']}: kernel vs reference max |diff| {row['max_abs_diff']:.3g} (output up to "
               f"{row['out_abs_max']:.3g}, scores up to {row['score_abs_max']:.3g})", flush=True)
-    as_written = forward(model, pre, t, toks, block, pos, kernel) - forward(model, pre, t, toks, block, pos,
-                                                                            REFERENCE)
+    as_written = forward(model, case, kernel) - forward(model, case, REFERENCE)
     result["test_as_written_max_abs_diff"] = float(np.abs(as_written).max())
     with jax.default_matmul_precision("highest"):
-        model, pre, t, toks, block, pos = test_inputs()
-        highest = forward(model, pre, t, toks, block, pos, kernel) - forward(model, pre, t, toks, block, pos,
-                                                                             REFERENCE)
+        model, case = the_case()
+        highest = forward(model, case, kernel) - forward(model, case, REFERENCE)
     result["test_highest_precision_max_abs_diff"] = float(np.abs(highest).max())
     print(f"the test's logits, kernel vs reference: max |diff| {result['test_as_written_max_abs_diff']:.3g} as "
           f"written, {result['test_highest_precision_max_abs_diff']:.3g} with matmul precision 'highest' "
           "(the test allows 2e-3)", flush=True)
     result["random"] = [random_case(dt) for dt in (jnp.float32, jnp.bfloat16)]
-    for row in result["random"]:
-        print(f"random inputs, {row['dtype']}: max |diff| {row['max_abs_diff']:.3g} (output up to "
-              f"{row['out_abs_max']:.3g})", flush=True)
     os.makedirs(args.out, exist_ok=True)
     write_atomic(os.path.join(args.out, "tree_decode_gpu_check.json"), lambda f: json.dump(result, f, indent=1))
     return 0
