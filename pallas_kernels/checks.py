@@ -20,6 +20,14 @@ def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
+def concrete(x) -> np.ndarray | None:
+    """``x`` on the host for value checks, or None where there is nothing to check yet (``x`` is None or traced
+    inside ``jax.jit``)."""
+    if x is None or isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
 def check_int(name: str, value, lo: int, hi: int = MAX_INT_ARG) -> None:
     """``value`` must be a Python int (not a bool) in ``[lo, hi]``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:

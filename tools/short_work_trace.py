@@ -16,6 +16,7 @@ the inputs and layouts of ``tools/bench_mosaic_gpu.py`` (`BlockLayout.random_cau
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -76,12 +77,8 @@ def static_order(count, *, block_q, ctas, batch, heads, pair, heads_first=False)
     return (b * heads + h) * ctas + r
 
 
-_ITEM_ORDER = mosaic_gpu.item_order
-
-
-def sort_order(count, **kw):
-    """`mosaic_gpu.item_order` as it was before 2026-11-28 (evening): the same order from XLA's sort."""
-    return _ITEM_ORDER(count, method="sort", **kw)
+# `mosaic_gpu.item_order` as it was before 2026-11-28 (evening): the same order from XLA's sort
+sort_order = functools.partial(mosaic_gpu.item_order, method="sort")
 
 
 def trace(fn, log_dir: str) -> dict:

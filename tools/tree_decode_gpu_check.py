@@ -35,8 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jsonl_log import write_atomic  # noqa: E402
 
 from pallas_kernels.tree_decode import tree_decode_attention  # noqa: E402
-from tests.speculative.test_speculative_gpu import model_and_prompt, verification_case  # noqa: E402
-from tests.speculative.test_speculative_gpu import verification_logits as forward  # noqa: E402
+from tests.speculative.test_speculative_gpu import (  # noqa: E402
+    model_and_prompt,
+    verification_case,
+    verification_logits,
+)
 
 REFERENCE = functools.partial(tree_decode_attention, implementation="reference")
 
@@ -70,7 +73,7 @@ def per_layer(model, case) -> list[dict]:
                            ordered=True)
         return ref
 
-    forward(model, case, both)
+    verification_logits(model, case, both)
     return rows
 
 
@@ -103,11 +106,11 @@ def main() -> int:
     for row in result["per_layer"]:
         print(f"layer {row['layer']}: kernel vs reference max |diff| {row['max_abs_diff']:.3g} (output up to "
               f"{row['out_abs_max']:.3g}, scores up to {row['score_abs_max']:.3g})", flush=True)
-    as_written = forward(model, case, kernel) - forward(model, case, REFERENCE)
+    as_written = verification_logits(model, case, kernel) - verification_logits(model, case, REFERENCE)
     result["test_as_written_max_abs_diff"] = float(np.abs(as_written).max())
     with jax.default_matmul_precision("highest"):
         model, case = the_case()
-        highest = forward(model, case, kernel) - forward(model, case, REFERENCE)
+        highest = verification_logits(model, case, kernel) - verification_logits(model, case, REFERENCE)
     result["test_highest_precision_max_abs_diff"] = float(np.abs(highest).max())
     print(f"the test's logits, kernel vs reference: max |diff| {result['test_as_written_max_abs_diff']:.3g} as "
           f"written, {result['test_highest_precision_max_abs_diff']:.3g} with matmul precision 'highest' "

@@ -21,15 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.checks import concrete
+
 DEFAULT_NAMES = ("text", "image", "video")
 
 Span = tuple[int, int, int]  # (kind id, start, end) with end exclusive
-
-
-def _concrete(x) -> np.ndarray | None:
-    if isinstance(x, jax.core.Tracer):
-        return None
-    return np.asarray(x)
 
 
 def compute_spans(ids: np.ndarray) -> tuple[tuple[Span, ...], ...]:
@@ -119,7 +115,7 @@ class Modality:
                              f"{tuple(np.shape(token_types))}")
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"token_types: expected an integer dtype; received {x.dtype}")
-        host = _concrete(x)
+        host = concrete(x)
         spans = None
         if host is not None:
             lo, hi = int(host.min()), int(host.max())
@@ -197,7 +193,7 @@ class Modality:
         if int(q.shape[1]) > s:
             raise ValueError(f"modality: expected T <= S; received q length {q.shape[1]} > S={s}")
         if self.spans is not None:
-            check_spans(self.spans, _concrete(self.ids), b, s, len(self.names))
+            check_spans(self.spans, concrete(self.ids), b, s, len(self.names))
 
     def spans_of(self, row: int, kind: int | str) -> tuple[tuple[int, int], ...]:
         """Static ``(start, end)`` runs of one kind in one batch row (needs concrete spans)."""
@@ -236,7 +232,7 @@ def as_modality(modality, q: jax.Array, k: jax.Array) -> Modality | None:
             raise ValueError(f"modality: expected a Modality or integer ids [B, S]; received "
                              f"{type(modality).__name__} of shape {tuple(np.shape(x))}")
         names = DEFAULT_NAMES
-        host = _concrete(x)
+        host = concrete(x)
         if host is not None and host.size and int(host.max()) >= len(names):
             names = names + tuple(f"kind{i}" for i in range(len(names), int(host.max()) + 1))
         modality = Modality.from_token_types(x, names=names)

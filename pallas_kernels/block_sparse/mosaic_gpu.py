@@ -807,6 +807,8 @@ def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: 
     an item's steps are its list's (``block_q`` 128) or the longer of its two 64-row blocks' lists, in entries or
     (``pair``) pairs of entries. ``method``: "sort" (``jnp.argsort``), "rank" (`stable_descending_order`, the same
     order), "auto" (default): "rank" up to `RANK_ORDER_ITEMS` items."""
+    if method not in ("auto", "rank", "sort"):
+        raise ValueError(f"method: expected 'auto', 'rank' or 'sort'; received {method!r}")
     nq = count.shape[2]
     steps = jnp.broadcast_to(count, (batch, heads, nq))
     if pair:
@@ -819,8 +821,6 @@ def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: 
         method = "rank" if cost.shape[0] <= RANK_ORDER_ITEMS else "sort"
     if method == "sort":
         return jnp.argsort(-cost, stable=True).astype(jnp.int32)
-    if method != "rank":
-        raise ValueError(f"method: expected 'auto', 'rank' or 'sort'; received {method!r}")
     return stable_descending_order(cost)
 
 

@@ -10,12 +10,11 @@ traced: the implementations then neutralise what is cheap (see the layout module
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.block_sparse.layout import BlockLayout
-from pallas_kernels.checks import check_int, fmt_shape
+from pallas_kernels.checks import check_int, concrete, fmt_shape
 from pallas_kernels.tiling import cdiv
 
 
@@ -64,12 +63,6 @@ def check_layout_shapes(layout: BlockLayout, batch: int, heads: int, t: int, s: 
     check("kv_perm", layout.kv_perm, (s,))
 
 
-def _concrete(x) -> np.ndarray | None:
-    if x is None or isinstance(x, jax.core.Tracer):
-        return None
-    return np.asarray(x)
-
-
 def check_layout_values(layout: BlockLayout) -> None:
     """Value checks on concrete layouts (skipped for traced arrays)."""
     if not isinstance(layout.gap, (int, np.integer)) or isinstance(layout.gap, bool) or layout.gap < 0:
@@ -82,7 +75,7 @@ def check_layout_values(layout: BlockLayout) -> None:
                          f"{layout.window_align}")
     _check_q_block_range(layout)
     nk = layout.num_kv_blocks
-    blocks, count = _concrete(layout.kv_blocks), _concrete(layout.kv_block_count)
+    blocks, count = concrete(layout.kv_blocks), concrete(layout.kv_block_count)
     if blocks is not None and count is not None:
         mb = blocks.shape[-1]
         if count.min(initial=0) < 0 or count.max(initial=0) > mb:
@@ -104,7 +97,7 @@ def check_layout_values(layout: BlockLayout) -> None:
                                                 axis=-1) == 0).any():
             raise ValueError("layout.kv_blocks: expected distinct block ids per query block; "
                              "received a repeated id (it would be counted twice)")
-    cols, ccount = _concrete(layout.kv_columns), _concrete(layout.kv_column_count)
+    cols, ccount = concrete(layout.kv_columns), concrete(layout.kv_column_count)
     if cols is not None and ccount is not None:
         mc = cols.shape[-1]
         if ccount.min(initial=0) < 0 or ccount.max(initial=0) > mc:
@@ -134,7 +127,7 @@ def check_layout_values(layout: BlockLayout) -> None:
                 raise ValueError("layout.kv_columns: expected columns outside the listed key "
                                  "blocks; received a column inside one (it would be counted twice)")
     for name, n in (("q_perm", layout.q_len), ("kv_perm", layout.kv_len)):
-        perm = _concrete(getattr(layout, name))
+        perm = concrete(getattr(layout, name))
         if perm is not None and not (np.sort(perm, axis=-1) == np.arange(n)).all():
             raise ValueError(f"layout.{name}: expected a permutation of 0..{n - 1} per (batch, head)")
 
@@ -152,7 +145,7 @@ def _check_q_block_range(layout: BlockLayout) -> None:
                          f"blocks); received {rng!r}")
     outside = (np.arange(nq) < rng[0]) | (np.arange(nq) >= rng[1])
     for name in ("kv_block_count", "kv_column_count"):
-        c = _concrete(getattr(layout, name))
+        c = concrete(getattr(layout, name))
         if c is None:
             continue
         c = np.broadcast_to(c, c.shape[:-1] + (nq,))

@@ -9,7 +9,7 @@ import numpy as np
 from pallas_kernels.candidate_mass.mosaic_gpu import candidate_mass_mosaic_gpu, check_supported
 from pallas_kernels.candidate_mass.reference import candidate_mass_reference
 from pallas_kernels.candidate_mass.triton import candidate_mass_triton
-from pallas_kernels.checks import check_int, check_pow2, check_sm_scale, fmt_shape
+from pallas_kernels.checks import check_int, check_pow2, check_sm_scale, concrete, fmt_shape
 from pallas_kernels.mosaic_fa3 import padded_head_dim
 from pallas_kernels.platform import default_implementation, is_sm90
 
@@ -75,8 +75,9 @@ def candidate_mass(q: jax.Array, k: jax.Array, candidates: jax.Array, ref_lse: j
             raise ValueError(f"query_blocks: expected an integer array [B={b}, N={n}, M] with 1 <= M <= nq={nq}; "
                              f"received {getattr(query_blocks, 'dtype', None)} "
                              f"{fmt_shape(getattr(query_blocks, 'shape', ()))}")
-        if not isinstance(query_blocks, jax.core.Tracer):  # concrete: the values too
-            _check_query_blocks(np.asarray(query_blocks), nq)
+        host = concrete(query_blocks)
+        if host is not None:  # concrete: the values too
+            _check_query_blocks(host, nq)
         lists = m
     if candidates.shape[:3] != (b, n, lists) or not jnp.issubdtype(candidates.dtype, jnp.integer):
         name = "nq" if query_blocks is None else "M"

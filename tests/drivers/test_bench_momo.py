@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from mmjax.drivers.bench.momo import rerank_label
 from mmjax.drivers.cli import main
 
 
@@ -52,8 +53,8 @@ def test_rerank_variant_gets_a_mass_row(tmp_path):
 
 
 def test_rerank_label_names_the_share_only_when_some_blocks_are_left_out():
-    from mmjax.drivers.bench.momo import _rerank_label
-
-    assert _rerank_label(4, 2, 1.0) == "re-rank 4x, rows/2"
-    assert _rerank_label(4, 2, 0.625) == "re-rank 4x, rows/2, 5/8 of query blocks"
-    assert _rerank_label(2, 1, 0.5) == "re-rank 2x, rows/1, 1/2 of query blocks"
+    assert rerank_label(4, 2, 1.0) == "re-rank 4x, rows/2"
+    assert rerank_label(4, 2, 0.625) == "re-rank 4x, rows/2, 5/8 of query blocks"
+    assert rerank_label(2, 1, 0.5) == "re-rank 2x, rows/1, 1/2 of query blocks"
+    with pytest.raises(ValueError, match=r"share: expected a number in \(0, 1\]; received 0"):
+        rerank_label(4, 2, 0)

@@ -191,9 +191,11 @@ def _reranks(cfg: MomoBenchConfig) -> tuple[tuple[tuple[int, int], ...], tuple[i
     return ((default,) if default else ()) + tuple(r for r in cfg.reranks if r != default), default
 
 
-def _rerank_label(c: int, stride: int, share: float) -> str:
+def rerank_label(c: int, stride: int, share: float) -> str:
     """The re-rank variant's name in logs, tables and targets: "re-rank 4x, rows/2", plus the share of query blocks
-    it scores ("5/8 of query blocks") where ``Momo.rerank_share`` leaves some out."""
+    it scores ("5/8 of query blocks") where ``Momo.rerank_share`` (in (0, 1]) leaves some out."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share: expected a number in (0, 1]; received {share}")
     label = f"re-rank {c}x, rows/{stride}"
     if share < 1:
         label += f", {fractions.Fraction(share).limit_denominator(64)} of query blocks"
@@ -352,7 +354,7 @@ class Runner:
             row["momo_error"] = _err(e)
             self.log(f"  S={s} MOMO failed: {_err(e)[:300]}")
         for c, st in _reranks(cfg)[0]:
-            name = f"rerank_{c}x_rows{st}"
+            name, label = f"rerank_{c}x_rows{st}", rerank_label(c, st, cfg.rerank_share)
             try:
                 rr = dataclasses.replace(pattern, rerank=c, rerank_stride=st)
                 opts = KernelOptions(implementation=cfg.implementation, interpret=cfg.interpret)
@@ -373,11 +375,10 @@ class Runner:
                            f"blocks {saving['neighbour_blocks']:.2f}, a key head's query heads "
                            f"{saving['head_group']:.2f})")
                     del ids
-                label = _rerank_label(c, st, cfg.rerank_share)
                 self.log(f"  S={s} MOMO + {label}: total {row[f'{name}_total_ms']:.1f} ms{msg}")
             except Exception as e:
                 row[f"{name}_error"] = _err(e)
-                self.log(f"  S={s} MOMO + {_rerank_label(c, st, cfg.rerank_share)} failed: {_err(e)[:300]}")
+                self.log(f"  S={s} MOMO + {label} failed: {_err(e)[:300]}")
         self.result.setdefault("timing", []).append(row)
         del q, k, v, res
         gc.collect()
@@ -434,10 +435,10 @@ class Runner:
             for c, st in variants:  # re-rank variants of the base pattern (the first: the default's)
                 rr = dataclasses.replace(default, rerank=c, rerank_stride=st)
                 opts = KernelOptions(implementation=cfg.implementation, interpret=cfg.interpret)
-                layouts[f"{base_name} + {_rerank_label(c, st, cfg.rerank_share)}"] = jax.jit(
+                layouts[f"{base_name} + {rerank_label(c, st, cfg.rerank_share)}"] = jax.jit(
                     lambda q, k, p=rr: p.plan(q, k, k, options=opts).layout)(q, k)
             if default_rerank:  # `Momo()` re-ranks with this budget: that variant is the default
-                default_name = f"{base_name} + {_rerank_label(*default_rerank, cfg.rerank_share)}"
+                default_name = f"{base_name} + {rerank_label(*default_rerank, cfg.rerank_share)}"
             layouts["mean-pooled"] = jax.jit(lambda q, k: mean_pooled_layout(
                 q, k, query_block=cfg.query_block, block=cfg.block, k_trim=cfg.k_trim,
                 sink_blocks=_pattern(cfg, "exact").sink_blocks, local=cfg.local))(q, k)
@@ -550,7 +551,7 @@ class Runner:
             for c, st in variants:
                 key = f"rerank_{c}x_rows{st}_speedup"
                 if r["S"] >= 1048576 and key in r:
-                    label = _rerank_label(c, st, cfg.rerank_share)
+                    label = rerank_label(c, st, cfg.rerank_share)
                     tag = " (the default)" if (c, st) == default_rerank else ""
                     targets.append({"target": f"{label}{tag}: >= 6.7x faster than {cfg.anchor} at S={r['S']}",
                                     "value": r[key], "met": r[key] >= 6.7})
