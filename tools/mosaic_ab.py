@@ -1,0 +1,97 @@
+"""A/B of the Mosaic GPU block-sparse kernel against an earlier copy of its module, in one process on one GPU: the
+same inputs and layouts as ``tools/bench_mosaic_gpu.py`` (B = 1, 28 / 4 heads, D = 128, bf16, causal,
+`BlockLayout.random_causal` seed 4 with 128-row query blocks), the default options (so the persistent grid where
+`auto_persistent` takes it), the two forms called alternately for ``--rounds`` rounds (each a queued median), with
+cuDNN's dense time in the same run. Also the largest |difference| of the two forms' outputs.
+
+Run on a GPU: ``python tools/persistent_ahead_ab.py --baseline FILE --out DIR [--lens 32768]`` where FILE is the
+earlier ``mosaic_gpu.py`` (e.g. ``git show REV:pallas_kernels/block_sparse/mosaic_gpu.py > FILE``). Writes
+``ab.json`` into ``--out``.
+
+First use (one H200, 2026-11-28, `bench/results/mosaic-ab-items-ahead_*`): the persistent grid loading each item's
+order entry and list lengths one item ahead (a second operand of lengths in item order, so that an item no longer
+starts with two dependent global loads) against main, at 32k, four rounds: baseline / new 1.013 / 1.015 / 1.022 /
+1.004 for random 10% / 3% with 64- / 128-key blocks, the outputs bit for bit equal, and the new form's first sample
+of each row its fastest (it ran first in each round). Within the run's noise, so the change was not kept: an item's
+start does not wait on those loads (its remaining cost at 32k is the pipeline's start and end around each short
+list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mosaic_gpu import D, N, cudnn_fn, inputs  # noqa: E402
+from gpu_timing import queued_median_ms  # noqa: E402
+from jsonl_log import write_atomic  # noqa: E402
+
+from mmjax.timing import device_name  # noqa: E402
+from pallas_kernels import BlockLayout  # noqa: E402
+from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
+
+
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("mosaic_gpu_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def kernel(mod):
+    return jax.jit(lambda q, k, v, lay: mod.block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5)[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--lens", default="32768")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=10)
+    args = ap.parse_args()
+    forms = {"new": kernel(mosaic_gpu), "baseline": kernel(load_module(args.baseline))}
+    result = {"device": device_name(), "jax": jax.__version__, "rows": []}
+    os.makedirs(args.out, exist_ok=True)
+    for s in map(int, args.lens.split(",")):
+        q, k, v = inputs(s, 0)
+        dense = cudnn_fn()
+        base = queued_median_ms(lambda: dense(q, k, v), calls=args.calls, reps=5, warmup=1)
+        for keep in (0.1, 0.03):
+            for bk in (64, 128):
+                lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128, block_k=bk,
+                                                heads=N)
+                dens = float(lay.density().mean())
+                outs = {name: np.asarray(fn(q, k, v, lay), np.float32) for name, fn in forms.items()}
+                row = {"len": s, "layout": f"random {keep:.0%} bk{bk}", "density": dens, "cudnn_ms": base,
+                       "persistent": bool(mosaic_gpu.auto_persistent(q, lay, pair=bk == 64)),
+                       "max_abs_diff": float(np.abs(outs["new"] - outs["baseline"]).max()), "ms": {}}
+                for _ in range(args.rounds):
+                    for name, fn in forms.items():
+                        row["ms"].setdefault(name, []).append(
+                            queued_median_ms(lambda: fn(q, k, v, lay), calls=args.calls, reps=5, warmup=1))
+                for name in forms:
+                    row[f"{name}_of_cudnn_tflops"] = [dens * base / t for t in row["ms"][name]]  # on computed tiles
+                row["baseline_over_new"] = float(np.median(row["ms"]["baseline"]) / np.median(row["ms"]["new"]))
+                result["rows"].append(row)
+                print(f"{s:>7} {row['layout']:<16} persistent={row['persistent']} diff {row['max_abs_diff']:.3g}  "
+                      f"new {' '.join(f'{x:.3f}' for x in row['ms']['new'])} ms  baseline "
+                      f"{' '.join(f'{x:.3f}' for x in row['ms']['baseline'])} ms  of cuDNN's TFLOP/s new "
+                      f"{np.median(row['new_of_cudnn_tflops']):.2f} baseline "
+                      f"{np.median(row['baseline_of_cudnn_tflops']):.2f}  baseline/new "
+                      f"{row['baseline_over_new']:.3f}", flush=True)
+                write_atomic(os.path.join(args.out, "ab.json"), lambda f: json.dump(result, f, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
