@@ -494,7 +494,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                                             q_pos_smem(wg), q_bar.at[wg + 2])
                     plgpu.barrier_wait(q_bar.at[wg + 2])
                     q_vec = plgpu.load(q_pos_smem(wg), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                plgpu.barrier_wait(q_bar.at[wg])
+                with jax.named_scope("wait_q"):  # (an item's start and end: profiler ranges of their own)
+                    plgpu.barrier_wait(q_bar.at[wg])
                 q_first = row0 + cfg.q_offset
 
                 def in_window(ok, cols, start, keys):
@@ -674,8 +675,10 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
                 acc, m, l = fa3.init_rows(dp, SUM_COLUMNS)
                 if not cfg.overlap:
-                    pl.when(count > 0)(lambda: plgpu.barrier_wait(k_bar.at[k_stage(0)]))
-                pl.when(wg == 1)(handshake)  # the two consumers run half a step apart
+                    with jax.named_scope("wait_first_k"):
+                        pl.when(count > 0)(lambda: plgpu.barrier_wait(k_bar.at[k_stage(0)]))
+                with jax.named_scope("offset"):
+                    pl.when(wg == 1)(handshake)  # the two consumers run half a step apart
                 if cfg.overlap:  # count + 1 units of two handshakes (the last P V is one of its own)
                     acc, m, l = overlapped(acc, m, l)
                     units = lambda c: c + (c > 0).astype(c.dtype)  # noqa: E731
@@ -688,13 +691,15 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     pl.when(count == 0)(prefetch_q)
                 if split and cfg.pingpong:
                     lax.fori_loop(units(count), units(steps), idle, jnp.int32(0))
-                pl.when(wg == 0)(handshake)
+                with jax.named_scope("resync"):
+                    pl.when(wg == 0)(handshake)
 
-                if cfg.persistent:  # the last item's stores have read o_smem / l_smem
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                fa3.write_rows(acc, m, fa3.row_sums(l), o_smem.at[wg], l_smem,
-                               out_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head],
-                               lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)], dtype)
+                with jax.named_scope("write"):
+                    if cfg.persistent:  # the last item's stores have read o_smem / l_smem
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    fa3.write_rows(acc, m, fa3.row_sums(l), o_smem.at[wg], l_smem,
+                                   out_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head],
+                                   lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)], dtype)
                 return done + count
 
             if cfg.persistent:
@@ -922,9 +927,11 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
       skip_visible_masks: with original positions, skip the position mask of entries every row of their query
         block sees whole (`visible_entries`; where that table stays small).
       profile: None, or (ranges, directory): Mosaic GPU's profiler records the kernel's named regions (``qk``,
-        ``softmax``, ``wait_v``, ``pv`` / ``next_k`` per consumer step; ``k_free`` / ``v_free`` waits of the
-        producer), at most ``ranges`` per warpgroup and CTA (in shared memory, next to the kernel's), into a Chrome
-        trace ``<ns>-trace.json`` in the directory (timestamps in SM clock cycles / 1000; `tools/mosaic_profile.py`).
+        ``softmax``, ``wait_v``, ``pv`` / ``next_k`` per consumer step; per item ``wait_q``, ``wait_first_k``,
+        ``offset`` / ``resync`` (the second consumer's half-step lag, taken at its start and made up at its end)
+        and ``write`` (O and lse out); ``k_free`` / ``v_free`` waits of the producer), at most ``ranges`` per
+        warpgroup and CTA (in shared memory, next to the kernel's), into a Chrome trace ``<ns>-trace.json`` in the
+        directory (timestamps in SM clock cycles / 1000; `tools/mosaic_profile.py`).
 
     Returns:
       out ``[B, Tp, N, Dp]`` in q's dtype and lse ``[B, N, Tp]`` float32, in row order of q_in.

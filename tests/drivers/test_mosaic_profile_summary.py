@@ -43,3 +43,5 @@ def test_summarise_attributes_nested_regions_to_roles():
     assert c["regions"]["softmax"]["share"] == pytest.approx(0.75)
     assert p["regions"]["v_free"]["share"] == pytest.approx(0.5)
     assert set(p["regions"]) == {"k_free", "v_free"}
+    assert c["outside"] == pytest.approx(0.0)  # qk and softmax cover each consumer's span
+    assert p["outside"] == pytest.approx(1 - 50 / 400 - 200 / 400)
