@@ -20,8 +20,8 @@ What the script reports, in one run:
 4. the kernel on random inputs of the test's shapes (B = 1, T = 9, N = 4 / K = 2, D = 16, S = 102, W = 9, block at
    38) in float32 and bfloat16.
 
-Results: ``bench/results/tree-decode-gpu-check-before-fix_2026-11-28_h200.json`` and
-``tree-decode-gpu-check-layer-matmul-fixed_2026-11-28_h200.json``.
+Results: ``bench/results/tree-decode-gpu-check-before-fix_NVIDIA-H200_2026-11-28.json`` and
+``tree-decode-gpu-check-layer-matmul-fixed_NVIDIA-H200_2026-11-28.json``.
 
 Run: ``python tools/tree_decode_gpu_check.py --out DIR`` (writes ``tree_decode_gpu_check.json``); on a CPU the kernel
 runs in interpret mode (a check of the script itself).
@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jsonl_log import write_atomic  # noqa: E402
 
+from models import text_decoder  # noqa: E402
 from pallas_kernels.tree_decode import tree_decode_attention  # noqa: E402
 from tests.speculative.test_speculative_gpu import (  # noqa: E402
     model_and_prompt,
@@ -105,8 +106,6 @@ def variants(model, case) -> dict:
     """The test's logits, kernel vs reference, with the decode-step ``W_o`` kernel (`pallas_kernels.layer_matmul`,
     used for at most `LAYER_MATMUL_MAX_ROWS` tokens on one GPU) on and off, and each path run twice (determinism);
     plus the reference path with ``W_o`` in place against without it."""
-    from models import text_decoder
-
     out = {}
     runs = {}
     for wo in ("in_place", "xla"):
