@@ -1,0 +1,48 @@
+"""tools/mosaic_sync_once.py: the variant moves the consumers' offset / resync handshakes out of the item loop (once
+each), and the variant still lowers for CUDA on the persistent grid; a changed kernel is refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from mosaic_sync_once import sync_once  # noqa: E402
+
+from pallas_kernels import BlockLayout  # noqa: E402
+
+MODULE = os.path.join(ROOT, "pallas_kernels", "block_sparse", "mosaic_gpu.py")
+
+
+def test_variant_moves_the_handshakes_out_of_the_item_loop(tmp_path):
+    text = open(MODULE).read()
+    variant = sync_once(text)
+    assert variant.count("pl.when(wg == 1)(handshake)") == text.count("pl.when(wg == 1)(handshake)") == 1
+    loop = variant.index("lax.fori_loop(0, my_items, run_item, jnp.int32(0))")
+    assert variant.index("pl.when(wg == 1)(handshake)") < loop < variant.index("pl.when(wg == 0)(handshake)")
+    with pytest.raises(ValueError, match="does not hold exactly one copy"):
+        sync_once(variant)
+
+    path = tmp_path / "mosaic_gpu_sync_once.py"
+    path.write_text(variant)
+    spec = importlib.util.spec_from_file_location("mosaic_gpu_sync_once", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        lay = BlockLayout.random_causal(jax.random.PRNGKey(0), 2048, 2048, keep=0.2, block_q=128, block_k=128, heads=4)
+        args = [jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16)] + [
+            jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)] * 2
+        f = jax.jit(lambda q, k, v, lay: mod.block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=0.1,
+                                                                              persistent=True)[0])
+        text = f.trace(*args, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lay)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+    finally:
+        del sys.modules[spec.name]
