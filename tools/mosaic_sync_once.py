@@ -17,7 +17,11 @@ Run: ``python tools/mosaic_sync_once.py FILE`` rewrites FILE (a copy of
 
 from __future__ import annotations
 
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jsonl_log import write_atomic  # noqa: E402
 
 REMOVE_OFFSET = '''                with jax.named_scope("offset"):
                     pl.when(wg == 1)(handshake)  # the two consumers run half a step apart
@@ -56,9 +60,8 @@ def main(argv=None) -> int:
         print(__doc__.split("\n\n")[-1], file=sys.stderr)
         return 2
     with open(argv[0]) as f:
-        text = f.read()
-    with open(argv[0], "w") as f:
-        f.write(sync_once(text))
+        variant = sync_once(f.read())
+    write_atomic(argv[0], lambda f: f.write(variant))
     return 0
 
 
