@@ -4,7 +4,7 @@ same inputs and layouts as ``tools/bench_mosaic_gpu.py`` (B = 1, 28 / 4 heads, D
 `auto_persistent` takes it), the two forms called alternately for ``--rounds`` rounds (each a queued median), with
 cuDNN's dense time in the same run. Also the largest |difference| of the two forms' outputs.
 
-Run on a GPU: ``python tools/persistent_ahead_ab.py --baseline FILE --out DIR [--lens 32768]`` where FILE is the
+Run on a GPU: ``python tools/mosaic_ab.py --baseline FILE --out DIR [--lens 32768]`` where FILE is the
 earlier ``mosaic_gpu.py`` (e.g. ``git show REV:pallas_kernels/block_sparse/mosaic_gpu.py > FILE``). Writes
 ``ab.json`` into ``--out``.
 
@@ -39,8 +39,9 @@ from pallas_kernels import BlockLayout  # noqa: E402
 from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
 
 
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("mosaic_gpu_baseline", path)
+def load_module(path: str, name: str = "mosaic_gpu_baseline"):
+    """The module in the file ``path``, imported as ``name`` (registered in ``sys.modules``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
@@ -73,7 +74,8 @@ def main() -> int:
                 dens = float(lay.density().mean())
                 outs = {name: np.asarray(fn(q, k, v, lay), np.float32) for name, fn in forms.items()}
                 row = {"len": s, "layout": f"random {keep:.0%} bk{bk}", "density": dens, "cudnn_ms": base,
-                       "persistent": bool(mosaic_gpu.auto_persistent(q, lay, pair=bk == 64)),
+                       "persistent": bool(mosaic_gpu.auto_persistent(
+                           q, lay, pair=mosaic_gpu.auto_key_pairs(lay, None))),
                        "max_abs_diff": float(np.abs(outs["new"] - outs["baseline"]).max()), "ms": {}}
                 for _ in range(args.rounds):
                     for name, fn in forms.items():

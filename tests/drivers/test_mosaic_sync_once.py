@@ -3,7 +3,6 @@ each), and the variant still lowers for CUDA on the persistent grid; a changed k
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -13,9 +12,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+from mosaic_ab import load_module  # noqa: E402
 from mosaic_sync_once import sync_once  # noqa: E402
 
 from pallas_kernels import BlockLayout  # noqa: E402
+from tests.pallas_kernels.helpers import lower_for_cuda  # noqa: E402
 
 MODULE = os.path.join(ROOT, "pallas_kernels", "block_sparse", "mosaic_gpu.py")
 
@@ -31,18 +32,10 @@ def test_variant_moves_the_handshakes_out_of_the_item_loop(tmp_path):
 
     path = tmp_path / "mosaic_gpu_sync_once.py"
     path.write_text(variant)
-    spec = importlib.util.spec_from_file_location("mosaic_gpu_sync_once", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
+    mod = load_module(str(path), "mosaic_gpu_sync_once")
     try:
-        spec.loader.exec_module(mod)
         lay = BlockLayout.random_causal(jax.random.PRNGKey(0), 2048, 2048, keep=0.2, block_q=128, block_k=128, heads=4)
-        args = [jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16)] + [
-            jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)] * 2
-        f = jax.jit(lambda q, k, v, lay: mod.block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=0.1,
-                                                                              persistent=True)[0])
-        text = f.trace(*args, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lay)).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
+        lower_for_cuda((1, 2048, 4, 128), (1, 2048, 2, 128), jnp.bfloat16, lay,
+                       attention=mod.block_sparse_attention_mosaic_gpu, sm_scale=0.1, persistent=True)
     finally:
-        del sys.modules[spec.name]
+        del sys.modules["mosaic_gpu_sync_once"]

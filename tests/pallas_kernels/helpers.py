@@ -1,12 +1,14 @@
-"""Shared test helpers: random inputs, masked dense attention, random layouts."""
+"""Shared test helpers: random inputs, masked dense attention, random layouts, lowering for CUDA on a CPU."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import BlockLayout
+from pallas_kernels import BlockLayout, block_sparse_attention
 
 
 def random_qkv(seed: int, b: int, t: int, s: int, n: int, kh: int, d: int, dtype=jnp.float32):
@@ -113,3 +115,17 @@ def expect_nonfinite_contract(out, lse, q, k, v, mask, atol):
         assert np.isnan(lse[bad]).all()
         np.testing.assert_allclose(lse[~bad], ref_lse[~bad], atol=atol, rtol=atol)  # -inf == -inf for empty rows
     return bad
+
+
+def lower_for_cuda(q_shape, k_shape, dtype, layout, attention=None, **kw) -> str:
+    """The StableHLO text of ``attention(q, k, v, layout, **kw)`` (default: `block_sparse_attention` with
+    implementation="mosaic_gpu") lowered for CUDA from abstract q ``q_shape`` / k, v ``k_shape`` in ``dtype``;
+    asserts that a Mosaic GPU kernel is in it."""
+    attention = attention or functools.partial(block_sparse_attention, implementation="mosaic_gpu")
+    f = jax.jit(lambda q, k, v, lay: attention(q, k, v, lay, **kw))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layout)
+    args = (jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(k_shape, dtype),
+            jax.ShapeDtypeStruct(k_shape, dtype), abstract)
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return text

@@ -22,22 +22,7 @@ from pallas_kernels.block_sparse.mosaic_gpu import (
     smem_bytes,
     stable_descending_order,
 )
-from tests.pallas_kernels.helpers import random_qkv
-
-
-def _abstract(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-
-def _lower(q_shape, k_shape, dtype, layout, attention=None, **kw):
-    """Lower ``attention(q, k, v, layout, **kw)`` (default: the API with implementation="mosaic_gpu") for CUDA."""
-    attention = attention or functools.partial(block_sparse_attention, implementation="mosaic_gpu")
-    f = jax.jit(lambda q, k, v, lay: attention(q, k, v, lay, **kw))
-    args = (jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(k_shape, dtype),
-            jax.ShapeDtypeStruct(k_shape, dtype), jax.tree.map(_abstract, layout))
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-    return text
+from tests.pallas_kernels.helpers import lower_for_cuda, random_qkv
 
 
 def _zeros_layout(b, t, s, n, bk, **kw):
@@ -51,7 +36,7 @@ def _zeros_layout(b, t, s, n, bk, **kw):
                                                   (jnp.bfloat16, 128, 64, 64, True)])
 def test_block_layout_lowers_for_cuda(dtype, d, bq, bk, causal):
     layout = BlockLayout.dense_causal(1000, 1500, block_q=bq, block_k=bk)
-    _lower((1, 1000, 28, d), (1, 1500, 4, d), dtype, layout, causal=causal)
+    lower_for_cuda((1, 1000, 28, d), (1, 1500, 4, d), dtype, layout, causal=causal)
 
 
 @pytest.mark.parametrize("column_pass", [None, "mosaic"])
@@ -62,11 +47,11 @@ def test_shared_columns_lower_for_cuda(column_pass):
     layout = layout.replace(kv_block_count=jnp.minimum(layout.kv_block_count, 2),
                             kv_columns=jnp.arange(1000, 1300, dtype=jnp.int32)[None, None, None],
                             kv_column_count=jnp.full((1, 1, 8), 300, jnp.int32))
-    text = _lower((1, 1000, 8, 128), (1, 1500, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+    text = lower_for_cuda((1, 1000, 8, 128), (1, 1500, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
                   sm_scale=0.125, column_pass=column_pass)
     launches = 2 if column_pass == "mosaic" else 1
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == launches
-    text = _lower((1, 1000, 8, 128), (1, 1500, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+    text = lower_for_cuda((1, 1000, 8, 128), (1, 1500, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
                   sm_scale=0.125, column_pass=column_pass, poison=None)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2 * launches  # both branches of the poison cond
 
@@ -76,7 +61,7 @@ def test_q_block_range_lowers_for_cuda():
     layout = BlockLayout.dense_causal(1000, 20000, block_q=128, block_k=64)
     layout = layout.replace(kv_block_count=jnp.where(jnp.arange(8) >= 6, layout.kv_block_count, 0),
                             q_block_range=(6, 8))
-    text = _lower((1, 1000, 8, 128), (1, 20000, 2, 128), jnp.bfloat16, layout)
+    text = lower_for_cuda((1, 1000, 8, 128), (1, 20000, 2, 128), jnp.bfloat16, layout)
     assert text.count("mosaic_gpu") >= 1
 
 
@@ -107,8 +92,8 @@ def test_permuted_layout_with_columns_and_window_lowers_for_cuda():
     layout = _zeros_layout(b, t, s, n, 64, kv_columns=z(b, 1, nq, 70), kv_column_count=z(b, 1, nq),
                            q_perm=z(b, n, t), kv_perm=z(1, n, s), window=192)
     # The Mosaic column pass (the default Triton one needs a GPU to lower its Triton kernel).
-    _lower((b, t, n, 64), (b, s, 2, 64), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu, sm_scale=0.125,
-           num_stages=2, column_pass="mosaic")
+    lower_for_cuda((b, t, n, 64), (b, s, 2, 64), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+                   sm_scale=0.125, num_stages=2, column_pass="mosaic")
 
 
 @pytest.mark.parametrize("change,kw,match", [
@@ -153,9 +138,9 @@ def test_most_stages_that_fit_lower_for_cuda(bq, perm):
         layout = dataclasses.replace(layout, q_perm=p, kv_perm=p)
     st = max_stages(bk, 128, bq)
     assert st == 3
-    _lower((1, 1000, 8, 128), (1, 1000, 8, 128), jnp.bfloat16, layout, num_stages=st)
+    lower_for_cuda((1, 1000, 8, 128), (1, 1000, 8, 128), jnp.bfloat16, layout, num_stages=st)
     with pytest.raises(ValueError, match="num_stages"):
-        _lower((1, 1000, 8, 128), (1, 1000, 8, 128), jnp.bfloat16, layout, num_stages=st + 1)
+        lower_for_cuda((1, 1000, 8, 128), (1, 1000, 8, 128), jnp.bfloat16, layout, num_stages=st + 1)
 
 
 def _dense_variant(t, bq, bk, perm, windows, **window_kw):
@@ -179,7 +164,7 @@ def test_key_pairs_lower_for_cuda(bq, perm, windows, bk):
     step do not lower (wgmma's K of 64 with the 128-byte swizzle) and are refused."""
     t = 1000
     layout = _dense_variant(t, bq, bk, perm, windows)
-    run = functools.partial(_lower, (1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, layout,
+    run = functools.partial(lower_for_cuda, (1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, layout,
                             block_sparse_attention_mosaic_gpu, sm_scale=0.1, key_pairs=True)
     run()
     st = max_stages(bk, 128, bq, pair=True)
@@ -203,7 +188,7 @@ def test_overlap_lowers_for_cuda(bq, bk, pairs, perm, windows):
     (64-row query blocks, 128-key steps) it is refused before tracing."""
     t = 1000
     layout = _dense_variant(t, bq, bk, perm, windows, window_align=8)
-    run = functools.partial(_lower, (1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, layout,
+    run = functools.partial(lower_for_cuda, (1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, layout,
                             block_sparse_attention_mosaic_gpu, sm_scale=0.1, key_pairs=pairs, overlap=True)
     run()
     run(pingpong=False)
@@ -211,7 +196,7 @@ def test_overlap_lowers_for_cuda(bq, bk, pairs, perm, windows):
     if perm:
         one_v = _dense_variant(t, 64, 64, perm=True, windows=False)
         with pytest.raises(ValueError, match="overlap: needs two V stages"):
-            _lower((1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, one_v, block_sparse_attention_mosaic_gpu,
+            lower_for_cuda((1, t, 8, 128), (1, t, 8, 128), jnp.bfloat16, one_v, block_sparse_attention_mosaic_gpu,
                    sm_scale=0.1, key_pairs=True, overlap=True)
 
 
@@ -239,7 +224,7 @@ def test_persistent_grid_lowers_for_cuda(bq, bk, perm, windows, extra):
         nq = layout.num_q_blocks
         layout = layout.replace(kv_columns=jnp.zeros((1, 1, nq, 20), jnp.int32),
                                 kv_column_count=jnp.full((1, 1, nq), 20, jnp.int32))
-    _lower((1, t, 16, 128), (1, t, 4, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+    lower_for_cuda((1, t, 16, 128), (1, t, 4, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
            sm_scale=0.1, persistent=True, **extra)
     pair = bk == 32 or (bq == 128 and bk == 64)
     st = max_stages(bk, 128, bq, pair=pair, persistent=True)
@@ -253,7 +238,7 @@ def test_persistent_grid_refuses_what_does_not_fit_with_its_o_tiles():
     layout = BlockLayout.dense_causal(300, 300, block_q=64, block_k=64)
     with pytest.raises(ValueError, match="on the persistent grid"):
         block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=0.1, key_pairs=True, persistent=True)
-    _lower((1, 300, 2, 128), (1, 300, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+    lower_for_cuda((1, 300, 2, 128), (1, 300, 2, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
            sm_scale=0.1, key_pairs=True)
 
 
@@ -349,7 +334,7 @@ def test_heads_first_lowers_for_cuda(bq, persistent, perm):
     """``heads_first=True`` on the item grid and the persistent grid, with and without original positions."""
     t = 3000
     layout = _dense_variant(t, bq, 64, perm, False)
-    _lower((1, t, 16, 128), (1, t, 4, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
+    lower_for_cuda((1, t, 16, 128), (1, t, 4, 128), jnp.bfloat16, layout, block_sparse_attention_mosaic_gpu,
            sm_scale=0.1, persistent=persistent, heads_first=True)
     q, k, v = random_qkv(0, 1, 300, 300, 4, 2, 128, jnp.bfloat16)
     with pytest.raises(ValueError, match="^heads_first: expected True or False; received 1"):
