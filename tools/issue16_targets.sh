@@ -19,9 +19,7 @@
 # persistent-grid GPU tests, the persistent grid's item order by counting against XLA's sort at 32k,
 # `short_work_trace.py --orders-only`, and MInference's top-100 mask at 32k); `short-rows` (the item orders again,
 # then the kernel rows at 32k and 128k without the checks); `order-traces` (the item orders with each form's device
-# time from a profiler trace); `sync-once` (the kernel's consumers keeping their half-step lag across items,
-# `mosaic_sync_once.py`, written over this call's copy of the module: the Mosaic kernel's GPU tests with it, an A/B
-# against main at 32k, `mosaic_ab.py`, and a profile of random 3% at 32k).
+# time from a profiler trace).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
@@ -74,12 +72,5 @@ case $part in
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
       -k "heads_first or persistent_grid" 2>&1 | tail -5; \
       timeout 400 python3 tools/heads_first_bench.py --out "$OUT/$part/heads-first.jsonl" --cudnn ;;
-  sync-once) cp pallas_kernels/block_sparse/mosaic_gpu.py "$OUT/$part/mosaic_gpu_main.py" \
-      && python3 tools/mosaic_sync_once.py pallas_kernels/block_sparse/mosaic_gpu.py \
-      && timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 \
-        tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py 2>&1 | tail -3; \
-      timeout 120 python3 tools/mosaic_ab.py --baseline "$OUT/$part/mosaic_gpu_main.py" --out "$OUT/$part"; \
-      timeout 60 python3 tools/mosaic_profile.py --out "$OUT/$part/profile" --random 0.03 --block-k 128 --heads 7 \
-        --ranges 500 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac 2>&1 | tee "$OUT/$part/log.txt"
