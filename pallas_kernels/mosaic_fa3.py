@@ -1,5 +1,5 @@
 """The skeleton of a FlashAttention-3 style Hopper kernel in Pallas Mosaic GPU, shared by the block-sparse
-attention (`pallas_kernels.block_sparse.mosaic_gpu`) and the fused query-sparse attention + top-k
+attention (`pallas_kernels.block_sparse.mosaic_kernel`) and the fused query-sparse attention + top-k
 (`pallas_kernels.qsa_topk.mosaic_gpu`).
 
 `warp_specialized` runs the kernel's consumer on warpgroups 0 and 1 and its TMA producer on warpgroup 2. Two

@@ -17,6 +17,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def round_up(x: int, m: int) -> int:
+    """Smallest multiple of ``m`` >= x (Python ints)."""
+    return -(-x // m) * m
+
+
 def next_pow2(x: int) -> int:
     """Smallest power of two >= x (1 for x <= 1)."""
     return 1 << max(0, (x - 1).bit_length())

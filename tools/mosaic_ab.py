@@ -4,9 +4,10 @@ same inputs and layouts as ``tools/bench_mosaic_gpu.py`` (B = 1, 28 / 4 heads, D
 `auto_persistent` takes it), the two forms called alternately for ``--rounds`` rounds (each a queued median), with
 cuDNN's dense time in the same run. Also the largest |difference| of the two forms' outputs.
 
-Run on a GPU: ``python tools/mosaic_ab.py --baseline FILE --out DIR [--lens 32768]`` where FILE is the
-earlier ``mosaic_gpu.py`` (e.g. ``git show REV:pallas_kernels/block_sparse/mosaic_gpu.py > FILE``). Writes
-``ab.json`` into ``--out``.
+Run on a GPU: ``python tools/mosaic_ab.py --baseline FILE --out DIR [--lens 32768]`` where FILE is an earlier
+``mosaic_kernel.py`` (e.g. ``git show REV:pallas_kernels/block_sparse/mosaic_kernel.py > FILE``): both forms run
+this tree's `block_sparse_attention_mosaic_gpu`, the baseline traced with its passes calling FILE's `launch`.
+Writes ``ab.json`` into ``--out``. (Before the module was split, 2026-11-28, FILE was the whole ``mosaic_gpu.py``.)
 
 First use (one H200, 2026-11-28, `bench/results/mosaic-ab-items-ahead_*`): the persistent grid loading each item's
 order entry and list lengths one item ahead (a second operand of lengths in item order, so that an item no longer
@@ -37,7 +38,7 @@ from jsonl_log import write_atomic  # noqa: E402
 
 from mmjax.timing import device_name  # noqa: E402
 from pallas_kernels import BlockLayout  # noqa: E402
-from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
+from pallas_kernels.block_sparse import mosaic_gpu, mosaic_options  # noqa: E402
 
 
 def load_module(path: str, name: str = "mosaic_gpu_baseline"):
@@ -49,8 +50,20 @@ def load_module(path: str, name: str = "mosaic_gpu_baseline"):
     return mod
 
 
-def kernel(mod):
-    return jax.jit(lambda q, k, v, lay: mod.block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=D ** -0.5)[0])
+def kernel(launch):
+    """The block-sparse Mosaic attention's output (q, k, v, layout -> out) with its passes calling ``launch``
+    (swapped in while the call traces; the jitted call keeps what it traced)."""
+    jitted = jax.jit(lambda q, k, v, lay: mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(
+        q, k, v, lay, sm_scale=D ** -0.5)[0])
+
+    def call(q, k, v, lay):
+        saved, mosaic_gpu.launch = mosaic_gpu.launch, launch
+        try:
+            return jitted(q, k, v, lay)
+        finally:
+            mosaic_gpu.launch = saved
+
+    return call
 
 
 def main() -> int:
@@ -61,7 +74,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=10)
     args = ap.parse_args()
-    forms = {"new": kernel(mosaic_gpu), "baseline": kernel(load_module(args.baseline))}
+    forms = {"new": kernel(mosaic_gpu.launch), "baseline": kernel(load_module(args.baseline).launch)}
     result = {"device": device_name(), "jax": jax.__version__, "rows": []}
     os.makedirs(args.out, exist_ok=True)
     for s in map(int, args.lens.split(",")):
@@ -75,8 +88,8 @@ def main() -> int:
                 dens = float(lay.density().mean())
                 outs = {name: np.asarray(fn(q, k, v, lay), np.float32) for name, fn in forms.items()}
                 row = {"len": s, "layout": f"random {keep:.0%} bk{bk}", "density": dens, "cudnn_ms": base,
-                       "persistent": bool(mosaic_gpu.auto_persistent(
-                           q, lay, pair=mosaic_gpu.auto_key_pairs(lay, None))),
+                       "persistent": bool(mosaic_options.auto_persistent(
+                           q, lay, pair=mosaic_options.auto_key_pairs(lay, None))),
                        "max_abs_diff": float(np.abs(outs["new"] - outs["baseline"]).max()), "ms": {}}
                 for _ in range(args.rounds):
                     for name, fn in forms.items():

@@ -56,11 +56,8 @@ from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
 from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
 from pallas_kernels.block_sparse.layout import causal_pairs  # noqa: E402
 from pallas_kernels.block_sparse.merge import merge_chunks  # noqa: E402
-from pallas_kernels.block_sparse.mosaic_gpu import (  # noqa: E402
-    block_sparse_attention_mosaic_gpu,
-    check_supported,
-    preferred,  # noqa: E402
-)
+from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu  # noqa: E402
+from pallas_kernels.block_sparse.mosaic_options import check_supported, preferred  # noqa: E402
 
 HEADS, KV_HEADS, D = 28, 4, 128
 matplotlib.use("Agg")

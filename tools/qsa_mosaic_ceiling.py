@@ -32,7 +32,8 @@ from gpu_timing import queued_median_ms
 from jsonl_log import append_jsonl
 
 from pallas_kernels import qsa_topk
-from pallas_kernels.block_sparse.mosaic_gpu import default_stages, launch
+from pallas_kernels.block_sparse.mosaic_kernel import launch
+from pallas_kernels.block_sparse.mosaic_options import default_stages
 from pallas_kernels.qsa_topk.triton import qsa_topk_triton
 from pallas_kernels.tiling import cdiv, pad_to
 

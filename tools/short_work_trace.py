@@ -41,7 +41,7 @@ from mmjax.drivers.bench import trace_summary  # noqa: E402
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
 from mmjax.timing import device_name  # noqa: E402
 from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
-from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
+from pallas_kernels.block_sparse import mosaic_kernel, mosaic_lists, mosaic_options  # noqa: E402
 from pallas_kernels.nonfinite import poison_keys  # noqa: E402
 
 N, D = 28, 128
@@ -62,14 +62,14 @@ def compile_s(fn, *args) -> float:
 
 
 def identity_order(count, *, block_q, ctas, batch, heads, pair, heads_first=False):
-    """`mosaic_gpu.item_order` without the sort: the items in index order (query blocks fastest, the last rows
+    """`mosaic_lists.item_order` without the sort: the items in index order (query blocks fastest, the last rows
     first; the sorted order's tie order)."""
     del count, block_q, pair, heads_first
     return jnp.arange(batch * heads * ctas, dtype=jnp.int32)
 
 
 def static_order(count, *, block_q, ctas, batch, heads, pair, heads_first=False):
-    """`mosaic_gpu.item_order` without the sort: the last 128-row blocks first, the heads fastest (for causal lists
+    """`mosaic_lists.item_order` without the sort: the last 128-row blocks first, the heads fastest (for causal lists
     about longest first), as item indices."""
     del count, block_q, pair, heads_first
     p = jnp.arange(batch * heads * ctas, dtype=jnp.int32)
@@ -77,8 +77,8 @@ def static_order(count, *, block_q, ctas, batch, heads, pair, heads_first=False)
     return (b * heads + h) * ctas + r
 
 
-# `mosaic_gpu.item_order` as it was before 2026-11-28 (evening): the same order from XLA's sort
-sort_order = functools.partial(mosaic_gpu.item_order, method="sort")
+# `mosaic_lists.item_order` as it was before 2026-11-28 (evening): the same order from XLA's sort
+sort_order = functools.partial(mosaic_lists.item_order, method="sort")
 
 
 def trace(fn, log_dir: str) -> dict:
@@ -103,14 +103,15 @@ def trace(fn, log_dir: str) -> dict:
 
 
 def with_order(order, fn):
-    """``fn()`` with `mosaic_gpu.item_order` replaced by ``order`` (None: as it is), caches cleared around it."""
-    default_order = mosaic_gpu.item_order
-    mosaic_gpu.item_order = order or default_order
+    """``fn()`` with the kernel's `mosaic_lists.item_order` (what `mosaic_kernel.launch` calls) replaced by ``order``
+    (None: as it is), caches cleared around it."""
+    default_order = mosaic_kernel.item_order
+    mosaic_kernel.item_order = order or default_order
     jax.clear_caches()
     try:
         return fn()
     finally:
-        mosaic_gpu.item_order = default_order
+        mosaic_kernel.item_order = default_order
         jax.clear_caches()
 
 
@@ -122,7 +123,7 @@ def top100_orders(s: int) -> dict:
     idx = jax.jit(pooled_block_index, static_argnums=2)(q, k, 100)
     lay = BlockLayout(kv_blocks=idx, kv_block_count=block_index_counts(idx), block_q=64, block_k=64, q_len=s,
                       kv_len=s)
-    out = {"persistent": bool(mosaic_gpu.auto_persistent(q, lay, mosaic_gpu.auto_key_pairs(lay, None)))}
+    out = {"persistent": bool(mosaic_options.auto_persistent(q, lay, mosaic_options.auto_key_pairs(lay, None)))}
     for key, order in (("ms", None), ("ms_sort_order", sort_order), ("ms_static_order", static_order),
                        ("ms_identity_order", identity_order)):
         out[key] = with_order(order, lambda: ms(lambda f=mosaic(persistent=True): f(q, k, v, lay)))
@@ -180,12 +181,12 @@ def main() -> int:
                                    "poison_auto": compile_s(mosaic(poison=None), q, k, v, lay)}
             print(f"compile s: {result['compile_s']}", flush=True)
         t = ms(lambda: call(q, k, v, lay))
-        pair = mosaic_gpu.auto_key_pairs(lay, None)
-        orders = {m: jax.jit(lambda c, m=m: mosaic_gpu.item_order(c, block_q=128, ctas=s // 128, batch=1, heads=N,
+        pair = mosaic_options.auto_key_pairs(lay, None)
+        orders = {m: jax.jit(lambda c, m=m: mosaic_lists.item_order(c, block_q=128, ctas=s // 128, batch=1, heads=N,
                                                                   pair=pair, method=m)) for m in ("rank", "sort")}
         row = {"keep": keep, "block_k": bk, "density": density, "ms": t,
                "of_cudnn_tflops": density * t_cudnn / t,
-               "persistent": bool(mosaic_gpu.auto_persistent(q, lay, pair)),
+               "persistent": bool(mosaic_options.auto_persistent(q, lay, pair)),
                "item_order_ms": ms(lambda: orders["rank"](lay.kv_block_count)),
                "item_order_sort_ms": ms(lambda: orders["sort"](lay.kv_block_count))}
         if not args.orders_only:

@@ -11,10 +11,10 @@ from pallas_kernels.block_sparse.merge import gather_rows
 from pallas_kernels.block_sparse.mosaic_gpu import (
     block_sparse_attention_mosaic_gpu,
     block_sparse_attention_rows_mosaic_gpu,
-    check_supported,
     row_range_pass,
 )
-from pallas_kernels.block_sparse.mosaic_gpu import preferred as mosaic_preferred
+from pallas_kernels.block_sparse.mosaic_options import check_supported
+from pallas_kernels.block_sparse.mosaic_options import preferred as mosaic_preferred
 from pallas_kernels.block_sparse.reference import block_sparse_attention_reference
 from pallas_kernels.block_sparse.triton import block_sparse_attention_triton
 from pallas_kernels.checks import check_qkv, check_sm_scale
@@ -51,12 +51,12 @@ def block_sparse_attention(
         ``"mosaic_gpu"`` (Pallas Mosaic GPU, Hopper only: bf16 / fp16, ``block_q`` 64 or 128,
         ``block_k`` 32, 64 or 128 (not 128 with ``block_q`` 64 and D > 64), D <= 128); None picks mosaic_gpu on an
         sm90 GPU where it supports the inputs and the layout has no key windows off multiples of 8 and no single key
-        columns permuted per query head over grouped heads (`mosaic_gpu.preferred`; and no Triton launch parameter
+        columns permuted per query head over grouped heads (`mosaic_options.preferred`; and no Triton launch parameter
         is given), triton on other GPUs, reference on CPU unless ``interpret``.
       interpret: run the Pallas Triton kernel in interpret mode (CPU); not for mosaic_gpu.
       num_warps, num_stages: Triton launch parameters (defaults by head dim); for mosaic_gpu
-        ``num_stages`` is the K/V shared-memory stages (default `mosaic_gpu.default_stages`, at most
-        `mosaic_gpu.max_stages`) and ``num_warps`` must be None.
+        ``num_stages`` is the K/V shared-memory stages (default `mosaic_options.default_stages`, at most
+        `mosaic_options.max_stages`) and ``num_warps`` must be None.
       check_finite: raise `NonFiniteError` (or, under ``jax.jit``, a ``checkify`` error) when
         q, k or v holds a NaN or an inf, instead of propagating it.
 
@@ -132,7 +132,7 @@ def block_sparse_attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, layout
     N, D]`` in q's dtype; lse ``[B, N, R]`` float32). `merge.merge_rows` merges them into a result over all rows.
 
     On the Mosaic GPU kernel (layouts of key blocks only) the rows are computed alone, each query block's list in
-    chunks of `mosaic_gpu.ROW_CHUNK` entries, one work item each, merged by lse; the other implementations compute
+    chunks of `mosaic_lists.ROW_CHUNK` entries, one work item each, merged by lse; the other implementations compute
     the whole layout and return its rows. Arguments as in `block_sparse_attention` (no Triton launch parameters)."""
     implementation, sm_scale = _resolve(q, k, v, layout, sm_scale=sm_scale, causal=causal,
                                         implementation=implementation, interpret=interpret, num_warps=None,

@@ -91,12 +91,12 @@ class BlockLayout:
       window_align: with ``kv_windows``, every listed window start > 0 is a multiple of this (static,
         >= 1; 1 = any start; a start <= 0 computes from key 0). A promise the builder makes (checked on
         concrete layouts): the Mosaic GPU kernel loads a window starting on a multiple of 8 as one tile,
-        else as two, so `mosaic_gpu.preferred` takes window layouts only with ``window_align % 8 == 0``.
+        else as two, so `mosaic_options.preferred` takes window layouts only with ``window_align % 8 == 0``.
       q_block_range: None, or static ``(lo, hi)`` with ``0 <= lo < hi <= nq``: a promise that only the query blocks
         ``[lo, hi)`` list anything (every other count, of blocks and of columns, is 0; checked on concrete
         layouts). A part with work in a few query blocks (TriShape's last rows, Grid's horizontal lines) then runs
         on those rows alone: the Mosaic GPU kernel takes their lists in chunks, one work item each, and merges
-        the chunks (`mosaic_gpu.ROW_CHUNK`), and `mmjax.sparse.layouts.attend` merges only those rows.
+        the chunks (`mosaic_lists.ROW_CHUNK`), and `mmjax.sparse.layouts.attend` merges only those rows.
     """
 
     kv_blocks: jax.Array

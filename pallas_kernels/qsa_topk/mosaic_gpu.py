@@ -1,7 +1,7 @@
 """Fused query-sparse attention + online block top-k for Hopper (sm90) in Pallas Mosaic GPU.
 
 One CTA per (128 sampled rows, query head, batch), three warpgroups as in the block-sparse Mosaic kernel
-(`pallas_kernels.block_sparse.mosaic_gpu`): a producer warpgroup brings every key block the CTA's last row
+(`pallas_kernels.block_sparse.mosaic_kernel`): a producer warpgroup brings every key block the CTA's last row
 may see into a ring of K/V stages with TMA, in the scan order (the golden orders: the golden-ratio
 permutation of `common.scan_table` with ``rows=128``, shared by the two consumers so each tile is loaded
 once); two consumer warpgroups own 64 sampled rows each. Per tile a consumer computes ``S = Q K^T`` with
@@ -56,7 +56,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_fa3 as fa3
-from pallas_kernels.block_sparse.mosaic_gpu import default_stages
+from pallas_kernels.block_sparse.mosaic_options import default_stages
 from pallas_kernels.qsa_topk import topk as topk_lib
 from pallas_kernels.qsa_topk.common import QSATopKResult, scan_table, scan_unit, scanned_block
 from pallas_kernels.tiling import LN2, LOG2E, cdiv

@@ -96,7 +96,7 @@ class VerticalSlash(Pattern):
     faster than MInference at 32k / 128k / 512k (one H100, 2026-11-27, README), and with ``block_k=32,
     window_tail=12, window_tail_cap=4096`` added 1.28 / 1.31 / 1.40x while computing 1.059 / 1.074 / 1.082x the
     pairs the index names. The layouts carry ``window_align``; aligned to 8 they run on the Mosaic GPU kernel by
-    default on sm90 (`mosaic_gpu.preferred`).
+    default on sm90 (`mosaic_options.preferred`).
     """
 
     vertical_size: int = 1000

@@ -12,15 +12,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels import BlockLayout, block_sparse_attention
-from pallas_kernels.block_sparse.mosaic_gpu import (
+from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
+from pallas_kernels.block_sparse.mosaic_lists import item_order, stable_descending_order
+from pallas_kernels.block_sparse.mosaic_options import (
     auto_persistent,
-    block_sparse_attention_mosaic_gpu,
     default_stages,
-    item_order,
     max_stages,
     preferred,
     smem_bytes,
-    stable_descending_order,
 )
 from tests.pallas_kernels.helpers import lower_for_cuda, random_qkv
 

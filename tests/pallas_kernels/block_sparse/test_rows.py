@@ -14,6 +14,7 @@ from pallas_kernels.block_sparse import (
     merge_attention,
     merge_rows,
     mosaic_gpu,
+    mosaic_lists,
     scatter_rows,
 )
 from pallas_kernels.block_sparse.merge import merge_chunks
@@ -116,7 +117,7 @@ def test_merge_chunks_is_merge_attention_in_turn():
 
 def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups, block_k, block_q, kv_len, causal,
                     gap, window, sm_scale, q_offset, ranges=None, **_):
-    """What `mosaic_gpu.launch` computes with original positions, as masked dense attention: row r of q_in (query
+    """What `mosaic_kernel.launch` computes with original positions, as masked dense attention: row r of q_in (query
     block r // block_q) sees key c of k_in when c's block is among its block's first ``count`` ids (with
     ``ranges``: c lies in ``[lo, hi)`` of one of its first ``count`` entries) and the positions allow it (without
     positions: row r at ``r + q_offset``, key c at c)."""
@@ -178,7 +179,7 @@ def test_rows_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, bq, lo, hi
 def test_chunked_lists_keep_every_entry_once():
     rng = np.random.default_rng(5)
     lay = range_layout(rng, 1, 2, 600, 5000, 128, 64, 1, 4, density=0.6)
-    blocks, counts = mosaic_gpu.chunk_lists(lay, 8)
+    blocks, counts = mosaic_lists.chunk_lists(lay, 8)
     nb, m = 3, lay.max_blocks
     c = counts.shape[2] // nb
     assert c == -(-m // 8) and blocks.shape[-1] % 2 == 0 and blocks.shape[-1] <= 8
@@ -225,7 +226,7 @@ def test_shared_columns_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, 
                                                        (False, True, 0, 300), (True, True, 16, 0),
                                                        (False, False, 0, 0)])
 def test_visible_entries_are_the_entries_every_row_sees_whole(windows, causal, gap, window):
-    """`mosaic_gpu.visible_entries` (entries whose position mask the kernel skips) against a walk over every
+    """`mosaic_lists.visible_entries` (entries whose position mask the kernel skips) against a walk over every
     (row, key) pair of each entry."""
     rng = np.random.default_rng(7 + gap + window + windows)
     bq, bk, tp, sp, kv_len, m = 64, 32, 256, 640, 600, 9
@@ -242,7 +243,7 @@ def test_visible_entries_are_the_entries_every_row_sees_whole(windows, causal, g
     else:
         blocks = jnp.asarray(rng.integers(-1, sp // bk + 1, (1, 2, nq, m)), jnp.int32)
         ranges = None
-    got = np.asarray(mosaic_gpu.visible_entries(blocks, nq, q_pos, k_pos, ranges, block_q=bq, block_k=bk,
+    got = np.asarray(mosaic_lists.visible_entries(blocks, nq, q_pos, k_pos, ranges, block_q=bq, block_k=bk,
                                                 kv_len=kv_len, causal=causal, gap=gap, window=window))
     qp, kp, bl = np.asarray(q_pos)[0], np.asarray(k_pos)[0], np.asarray(blocks)[0]
     for h, i, j in np.ndindex(2, nq, m):
@@ -260,38 +261,38 @@ def test_visible_entries_are_the_entries_every_row_sees_whole(windows, causal, g
         assert got[0, h, i, j] == int(np.all(ok)), (h, i, j)
     assert got.any() and not got.all()
     big = jnp.zeros((1, 1, 1, 4), jnp.int32)
-    assert mosaic_gpu.visible_entries(big, mosaic_gpu.VISIBLE_MAX_ENTRIES, q_pos, k_pos, None, block_q=bq,
+    assert mosaic_lists.visible_entries(big, mosaic_lists.VISIBLE_MAX_ENTRIES, q_pos, k_pos, None, block_q=bq,
                                       block_k=bk, kv_len=kv_len, causal=True, gap=0, window=0) is None
 
 
 def test_row_chunks_grow_where_the_row_copies_would_be_large():
-    """`mosaic_gpu.row_chunk_entries`: 128-entry chunks while the repeated rows stay within ROW_COPY_BYTES, longer
+    """`mosaic_lists.row_chunk_entries`: 128-entry chunks while the repeated rows stay within ROW_COPY_BYTES, longer
     ones past it (Grid's horizontal lines at 1M: 16,384 rows x 28 heads x 128 dims in bf16, 16,384-entry lists)."""
-    cap = mosaic_gpu.ROW_COPY_BYTES
-    assert mosaic_gpu.row_chunk_entries(2048, 2048 * 28 * 128 * 2) == 128  # 128k: 16 copies of 14.7 MB
-    assert mosaic_gpu.row_chunk_entries(16384, 128 * 28 * 128 * 2) == 128  # Tri-shape at 1M: 128 copies of 0.9 MB
-    e = mosaic_gpu.row_chunk_entries(16384, 16384 * 28 * 128 * 2)
+    cap = mosaic_lists.ROW_COPY_BYTES
+    assert mosaic_lists.row_chunk_entries(2048, 2048 * 28 * 128 * 2) == 128  # 128k: 16 copies of 14.7 MB
+    assert mosaic_lists.row_chunk_entries(16384, 128 * 28 * 128 * 2) == 128  # Tri-shape at 1M: 128 copies of 0.9 MB
+    e = mosaic_lists.row_chunk_entries(16384, 16384 * 28 * 128 * 2)
     assert -(-16384 // e) * 16384 * 28 * 128 * 2 <= cap and e > 128
-    assert mosaic_gpu.row_chunk_entries(100, cap * 2) == 128  # one chunk
+    assert mosaic_lists.row_chunk_entries(100, cap * 2) == 128  # one chunk
 
 
 def test_fused_lists_are_the_blocks_then_the_column_tiles():
-    """`mosaic_gpu.fused_lists`: each query block's key blocks whole (an id out of range computes nothing), then
+    """`mosaic_lists.fused_lists`: each query block's key blocks whole (an id out of range computes nothing), then
     ceil(columns / block_k) column tiles after the key blocks, the last one up to the column count."""
     bk, nk, tiles = 64, 10, 4
     blocks = jnp.asarray([[[[3, 11, 5], [0, 1, 2]]]], jnp.int32)  # [1, 1, 2, 3]; id 11 is out of range
     count = jnp.asarray([[[3, 1]]], jnp.int32)
     ccount = jnp.asarray([[[130, 0]]], jnp.int32)
-    starts, lo, hi, total = mosaic_gpu.fused_lists(blocks, count, ccount, block_k=bk, num_kv_blocks=nk, tiles=tiles)
+    starts, lo, hi, total = mosaic_lists.fused_lists(blocks, count, ccount, block_k=bk, num_kv_blocks=nk, tiles=tiles)
     np.testing.assert_array_equal(np.asarray(total), [[[6, 1]]])
     np.testing.assert_array_equal(np.asarray(starts)[0, 0, 0, :6], [192, 0, 320, 640, 704, 768])
     np.testing.assert_array_equal(np.asarray(hi)[0, 0, 0, :6], [256, 0, 384, 704, 768, 770])
     np.testing.assert_array_equal(np.asarray(lo), np.asarray(starts))
     assert int(starts[0, 0, 1, 0]) == 0 and int(hi[0, 0, 1, 0]) == 64
     with pytest.raises(ValueError, match=r"blocks, count, column_count: expected int arrays"):
-        mosaic_gpu.fused_lists(blocks[0], count, ccount, block_k=bk, num_kv_blocks=nk, tiles=tiles)
+        mosaic_lists.fused_lists(blocks[0], count, ccount, block_k=bk, num_kv_blocks=nk, tiles=tiles)
     with pytest.raises(ValueError, match=r"block_k, num_kv_blocks, tiles"):
-        mosaic_gpu.fused_lists(blocks, count, ccount, block_k=bk, num_kv_blocks=nk, tiles=0)
+        mosaic_lists.fused_lists(blocks, count, ccount, block_k=bk, num_kv_blocks=nk, tiles=0)
     windows = BlockLayout(kv_blocks=blocks, kv_block_count=count, block_q=128, block_k=bk, q_len=200, kv_len=640,
                           kv_columns=jnp.arange(600, 640, dtype=jnp.int32)[None, None, None],
                           kv_column_count=jnp.full((1, 1, 2), 40, jnp.int32), kv_windows=True, window_align=8)

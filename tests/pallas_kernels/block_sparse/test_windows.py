@@ -9,12 +9,9 @@ import pytest
 from jax.experimental import checkify
 
 from pallas_kernels import BlockLayout, block_sparse_attention
-from pallas_kernels.block_sparse.mosaic_gpu import (
-    block_sparse_attention_mosaic_gpu,
-    check_supported,
-    preferred,
-    window_tiles,
-)
+from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
+from pallas_kernels.block_sparse.mosaic_lists import window_tiles
+from pallas_kernels.block_sparse.mosaic_options import check_supported, preferred
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
 
