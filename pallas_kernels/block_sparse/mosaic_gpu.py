@@ -10,15 +10,9 @@ second pass (the Triton kernel's, or this kernel's over key tiles gathered per q
 value head and appended to the keys of the block pass's own launch (`_fused_column_pass`), and the keys poisoned
 where a value row is not finite (`_on_keys`).
 
-Limits: bf16 / fp16 only; ``block_q`` 64 or 128; ``block_k`` 32, 64 or 128; head dims are
-zero-padded to a multiple of 64, at most 128. Out: ``[B, T, N, D]`` in q's dtype, lse
-``[B, N, T]`` float32 (natural log); empty rows give 0 / -inf; non-finite inputs follow
-`pallas_kernels.nonfinite` (a visible NaN / inf key or value makes the row NaN).
-
-CPU: Mosaic GPU's interpret mode in jax 0.11.2 cannot run this kernel (its interpreter
-has no rule for ``run_state`` with a wgmma accumulator, and its wgmma takes the A operand
-only from shared memory, not from registers as ``P V`` needs); tests of the kernel
-itself run on a Hopper GPU (tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py).
+Out: ``[B, T, N, D]`` in q's dtype, lse ``[B, N, T]`` float32 (natural log); the kernel's limits and why it has no
+CPU path: `mosaic_kernel`'s docstring. CPU tests run the passes with an emulated launch
+(tests/pallas_kernels/block_sparse/test_rows.py).
 """
 
 from __future__ import annotations
