@@ -50,6 +50,7 @@ has no rule for ``run_state`` with a wgmma accumulator, and its wgmma takes the 
 only from shared memory, not from registers as ``P V`` needs); tests of the kernel
 itself run on a Hopper GPU (tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
