@@ -47,6 +47,12 @@ def inputs(s: int, seed: int):
     return q, k, v
 
 
+def random_layout(s: int, keep: float, block_k: int, heads: int = N) -> BlockLayout:
+    """Issue 16's random causal rows: `BlockLayout.random_causal` with seed 4, 128-row query blocks, over ``s``
+    queries and keys (the layout the other Mosaic tools time, so their rows compare)."""
+    return BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128, block_k=block_k, heads=heads)
+
+
 def median_time(fn, args, reps: int, calls: int = 1) -> float:
     """Median seconds per call over ``reps`` samples of ``calls`` calls queued before one wait, after one warm-up
     (`gpu_timing.queued_median_ms`: sub-millisecond kernels are not timed with the host's round trip)."""
@@ -166,11 +172,11 @@ def main() -> None:
             rows.append(("mosaic_gpu", f"dense bk{bk}", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
             if bk == 64 and args.pairs:
                 rows.append(("mosaic_gpu", "dense bk64 1-entry", mosaic_fn(key_pairs=False), (q, k, v, lay)))
-        sparse = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=0.1, block_q=128, block_k=64, heads=N)
+        sparse = random_layout(s, 0.1, 64)
         rows.append(("triton", "random 10% bk64", kernel_fn("triton"), (q, k, v, sparse)))
         rows.append(("mosaic_gpu", "random 10% bk64", kernel_fn("mosaic_gpu"), (q, k, v, sparse)))
         for keep, bk in ((0.1, 128), (0.03, 64), (0.03, 128)):  # issue 16's other sparse target rows
-            lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128, block_k=bk, heads=N)
+            lay = random_layout(s, keep, bk)
             rows.append(("mosaic_gpu", f"random {keep:.0%} bk{bk}", kernel_fn("mosaic_gpu"), (q, k, v, lay)))
         if args.pairs:
             rows.append(("mosaic_gpu", "random 10% bk64 1-entry", mosaic_fn(key_pairs=False), (q, k, v, sparse)))
@@ -182,8 +188,7 @@ def main() -> None:
             for bk in (64, 128):
                 for keep in (None, 0.1, 0.03):
                     lay = (BlockLayout.dense_causal(s, s, block_q=128, block_k=bk) if keep is None else
-                           BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128,
-                                                     block_k=bk, heads=N))
+                           random_layout(s, keep, bk))
                     what = f"dense bk{bk}" if keep is None else f"random {keep:.0%} bk{bk}"
                     rows.append(("mosaic_gpu", f"{what} persistent", mosaic_fn(persistent=True), (q, k, v, lay)))
                     rows.append(("mosaic_gpu", f"{what} item grid", mosaic_fn(persistent=False), (q, k, v, lay)))

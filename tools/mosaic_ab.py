@@ -34,12 +34,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_mosaic_gpu import D, N, cudnn_fn, inputs  # noqa: E402
+from bench_mosaic_gpu import D, cudnn_fn, inputs, random_layout  # noqa: E402
 from gpu_timing import queued_median_ms  # noqa: E402
 from jsonl_log import write_atomic  # noqa: E402
 
 from mmjax.timing import device_name  # noqa: E402
-from pallas_kernels import BlockLayout  # noqa: E402
 from pallas_kernels.block_sparse import mosaic_gpu, mosaic_options  # noqa: E402
 
 
@@ -85,8 +84,7 @@ def main() -> int:
         base = queued_median_ms(lambda: dense(q, k, v), calls=args.calls, reps=5, warmup=1)
         for keep in (0.1, 0.03):
             for bk in (64, 128):
-                lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128, block_k=bk,
-                                                heads=N)
+                lay = random_layout(s, keep, bk)
                 dens = float(lay.density().mean())
                 outs = {name: np.asarray(fn(q, k, v, lay), np.float32) for name, fn in forms.items()}
                 row = {"len": s, "layout": f"random {keep:.0%} bk{bk}", "density": dens, "cudnn_ms": base,

@@ -42,6 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_mosaic_gpu import inputs as bench_inputs  # noqa: E402
+from bench_mosaic_gpu import random_layout  # noqa: E402
 from gpu_timing import queued_median_ms  # noqa: E402
 from jsonl_log import write_atomic  # noqa: E402
 from minference_index import block_index_counts, merge_row_pairs, pooled_block_index  # noqa: E402
@@ -108,8 +109,7 @@ def random_layouts(args):
     groups = q.shape[2] // k.shape[2]
     q = q[:, :, :args.heads]
     k, v = (x[:, :, :-(-args.heads // groups)] for x in (k, v))
-    lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=args.random, block_q=128, block_k=args.block_k,
-                                    heads=args.heads)
+    lay = random_layout(s, args.random, args.block_k, heads=args.heads)
     return {f"random {args.random:.0%} bk{args.block_k}": lay}, (q, k, v)
 
 

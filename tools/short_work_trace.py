@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_mosaic_gpu import cudnn_fn, inputs  # noqa: E402
+from bench_mosaic_gpu import cudnn_fn, inputs, random_layout  # noqa: E402
 from bench_mosaic_gpu import mosaic_fn as mosaic  # noqa: E402
 from gpu_timing import queued_median_ms  # noqa: E402
 from jsonl_log import write_atomic  # noqa: E402
@@ -173,7 +173,7 @@ def main() -> int:
     print(f"{result['device']}: S={s} cuDNN {t_cudnn:.3f} ms; poison_keys {result['poison_keys_ms']:.3f} ms",
           flush=True)
     for keep, bk in ((0.1, 64), (0.1, 128), (0.03, 64), (0.03, 128)):
-        lay = BlockLayout.random_causal(jax.random.PRNGKey(4), s, s, keep=keep, block_q=128, block_k=bk, heads=N)
+        lay = random_layout(s, keep, bk)
         density = float(jnp.mean(lay.density()))
         call = jax.jit(lambda q, k, v, lay: block_sparse_attention(q, k, v, lay, implementation="mosaic_gpu")[0])
         if not result["rows"] and not args.orders_only:  # compile time: the default (poison=True), poison=None
