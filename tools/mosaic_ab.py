@@ -19,6 +19,11 @@ list). Second use (same H200 and day, `mosaic-ab-sync-once_*`): the two consumer
 items (handshakes once before the first item and once after the last): 0.983 / 1.007 / 0.947 / 0.965, not kept.
 After the split, the kernel against a copy of itself (same H200 and day, `mosaic-ab-split-identity_*`, two rounds):
 1.016 / 1.026 / 1.000 / 1.019, outputs bit for bit equal: differences below about 3% are this harness's noise.
+Third use (one H200, 2026-11-29, `mosaic-ab-mask-plan_*`): each step's list entries read before its ``S = Q K^T``
+(`mask_plan`), against f73c2e5, four rounds: 1.040 / 1.023 / 1.045 / 1.022 at 32k and 1.020 / 1.004 / 1.001 / 0.969
+at 128k, kept (its profile: a 128-key step's softmax 1,655 -> 1,601 cycles). Fourth (`mosaic-ab-row-max-tree_*`,
+the baseline a kernel file importing an earlier ``mosaic_fa3`` copy through ``PYTHONPATH``): the row max as a tree
+of column halves, 0.998 / 0.996 / 0.978 / 0.996, not kept.
 """
 
 from __future__ import annotations

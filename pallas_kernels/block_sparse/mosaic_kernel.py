@@ -349,32 +349,44 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     keys = None if w0 is None else (pick(w0[0], w1[0]), pick(w0[1], w1[1]))
                     return pick(s0, s1 - bk), pick(l0, l1), keys
 
-                def masked(j, s):
-                    """S of step j with its masked pairs -inf; by index, only for a tile that can hold a masked pair
-                    (a ``lax.cond``)."""
-                    halves = [half_params(e, ok) for e, ok in it.entries(j, wg)]
+                def mask_plan(j):
+                    """(each half's (start, limit, keys), whether step j's tile is masked) from the layout's operands.
+                    Read before the step's ``S = Q K^T`` is issued: they are global loads, which LLVM does not move
+                    above the product's wait (an asm that may write memory), so read after it their latency would
+                    sit on the softmax's path; read first, they complete under the product (one H200, 2026-11-29:
+                    a 128-key step's softmax 1,655 -> 1,601 cycles, `mosaic-profile-random3-32k-bk128-mask-plan_*`)."""
+                    entries = it.entries(j, wg)
+                    halves = [half_params(e, ok) for e, ok in entries]
+                    if cfg.has_pos:
+                        need = (True if not cfg.visible else
+                                functools.reduce(jnp.logical_or, [~(it.whole(e, wg) & ok) for e, ok in entries]))
+                    else:
+                        need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
+                    return halves, need
+
+                def masked(j, plan, s):
+                    """S of step j with its masked pairs -inf (``plan``: `mask_plan(j)`); by index, only for a tile
+                    that can hold a masked pair (a ``lax.cond``)."""
+                    halves, need = plan
                     if cfg.has_pos:
                         plgpu.barrier_wait(p_bar.at[v_stage(j)])  # the keys' positions (waited for in any case)
-                        if not cfg.visible:
+                        if need is True:
                             return mask_by_position(s, v_stage(j), *per_column(s, halves))
-                        need = functools.reduce(jnp.logical_or,
-                                                [~(it.whole(e, wg) & ok) for e, ok in it.entries(j, wg)])
                         return lax.cond(need, lambda x: mask_by_position(x, v_stage(j), *per_column(x, halves)),
                                         lambda x: x, s)
-                    need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
                     return lax.cond(need, lambda x: mask_by_index(x, *per_column(x, halves)), lambda x: x, s)
 
                 def step(j, carry):
                     acc, m, l = carry
                     ks, vs = k_stage(j), v_stage(j)
-
+                    plan = mask_plan(j)  # before S = Q K^T is issued
                     with jax.named_scope("qk"):  # (named regions: the profiler's ranges, see `launch`)
                         s = fa3.qk(q_smem, k_smem.at[ks], pp, kt)
                     plgpu.barrier_arrive(k_free.at[ks])
                     if cfg.persistent:
                         pl.when(j == count - 1)(prefetch_q)
                     with jax.named_scope("softmax"):
-                        sm = fa3.softmax_step(masked(j, s), m, l, acc, scale=scale, dtype=dtype)
+                        sm = fa3.softmax_step(masked(j, plan, s), m, l, acc, scale=scale, dtype=dtype)
                     with jax.named_scope("wait_v"):
                         if cfg.pingpong:
                             plgpu.barrier_arrive(sched)  # softmax done
@@ -403,28 +415,30 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     ``S = Q K^T``, then step j's ``P V``; step j + 1's mask and softmax while ``P V`` runs
                     (`fa3.qk_then_pv`)."""
 
-                    def soft(j, s, m, l):
-                        sm = fa3.softmax_step(masked(j, s), m, l, None, scale=scale, dtype=dtype)
+                    def soft(j, plan, s, m, l):
+                        sm = fa3.softmax_step(masked(j, plan, s), m, l, None, scale=scale, dtype=dtype)
                         handshake()
                         return sm
 
                     def first(_):
                         """Step 0's S and softmax (count > 0); O is still 0: nothing to rescale."""
                         ks = k_stage(0)
+                        plan = mask_plan(0)
                         plgpu.barrier_wait(k_bar.at[ks])
                         s = fa3.qk(q_smem, k_smem.at[ks], pp, kt)
                         plgpu.barrier_arrive(k_free.at[ks])
-                        sm = soft(0, s, m, l)
+                        sm = soft(0, plan, s, m, l)
                         return sm.m, sm.l, sm.p
 
                     def ostep(j, carry):
                         """Step j + 1's S, then step j's P V; step j + 1's softmax while P V runs."""
                         acc, m, l, p = carry
                         vs, ks = v_stage(j), k_stage(j + 1)
+                        plan = mask_plan(j + 1)
                         plgpu.barrier_wait(k_bar.at[ks])
                         plgpu.barrier_wait(v_bar.at[vs])
                         acc, sm = fa3.qk_then_pv(acc, p, v_smem.at[vs], q_smem, k_smem.at[ks], kt,
-                                                 lambda s: soft(j + 1, s, m, l), pp,
+                                                 lambda s: soft(j + 1, plan, s, m, l), pp,
                                                  lambda: plgpu.barrier_arrive(k_free.at[ks]))
                         plgpu.barrier_arrive(v_free.at[vs])
                         return acc * fa3.by_row(sm.alpha, acc.shape), sm.m, sm.l, sm.p
