@@ -19,7 +19,7 @@ def cdiv(a: int, b: int) -> int:
 
 def round_up(x: int, m: int) -> int:
     """Smallest multiple of ``m`` >= x (Python ints)."""
-    return -(-x // m) * m
+    return cdiv(x, m) * m
 
 
 def next_pow2(x: int) -> int:

@@ -350,19 +350,19 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     return pick(s0, s1 - bk), pick(l0, l1), keys
 
                 def mask_plan(j):
-                    """(each half's (start, limit, keys), whether step j's tile is masked) from the layout's operands.
-                    Read before the step's ``S = Q K^T`` is issued: they are global loads, which LLVM does not move
-                    above the product's wait (an asm that may write memory), so read after it their latency would
-                    sit on the softmax's path; read first, they complete under the product (one H200, 2026-11-29:
-                    a 128-key step's softmax 1,655 -> 1,601 cycles, `mosaic-profile-random3-32k-bk128-mask-plan_*`)."""
+                    """(each half's (start, limit, keys), whether step j's tile is masked (None: always)) from the
+                    layout's operands. Read before the step's ``S = Q K^T`` is issued: they are global loads, which
+                    LLVM does not move above the product's wait (an asm that may write memory), so read after it
+                    their latency would sit on the softmax's path; read first, they complete under the product (one
+                    H200, 2026-11-29: a 128-key step's softmax 1,655 -> 1,601 cycles,
+                    `mosaic-profile-random3-32k-bk128-mask-plan_*`)."""
                     entries = it.entries(j, wg)
                     halves = [half_params(e, ok) for e, ok in entries]
-                    if cfg.has_pos:
-                        need = (True if not cfg.visible else
-                                functools.reduce(jnp.logical_or, [~(it.whole(e, wg) & ok) for e, ok in entries]))
-                    else:
-                        need = functools.reduce(jnp.logical_or, [needs_mask(*h) for h in halves])
-                    return halves, need
+                    if cfg.has_pos and not cfg.visible:
+                        return halves, None  # every tile is masked by position
+                    need = ([~(it.whole(e, wg) & ok) for e, ok in entries] if cfg.has_pos else
+                            [needs_mask(*h) for h in halves])
+                    return halves, functools.reduce(jnp.logical_or, need)
 
                 def masked(j, plan, s):
                     """S of step j with its masked pairs -inf (``plan``: `mask_plan(j)`); by index, only for a tile
@@ -370,7 +370,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     halves, need = plan
                     if cfg.has_pos:
                         plgpu.barrier_wait(p_bar.at[v_stage(j)])  # the keys' positions (waited for in any case)
-                        if need is True:
+                        if not cfg.visible:
                             return mask_by_position(s, v_stage(j), *per_column(s, halves))
                         return lax.cond(need, lambda x: mask_by_position(x, v_stage(j), *per_column(x, halves)),
                                         lambda x: x, s)

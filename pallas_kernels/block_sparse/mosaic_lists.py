@@ -15,7 +15,7 @@ from jax import lax
 
 from pallas_kernels.block_sparse.layout import BlockLayout
 from pallas_kernels.block_sparse.mosaic_options import TMA_ROWS, WG_ROWS
-from pallas_kernels.tiling import round_up
+from pallas_kernels.tiling import cdiv, round_up
 
 # A layout with a `BlockLayout.q_block_range` runs its rows alone with lists cut into chunks of at most this many
 # entries, one work item each (`_rows_pass`), so a few query blocks with long lists fill the GPU ...
@@ -180,8 +180,8 @@ def chunk_lists(layout: BlockLayout, chunk: int) -> tuple[jax.Array, jax.Array]:
     c of query block i at ``c * nb + i``."""
     lo, hi = layout.q_block_range
     nb, m = hi - lo, layout.max_blocks
-    c = -(-m // chunk)
-    e = round_up(-(-m // c), 2)
+    c = cdiv(m, chunk)
+    e = round_up(cdiv(m, c), 2)
     count = jnp.clip(jnp.broadcast_to(layout.kv_block_count, layout.kv_block_count.shape[:2] + (layout.num_q_blocks,)),
                      0, m)[..., lo:hi]
     blocks = layout.kv_blocks if layout.kv_blocks.shape[2] == 1 else layout.kv_blocks[:, :, lo:hi]

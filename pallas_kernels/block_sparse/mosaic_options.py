@@ -12,6 +12,7 @@ import jax
 
 from pallas_kernels import mosaic_fa3 as fa3
 from pallas_kernels.block_sparse.layout import BlockLayout
+from pallas_kernels.tiling import round_up
 
 BLOCK_Q = 128  # two consumer warpgroups of 64 rows
 WG_ROWS = fa3.WG_ROWS
@@ -37,7 +38,7 @@ def ring_count(block_q: int) -> int:
 
 
 def _align(x: int) -> int:
-    return -(-x // _SMEM_ALIGN) * _SMEM_ALIGN
+    return round_up(x, _SMEM_ALIGN)
 
 
 def pair_v_stages(stages: int, block_q: int, block_k: int) -> int:
