@@ -9,7 +9,8 @@ On `bench patterns`' video-like input (B = 1, 28 / 4 heads, D = 128, bf16, causa
   where a part names a ``q_block_range``, also without it (the part over all rows, merged over all rows); with
   ``--mask-ab`` also with the position mask on every entry (no `mosaic_gpu.visible_entries` skip);
 * each `BlockLayout` part alone (`block_sparse_attention`, the implementation it picks, with its own gathers):
-  density, work items, list lengths, time; and the Mosaic GPU kernel on the persistent grid where it takes the part,
+  density, work items, list lengths, time; and the Mosaic GPU kernel on the persistent grid where it takes the part
+  (and on one CTA per work item where the kernel's default is the persistent grid, `auto_persistent`),
   and with each column pass where the part has single columns (``fused``: shared columns in the block pass's own
   launch, also on the persistent grid);
 * a `jax.profiler` trace of ``attend`` summed by kernel (`mmjax.drivers.bench.trace_summary`): how much of the time
@@ -57,7 +58,12 @@ from pallas_kernels.block_sparse import mosaic_gpu  # noqa: E402
 from pallas_kernels.block_sparse.layout import causal_pairs  # noqa: E402
 from pallas_kernels.block_sparse.merge import merge_chunks  # noqa: E402
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu  # noqa: E402
-from pallas_kernels.block_sparse.mosaic_options import check_supported, preferred  # noqa: E402
+from pallas_kernels.block_sparse.mosaic_options import (  # noqa: E402
+    auto_key_pairs,
+    auto_persistent,
+    check_supported,
+    preferred,
+)
 
 HEADS, KV_HEADS, D = 28, 4, 128
 matplotlib.use("Agg")
@@ -280,6 +286,11 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args) -> dict:
                 st["ms_persistent_fused"] = timed(lambda: pf(q, k, v, part), args)
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
             st["persistent_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        if (st["mosaic_preferred"] and part.kv_columns is None and part.q_block_range is None
+                and auto_persistent(q, part, auto_key_pairs(part, None))):  # "ms" is the persistent grid's
+            items = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(
+                q, k, v, lay, sm_scale=D ** -0.5, persistent=False)[0])
+            st["ms_item_grid"] = timed(lambda: items(q, k, v, part), args)
         print(f"  part {i}: {st}", flush=True)
         parts.append(st)
     row["parts"] = parts

@@ -297,10 +297,10 @@ def block_sparse_attention_mosaic_gpu(
     ``persistent``: one CTA per multiprocessor, each running its share of the work items (longest lists first,
     `item_order`, in snake rounds), its next item's first K / V tiles loading while the consumers finish the last
     one and each consumer's next Q during its last step; False: one CTA per item; None (default):
-    `auto_persistent` (short work: at most 7,168 items with lists of at most 128 steps). Its first form (items
-    ``pid, pid + grid, ...``, Q loaded at each item's start) lost everywhere but on short lists (one H200, 2026-11-26,
-    ``tools/bench_mosaic_gpu.py --grids``: dense 0.89 / 0.92 / 0.95x cuDNN at 32k / 128k / 512k against 0.97 /
-    1.04 / 1.15x); the numbers of this form are in `auto_persistent`.
+    `auto_persistent` (short work: at most 7,168 items with lists of at most 128 steps, or lists of 2 to 6 steps at
+    any length). Its first form (items ``pid, pid + grid, ...``, Q loaded at each item's start) lost everywhere but
+    on short lists (one H200, 2026-11-26, ``tools/bench_mosaic_gpu.py --grids``: dense 0.89 / 0.92 / 0.95x cuDNN
+    at 32k / 128k / 512k against 0.97 / 1.04 / 1.15x); the numbers of this form are in `auto_persistent`.
 
     ``key_pairs``: each step computes two consecutive entries of a 32- or 64-key list as one tile of 64 / 128 keys
     (one online softmax update and one schedule hand-over per step), with ``num_stages`` stages of that many keys.

@@ -110,6 +110,7 @@ def auto_key_pairs(layout: BlockLayout, num_stages: int | None) -> bool:
 
 PERSISTENT_ITEMS = 7168  # `auto_persistent`: at most this many work items (28 heads x 32k rows, the size measured)
 PERSISTENT_STEPS = 128  # and lists of at most this many steps
+SHORT_STEPS = (2, 6)  # or, at any number of items, lists of this many steps (at least, at most)
 
 
 def auto_persistent(q: jax.Array, layout: BlockLayout, pair: bool, stages: int | None = None, *,
@@ -117,7 +118,16 @@ def auto_persistent(q: jax.Array, layout: BlockLayout, pair: bool, stages: int |
     """`block_sparse_attention_mosaic_gpu`'s default for ``persistent`` (q ``[B, T, N, D]``, its layout): the
     persistent grid for short work, at most `PERSISTENT_ITEMS` work items (batch x heads x 128-row blocks) with lists
     of at most `PERSISTENT_STEPS` steps (``max_entries`` entries, default ``layout.max_blocks``, two per step with
-    ``pair``), where its O tiles fit next to two stages (or the ``stages`` asked for).
+    ``pair``), and any number of items with lists of 2 to 6 steps (`SHORT_STEPS`), where its O tiles fit next to two
+    stages (or the ``stages`` asked for).
+
+    Short lists at any length (one H200, 2026-11-29, ``tools/bench_mosaic_gpu.py --fixed-lists 2,4,6,8,12 --lens
+    131072``, `mosaic-gpu-fixed-lists-128k_*`; every query block lists N random causal blocks, 28,672 items),
+    persistent / item grid ms: 2 / 3 / 4 steps 1.77 / 2.17 / 2.60 against 2.23 / 2.44 / 2.83 (64-key blocks, two
+    a step), 1.97 / 2.45 against 2.43 / 2.80 (2 / 4 128-key blocks); 6 steps 3.40 / 3.30 against 3.57 / 3.48, 8
+    and 12 steps even (4.02 / 4.06, 5.51 / 5.53); but lists of one step 1.96 against 1.65. Grid's band (at most 5
+    64-key entries, 3 steps): 1.59 against 1.92 ms at 128k (`pattern-parts-128k-trace_*`), 12.04 against 15.93 at
+    1M (`pattern-parts-1m-band-grids_*`).
 
     One H100, 2026-11-27, same calls (``tools/bench_mosaic_gpu.py --grids --fixed-lists``, `mosaic-gpu-grids-queued-*`,
     `mosaic-gpu-fixed-lists_*`; ``tools/minference_side_by_side.py``, `minference-side-by-side-persistent_*`), TFLOP/s
@@ -133,7 +143,8 @@ def auto_persistent(q: jax.Array, layout: BlockLayout, pair: bool, stages: int |
     steps = -(-entries // 2) if pair else entries
     items = q.shape[0] * q.shape[2] * -(-layout.num_q_blocks * layout.block_q // BLOCK_Q)
     fits = max_stages(layout.block_k, fa3.padded_head_dim(q.shape[-1]), layout.block_q, pair=pair, persistent=True)
-    return items <= PERSISTENT_ITEMS and steps <= PERSISTENT_STEPS and fits >= max(2, stages or 0)
+    short = SHORT_STEPS[0] <= steps <= SHORT_STEPS[1]
+    return (short or (items <= PERSISTENT_ITEMS and steps <= PERSISTENT_STEPS)) and fits >= max(2, stages or 0)
 
 
 def check_supported(q: jax.Array, layout: BlockLayout, stages: int | None, pair: bool | None = None, *,

@@ -162,6 +162,30 @@ def test_horizontal_lines_stay_in_their_q_block_range(stride, phases, sink):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-6)
 
 
+@pytest.mark.parametrize("sink", [0, 5])
+def test_horizontal_lines_list_the_keys_up_to_their_rows_reach(sink):
+    """The rows part (keys in original order) lists each query block's key blocks up to the last key one of its rows
+    sees (``gap`` = local before it), so no listed tile is wholly masked; the other blocks list nothing."""
+    q, k, _, _ = _inputs()
+    t, s = q.shape[1], k.shape[1]
+    g = Grid(stride=14, phases=2, sink=sink, local=9, last_q=16, **SMALL)
+    phase = jnp.asarray(np.random.default_rng(3).choice(14, (1, q.shape[2], 2), replace=False), jnp.int32)
+    rows = g.layout_from_index(jnp.full((1, q.shape[2]), 14, jnp.int32), phase, t, s, bounds=(14, 14)).parts[-1]
+    assert rows.kv_perm is None and rows.gap == 9
+    bq, bk = SMALL["block_q"], SMALL["block_k"]
+    q_pos = np.asarray(rows.positions()[0])  # [1, N, T]
+    q_pos = np.pad(q_pos, ((0, 0), (0, 0), (0, rows.num_q_blocks * bq - t)), mode="edge")
+    reach = q_pos.reshape(q_pos.shape[:2] + (-1, bq)).max(-1) - rows.gap  # [1, N, nq]
+    count = np.asarray(rows.kv_block_count)
+    lo, hi = rows.q_block_range
+    listed = count[..., lo:hi] > 0
+    assert listed.any() and not count[..., hi:].any()
+    up_to_reach = np.clip(reach[..., lo:hi] // bk + 1, 0, -(-s // bk))
+    np.testing.assert_array_equal(count[..., lo:hi][listed], up_to_reach[listed])
+    # every listed tile holds a pair some row of its block sees: its first key is within the reach
+    assert ((count[..., lo:hi] - 1) * bk <= reach[..., lo:hi])[listed].all()
+
+
 @pytest.mark.parametrize("stride,shared", [(28, True), ("frame", True), ("search", False)])
 def test_a_static_stride_gives_every_head_one_key_order(stride, shared):
     """Keys go by (phase, position) alone: with one stride for all heads the lines part has one ``kv_perm``

@@ -48,9 +48,9 @@ A `LayoutSet` of up to three parts whose pairs are disjoint by construction:
 1. band: original order, causal ``window = local`` (pairs at distance < local);
 2. lines: permuted, causal ``gap = local`` (distance >= local): per query block the causal
    prefix of each vertical-line group and the slash ranges of its rows' phases;
-3. rows: permuted rows, ``gap = local``: the horizontal-line blocks list every key block
-   (one shared ``arange`` list over the keys in original order, or, in a placement, over the packed keys;
-   part 2 lists nothing for them). They are the first query blocks, at most
+3. rows: permuted rows, ``gap = local``: the horizontal-line blocks list every key block up to the last
+   key their rows see (a prefix of one shared ``arange`` list over the keys in original order, or, in a
+   placement, every packed key; part 2 lists nothing for them). They are the first query blocks, at most
    `Grid.max_line_rows` rows: the part names them as its ``q_block_range`` and runs on them alone.
 
 Inside a boundary wrapper (`build_placed`) keys are packed by (invalid, key group, phase, position) and rows by
@@ -390,13 +390,18 @@ class Grid(Pattern):
             n_rows = (qg_sorted < p_lines).sum(-1)  # [B, N] (sink rows, the first queries, too)
             h_rows = jnp.arange(nq) * bq < n_rows[..., None]
             count = jnp.where(h_rows, 0, count)
-            n_full = nk if n_valid is None else (n_valid + bk - 1) // bk
-            # every key: in the original key order (no copy of k / v per head) unless a placement packs the valid
-            # keys first
-            rows_common = dict(common, kv_perm=None) if n_valid is None else common
+            # every key: in the original key order (no copy of k / v per head), each block up to the last key its
+            # rows see (the tiles past it would be computed wholly masked: 38% of the part's tiles at 128k and 48% at
+            # 1M with a frame stride of 256), unless a placement packs the valid keys first (all of them, in that
+            # order)
+            if n_valid is None:
+                listed = jnp.clip(reach // bk + 1, 0, nk)
+                rows_common = dict(common, kv_perm=None)
+            else:
+                listed = jnp.broadcast_to(((n_valid + bk - 1) // bk)[..., None], h_rows.shape)
+                rows_common = common
             full = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32)[None, None, None],
-                               kv_block_count=jnp.where(h_rows, jnp.broadcast_to(n_full, n_rows.shape)[..., None],
-                                                        0).astype(jnp.int32),
+                               kv_block_count=jnp.where(h_rows, listed, 0).astype(jnp.int32),
                                q_block_range=(0, cdiv(self.max_line_rows(t, bounds[0]), bq)), **rows_common)
         if front or self.use_vline or self.use_slash:
             parts.append(BlockLayout(kv_blocks=blocks, kv_block_count=count.astype(jnp.int32), **common))

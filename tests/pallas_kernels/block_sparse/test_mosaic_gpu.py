@@ -242,7 +242,8 @@ def test_persistent_grid_refuses_what_does_not_fit_with_its_o_tiles():
 
 
 def test_auto_persistent_takes_short_work_that_fits():
-    """`auto_persistent`: at most 7,168 work items with lists of at most 128 steps, where the O tiles fit."""
+    """`auto_persistent`: at most 7,168 work items with lists of at most 128 steps, or lists of 2 to 6 steps, where
+    the O tiles fit."""
     q = lambda t, n, b=1: jax.ShapeDtypeStruct((b, t, n, 128), jnp.bfloat16)  # noqa: E731
     sparse = lambda t, bq=128, bk=128: BlockLayout.random_causal(  # noqa: E731
         jax.random.PRNGKey(0), t, t, keep=0.03, block_q=bq, block_k=bk)
@@ -258,6 +259,17 @@ def test_auto_persistent_takes_short_work_that_fits():
     assert not auto_persistent(q(131072, 8), sparse(131072, bq=64, bk=64), pair=False)  # 8,192 items
     assert not auto_persistent(q(16384, 8), sparse(16384, bq=64, bk=64), pair=True)  # 128-key steps: no room
     assert auto_persistent(q(16384, 8), sparse(16384, bq=64, bk=64), pair=False)
+    # and any number of items with lists of 2 to 6 steps (Grid's band: 5 64-key entries, 3 steps)
+    nq = 131072 // 128
+    fixed = lambda n, bk=64: BlockLayout(  # noqa: E731
+        kv_blocks=jnp.zeros((1, 1, nq, n), jnp.int32), kv_block_count=jnp.full((1, 1, nq), n, jnp.int32),
+        block_q=128, block_k=bk, q_len=131072, kv_len=131072)
+    assert auto_persistent(q(131072, 28), fixed(5), pair=True)
+    assert auto_persistent(q(131072, 28), fixed(12), pair=True) and auto_persistent(q(131072, 28), fixed(6, 128),
+                                                                                     pair=False)
+    assert not auto_persistent(q(131072, 28), fixed(2), pair=True)  # one step
+    assert not auto_persistent(q(131072, 28), fixed(13), pair=True)  # 7 steps
+    assert not auto_persistent(q(131072, 28), fixed(7, 128), pair=False)
     # 128-key stages: 3 fit one CTA per item, 2 with the O tiles; a third stage asked for keeps the item grid
     assert max_stages(128, 128, 128) == 3 and max_stages(128, 128, 128, persistent=True) == 2
     assert auto_persistent(q(4096, 8), sparse(4096), pair=False, stages=2)
