@@ -129,3 +129,33 @@ def lower_for_cuda(q_shape, k_shape, dtype, layout, attention=None, **kw) -> str
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     return text
+
+
+def wholly_masked_entries(layout) -> np.ndarray:
+    """bool ``[B', N', nq, max_blocks]`` (leading dims broadcast over the layout's operands): the listed entries of a
+    concrete `BlockLayout` whose tile holds no pair a row of its query block sees (original positions: causal with
+    the layout's gap / window, keys below ``kv_len``; a window entry's keys as `BlockLayout` counts them). A kernel
+    computes such a tile wholly masked: time for nothing."""
+    q_pos, k_pos = (np.asarray(x) for x in layout.positions())
+    bq, bk, nq = layout.block_q, layout.block_k, layout.num_q_blocks
+    blocks, count = np.asarray(layout.kv_blocks), np.asarray(layout.kv_block_count)
+    lead = np.broadcast_shapes(q_pos.shape[:2], k_pos.shape[:2], blocks.shape[:2], count.shape[:2])
+    blocks = np.broadcast_to(blocks, lead + (nq, blocks.shape[-1]))
+    count = np.broadcast_to(count, lead + (nq,))
+    t, s = layout.q_len, layout.kv_len
+    rows = np.arange(nq)[:, None] * bq + np.arange(bq)  # [nq, bq]
+    q_rows = np.take(np.broadcast_to(q_pos, lead + (t,)), np.minimum(rows, t - 1), axis=-1)  # [B', N', nq, bq]
+    q_rows = np.where(rows < t, q_rows, np.iinfo(np.int32).min // 2)  # padding rows see nothing
+    keys = blocks[..., None] + np.arange(bk) if layout.kv_windows else blocks[..., None] * bk + np.arange(bk)
+    used = (keys >= 0) & (keys < s)
+    if layout.kv_windows:  # entry j >= 1 computes its keys from the previous window's end on
+        prev_end = np.concatenate([np.full(blocks.shape[:-1] + (1,), -bk), blocks[..., :-1] + bk], -1)
+        used &= keys >= np.maximum(blocks, prev_end)[..., None]
+    k_keys = np.take_along_axis(np.broadcast_to(k_pos, lead + (s,)), np.clip(keys, 0, s - 1).reshape(lead + (-1,)),
+                                -1).reshape(keys.shape)  # [B', N', nq, m, bk]
+    q_r, k_c = q_rows[:, :, :, None, :, None], k_keys[:, :, :, :, None, :]
+    seen = used[:, :, :, :, None, :] & (k_c + layout.gap <= q_r)
+    if layout.window:
+        seen &= k_c > q_r - layout.window
+    listed = np.arange(blocks.shape[-1]) < count[..., None]
+    return listed & ~seen.any((-1, -2))

@@ -119,3 +119,27 @@ def test_from_block_mask_errors():
         BlockLayout.from_block_mask(jnp.zeros((1, 1, 2, 2)), q_len=32, kv_len=32, block_q=16, block_k=16)
     with pytest.raises(ValueError, match="keep"):
         BlockLayout.random_causal(jax.random.PRNGKey(0), 32, 32, keep=0.0)
+
+
+def test_wholly_masked_entries_names_the_tiles_no_row_of_their_block_sees():
+    """The test helper: a block past the diagonal, a block inside the gap, a block before the window and a key
+    window past the rows are flagged; tiles with one visible pair, unlisted entries and dense causal are not."""
+    from tests.pallas_kernels.helpers import wholly_masked_entries
+
+    def lay(lists, **kw):
+        count = jnp.asarray([[[len(x) for x in lists]]], jnp.int32)
+        blocks = jnp.asarray([[[x + [0] * (4 - len(x)) for x in lists]]], jnp.int32)
+        return BlockLayout(kv_blocks=blocks, kv_block_count=count, block_q=16, block_k=16, q_len=64, kv_len=64, **kw)
+
+    # query block 1 holds rows 16..31: block 1 has the pair (31, 16..31); block 2 (keys 32..47) none
+    got = wholly_masked_entries(lay([[0], [0, 1, 2], [0, 1, 2], [3]]))
+    np.testing.assert_array_equal(got[0, 0], [[0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    # gap 16: rows 16..31 see keys <= 15 only, rows 48..63 keys <= 47; window 17: rows 48..63 see keys > 31 only
+    got = wholly_masked_entries(lay([[0], [0, 1], [0, 1], [1, 2, 3]], gap=16))
+    np.testing.assert_array_equal(got[0, 0, :, :3], [[1, 0, 0], [0, 1, 0], [0, 0, 0], [0, 0, 1]])
+    got = wholly_masked_entries(lay([[0], [0, 1], [0, 1, 2], [1, 2, 3]], window=17))
+    np.testing.assert_array_equal(got[0, 0, :, :3], [[0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 0, 0]])
+    # key windows (starts): rows 0..15 see keys <= 15: the window from 14 holds 14 and 15, the one from 16 nothing
+    got = wholly_masked_entries(lay([[14, 30], [0], [0], [0]], kv_windows=True))
+    np.testing.assert_array_equal(got[0, 0, 0, :2], [0, 1])
+    assert not wholly_masked_entries(BlockLayout.dense_causal(50, 130, block_q=32, block_k=16)).any()
