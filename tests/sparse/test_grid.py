@@ -10,15 +10,20 @@ import pytest
 from mmjax.drivers.bench.patterns import frame_grid_patterns
 from mmjax.sparse.attention import attention_recall
 from mmjax.sparse.block_lists import bisect_right
-from mmjax.sparse.layouts import KernelOptions, attend, with_parts
+from mmjax.sparse.layouts import KernelOptions, RowSplit, attend, with_parts
 from mmjax.sparse.metrics import block_mass_matrix, oracle_recall
 from mmjax.sparse.modality import Modality, frame_tokens_from_grid_thw
-from mmjax.sparse.patterns import Grid, KBoundary, QBoundary
 from mmjax.sparse.pattern_search.space import GRID_FLAGS
+from mmjax.sparse.patterns import AShape, Grid, KBoundary, QBoundary, TwoDBoundary
 from mmjax.sparse.patterns.grid import key_groups, phase_groups
 from mmjax.sparse.synthetic import VIDEO_FAMILIES, GridVideo, grid_video_qkv
 from pallas_kernels.block_sparse.validation import check_layout_values
-from tests.pallas_kernels.helpers import masked_dense_attention, rel_err
+from tests.pallas_kernels.helpers import (
+    masked_dense_attention,
+    random_qkv,
+    rel_err,
+    wholly_masked_entries,
+)
 
 SMALL = dict(block_q=32, block_k=16)
 SPEC = GridVideo(7, (4, 7), sink_phase=3, broadcast_phase=20, prefix=5)  # S = 201, frame stride 28
@@ -184,6 +189,40 @@ def test_horizontal_lines_list_the_keys_up_to_their_rows_reach(sink):
     np.testing.assert_array_equal(count[..., lo:hi][listed], up_to_reach[listed])
     # every listed tile holds a pair some row of its block sees: its first key is within the reach
     assert ((count[..., lo:hi] - 1) * bk <= reach[..., lo:hi])[listed].all()
+
+
+@pytest.mark.parametrize("wrap", ["k", "q", "2d"])
+def test_horizontal_lines_inside_a_boundary_list_the_keys_up_to_their_rows_reach(wrap):
+    """Inside a boundary wrapper (packed keys; with TwoDBoundary only the video keys valid) the rows part lists each
+    block's (valid) keys up to its rows' reach: no listed tile is wholly masked (50 frames of 8 tokens: the line
+    rows fill two query blocks, and the first one's rows see only the earlier keys), and attend equals masked dense
+    attention."""
+    t, frame = 400, 8
+    q, k, v = random_qkv(7, 1, t, t, 2, 1, 16)
+    kinds = np.ones((1, t), np.int32)
+    kinds[0, :16] = 0
+    mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=frame)
+    g = Grid(stride="frame", local=9, last_q=16, **SMALL)
+    text = AShape(sink=4, local=16, **SMALL)
+    w = {"k": KBoundary(g), "q": QBoundary({"video": g, "text": text}),
+         "2d": TwoDBoundary({("video", "video"): g}, default=text)}[wrap]
+    layout = w.build_layout(q, k, modality=mod)
+
+    def parts(lay):
+        if isinstance(lay, RowSplit):
+            return [p for part in lay.parts for p in parts(part)]
+        return list(getattr(lay, "parts", (lay,)))
+
+    rows = [p for p in parts(layout) if p.q_block_range is not None]
+    assert rows and all((np.asarray(p.kv_block_count) > 0).sum() >= 2 for p in rows)
+    for p in parts(layout):
+        check_layout_values(p)
+        if p.q_block_range is not None:
+            assert not wholly_masked_entries(p).any()
+    ref, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    out, lse = attend(q, k, v, layout, KernelOptions(implementation="reference"))
+    assert rel_err(out, ref) < 1e-5
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-4)
 
 
 @pytest.mark.parametrize("stride,shared", [(28, True), ("frame", True), ("search", False)])

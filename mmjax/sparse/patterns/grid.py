@@ -50,11 +50,13 @@ A `LayoutSet` of up to three parts whose pairs are disjoint by construction:
    prefix of each vertical-line group and the slash ranges of its rows' phases;
 3. rows: permuted rows, ``gap = local``: the horizontal-line blocks list every key block up to the last
    key their rows see (a prefix of one shared ``arange`` list over the keys in original order, or, in a
-   placement, every packed key; part 2 lists nothing for them). They are the first query blocks, at most
-   `Grid.max_line_rows` rows: the part names them as its ``q_block_range`` and runs on them alone.
+   placement with invalid keys, over the valid keys in position order; part 2 lists nothing for them). They
+   are the first query blocks, at most `Grid.max_line_rows` rows: the part names them as its
+   ``q_block_range`` and runs on them alone.
 
-Inside a boundary wrapper (`build_placed`) keys are packed by (invalid, key group, phase, position) and rows by
-phase group within the wrapper's row order; the rules stay on original positions.
+Inside a boundary wrapper (`build_placed`) keys are packed by (invalid, key group, phase, position) (the rows part:
+by (invalid, position)) and rows by phase group within the wrapper's row order; the rules stay on original
+positions.
 """
 
 from __future__ import annotations
@@ -310,7 +312,7 @@ class Grid(Pattern):
         qg_sorted = jnp.take_along_axis(qg, q_perm, -1)
         q_pos = q_perm + off
         return self._assemble(kv_perm, q_perm, kg_sorted, qg_sorted, q_pos, kv_perm, stride, phase, t, s, bounds,
-                              band=self._band(t, s) if self.local else None, n_valid=None)
+                              band=self._band(t, s) if self.local else None, rows_keys=None)
 
     @staticmethod
     def _key_stride(stride: jax.Array, bounds: tuple[int, int]) -> jax.Array:
@@ -319,13 +321,15 @@ class Grid(Pattern):
         return jnp.full((1, 1), bounds[0], jnp.int32) if bounds[0] == bounds[1] else stride
 
     def _assemble(self, kv_perm, q_perm, code, qg_sorted, q_pos, k_pos, stride, phase, t: int, s: int,
-                  bounds, *, band, n_valid, seg_base=(0,)) -> LayoutSet | BlockLayout:
+                  bounds, *, band, rows_keys, seg_base=(0,)) -> LayoutSet | BlockLayout:
         """Lines and rows parts from the packed keys and the sorted query groups.
 
         code ``[B|1, N|1, S]``: each packed key's code, ascending: ``seg_base[i]`` + its `key_groups` group for
         the keys of valid segment i (one segment: the groups themselves; invalid keys sort past every code);
         k_pos: their positions, ascending within a code. qg_sorted / q_pos ``[B,N,T]``: each permuted row's
-        `phase_groups` group and position; stride ``[B,N]``, phase ``[B,N,P]``."""
+        `phase_groups` group and position; stride ``[B,N]``, phase ``[B,N,P]``. rows_keys: the rows part's key
+        order, None (every key, in original order) or (kv_perm int32 ``[B, 1, S]``: the valid keys first, by
+        position; int32 ``[B, S]``: the valid keys at positions up to each position)."""
         bq, bk = self.block_q, self.block_k
         nq, nk = cdiv(t, bq), cdiv(s, bk)
         front = 1 if self.sink else 0  # the sink group
@@ -390,16 +394,18 @@ class Grid(Pattern):
             n_rows = (qg_sorted < p_lines).sum(-1)  # [B, N] (sink rows, the first queries, too)
             h_rows = jnp.arange(nq) * bq < n_rows[..., None]
             count = jnp.where(h_rows, 0, count)
-            # every key: in the original key order (no copy of k / v per head), each block up to the last key its
-            # rows see (the tiles past it would be computed wholly masked: 38% of the part's tiles at 128k and 48% at
-            # 1M with a frame stride of 256), unless a placement packs the valid keys first (all of them, in that
-            # order)
-            if n_valid is None:
+            # every (valid) key in position order, each block up to the last key its rows see: the tiles past it
+            # would be computed wholly masked (38% of the part's tiles at 128k and 48% at 1M on `bench patterns`'
+            # video input, frame stride 256); in original key order no copy of k / v per head
+            if rows_keys is None:
                 listed = jnp.clip(reach // bk + 1, 0, nk)
                 rows_common = dict(common, kv_perm=None)
             else:
-                listed = jnp.broadcast_to(((n_valid + bk - 1) // bk)[..., None], h_rows.shape)
-                rows_common = common
+                rows_perm, valid_upto = rows_keys
+                batch = jnp.arange(valid_upto.shape[0])[:, None, None]
+                seen = jnp.where(reach >= 0, valid_upto[batch, jnp.clip(reach, 0, s - 1)], 0)  # [B, N, nq]
+                listed = (seen + bk - 1) // bk
+                rows_common = dict(common, kv_perm=rows_perm)
             full = BlockLayout(kv_blocks=jnp.arange(nk, dtype=jnp.int32)[None, None, None],
                                kv_block_count=jnp.where(h_rows, listed, 0).astype(jnp.int32),
                                q_block_range=(0, cdiv(self.max_line_rows(t, bounds[0]), bq)), **rows_common)
@@ -436,7 +442,10 @@ class Grid(Pattern):
             order = plc.pack_keys(placement)
             q_perm_band, q_pos_band = plc.q_positions(placement, s)
             band = placed_ashape(self, 0, self.local, order, q_perm_band, q_pos_band, t, s).replace(window=self.local)
-        n_valid = (seg < placement.num_groups).sum(-1).astype(jnp.int32)  # [B, 1]
         seg_base = tuple(g * n_codes for g in range(placement.num_groups))
+        rows_keys = None  # the horizontal lines see every key: in original order
+        if placement.k_valid is not None:  # the valid keys first (as the wrapper's `restrict_to_valid` counts them)
+            rows_keys = (jnp.argsort(invalid, axis=-1, stable=True).astype(jnp.int32)[:, None],
+                         jnp.cumsum(1 - invalid, axis=-1).astype(jnp.int32))
         return self._assemble(kv_perm, q_perm, code_sorted, qg_sorted, q_pos, kv_perm, stride, phase, t, s, bounds,
-                              band=band, n_valid=n_valid, seg_base=seg_base)
+                              band=band, rows_keys=rows_keys, seg_base=seg_base)
