@@ -1,6 +1,6 @@
 """Each pattern `bench patterns` times on a GPU, end to end: its layout built on the video-like input and `attend`
 with the default kernels (on Hopper the Mosaic GPU kernel with its row-range pass, fused shared columns and
-permutations) against `attend` on the reference: `pytest -m gpu`."""
+permutations) against `attend` on the reference, and Grid(frame) inside each boundary wrapper: `pytest -m gpu`."""
 
 import jax
 import numpy as np
@@ -8,6 +8,8 @@ import pytest
 
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns
 from mmjax.sparse.layouts import KernelOptions, attend
+from mmjax.sparse.modality import Modality
+from mmjax.sparse.patterns import AShape, Grid, KBoundary, QBoundary, TwoDBoundary
 from mmjax.sparse.synthetic import video_qkv
 from tests.pallas_kernels.helpers import rel_err
 
@@ -34,6 +36,30 @@ def test_pattern_attend_matches_the_reference(qkv, name):
     ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
         q, k, v, layout)
     assert out.shape == q.shape and out.dtype == q.dtype
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_err(out, ref) < 2e-2
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=2e-3, atol=2e-3)
+
+
+@needs_gpu
+@pytest.mark.parametrize("wrap", ["k", "q", "2d"])
+def test_frame_grid_inside_a_boundary_matches_the_reference(qkv, wrap):
+    """Grid(frame) inside each boundary wrapper (a 512-token text prefix, then video): packed keys, the horizontal
+    lines over their own key order (with TwoDBoundary the valid keys first), through the default kernels."""
+    q, k, v = qkv
+    kinds = np.ones((1, S), np.int32)
+    kinds[0, :512] = 0
+    mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=256)
+    g = Grid(stride="frame", last_q=64)
+    text = AShape(sink=128, local=1024)
+    w = {"k": KBoundary(g), "q": QBoundary({"video": g, "text": text}),
+         "2d": TwoDBoundary({("video", "video"): g}, default=text)}[wrap]
+    layout = jax.jit(lambda q, k: w.build_layout(q, k, modality=mod))(q, k)
+    out, lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))(q, k, v, layout)
+    ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
+        q, k, v, layout)
     assert not np.isnan(np.asarray(out, np.float32)).any()
     assert rel_err(out, ref) < 2e-2
     fin = np.isfinite(np.asarray(ref_lse))
