@@ -21,6 +21,7 @@ from models.attention import LayerAttention
 from models.fp8_linear import is_quantized
 from models.kv_cache import KVCache
 from models.sharding import SP, axis_size, cache_sharding, check_mesh, is_laid_out
+from pallas_kernels.tiling import round_up
 
 
 def check(model: nnx.Module, mesh: Any) -> Mesh:
@@ -40,7 +41,7 @@ def check(model: nnx.Module, mesh: Any) -> Mesh:
 def round_slots(max_length: int, mesh: Mesh) -> int:
     """Cache slots rounded up to a multiple of the "sp" size (each device holds the same number)."""
     n = axis_size(mesh, SP)
-    return -(-max_length // n) * n
+    return round_up(max_length, n)
 
 
 def _by_token(x, mesh: Mesh):

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from models.llava_onevision import model as llava_ov
 from models.qwen2_5_vl import model as qwen_vl
 from models.qwen2_5_vl.vision import XLA_OPTIONS, encode_grid
+from pallas_kernels.tiling import round_up
 
 
 @functools.partial(jax.jit, static_argnames=("grids", "frames_per_chunk", "mesh"), compiler_options=XLA_OPTIONS)
@@ -35,7 +36,7 @@ def video_features(model: qwen_vl.Qwen2_5_VL, pixels: jax.Array, grids: tuple, f
         n = h * w
         x = pixels[start:start + t * n].reshape(t, n, c.patch_dim)
         start += t * n
-        t_pad = -(-t // n_dev) * n_dev
+        t_pad = round_up(t, n_dev)
         x = jnp.pad(x, ((0, t_pad - t), (0, 0), (0, 0)))
         local = t_pad // n_dev
 

@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.block_sparse.layout import BlockLayout
 from pallas_kernels.nonfinite import checked_if_nonfinite, finish, poison_keys
 from pallas_kernels.online_softmax import masked_tile, softmax_step, softmax_update, unmasked_tile
-from pallas_kernels.tiling import LOG2E, inverse_permutation
+from pallas_kernels.tiling import LOG2E, inverse_permutation, round_up
 from pallas_kernels.tiling import next_pow2 as _next_pow2
 from pallas_kernels.tiling import pad_to as _pad_to
 
@@ -202,7 +202,7 @@ def prepare_operands(q: jax.Array, k: jax.Array, v: jax.Array, layout: BlockLayo
         ops["kv_perm"] = jnp.concatenate([kv_perm, tail], axis=-1)
     if layout.kv_columns is not None:
         mc = layout.max_columns
-        mc_pad = max(bk, -(-mc // bk) * bk)
+        mc_pad = max(bk, round_up(mc, bk))
         ops["kv_columns"] = _pad_to(layout.kv_columns, 3, mc_pad)
         ops["kv_column_count"] = jnp.clip(layout.kv_column_count, 0, mc)
     return q_in, k_in, v_in, ops

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.tiling import cdiv, pad_to
+from pallas_kernels.tiling import cdiv, pad_to, round_up
 
 ROWS = 16  # the smallest M a Triton dot takes
 
@@ -52,7 +52,7 @@ def layer_matmul_triton(x: jax.Array, w: jax.Array, *, layer: int, tile_k: int =
     """Shapes and meaning as in `pallas_kernels.layer_matmul.api.layer_matmul`; inputs assumed validated."""
     m, k = x.shape
     n = w.shape[2]
-    rows = max(ROWS, -(-m // ROWS) * ROWS)
+    rows = max(ROWS, round_up(m, ROWS))
     splits, cols = cdiv(k, tile_k), cdiv(n, tile_n)
     x_in = pad_to(pad_to(x, 0, rows), 1, splits * tile_k)  # zero rows / columns past K add nothing
     partial = pl.pallas_call(
