@@ -25,12 +25,15 @@ Timing: the median of ``--reps`` samples, each of the calls queued for up to ``-
 a call) three single calls of one function differed by up to 15% within a run (2026-11-28); ``--reps 7 --batch-s
 0.15`` gave steady rows there (``tools/issue16_targets.sh patterns``). At 1M single calls (about 1 s) suffice.
 
+``--boundary k|2d`` wraps each pattern in `KBoundary` / `TwoDBoundary` over a text prefix and video (`boundary_input`).
+
 Writes ``pattern_parts_profile.json`` and a plot of each pattern's ratio per form (``.png``) into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -50,7 +53,9 @@ from jsonl_log import write_atomic  # noqa: E402
 
 from mmjax.drivers.bench import trace_summary  # noqa: E402
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
-from mmjax.sparse.layouts import KernelOptions, attend, block_parts, with_parts  # noqa: E402
+from mmjax.sparse.layouts import KernelOptions, RowSplit, attend, block_parts, with_parts  # noqa: E402
+from mmjax.sparse.modality import Modality  # noqa: E402
+from mmjax.sparse.patterns import AShape, KBoundary, TwoDBoundary  # noqa: E402
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
 from mmjax.timing import device_name, time_fn  # noqa: E402
 from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
@@ -163,6 +168,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--skip-triton", action="store_true", help="no attend on Triton")
     p.add_argument("--skip-parts", action="store_true", help="no per-part timings")
+    p.add_argument("--boundary", choices=("none", "k", "2d"), default="none",
+                   help="each pattern inside a boundary wrapper (`boundary_input`) over --text text tokens, then video")
+    p.add_argument("--text", type=int, default=1024, help="text tokens before the video with --boundary")
     p.add_argument("--mask-ab", action="store_true",
                    help="also time attend with the position mask on every entry (no `visible_entries` skip)")
     args = p.parse_args(argv)
@@ -178,9 +186,13 @@ def main(argv=None) -> int:
                        "kv_heads": KV_HEADS, "head_dim": D, "reps": args.reps, "batch_s": args.batch_s},
               "cudnn_ms": t_cudnn, "cudnn_tflops": tf_cudnn, "patterns": {}}
     pats = dict(gpu_patterns(), **frame_grid_patterns())
+    wrap, mod = (lambda p: p), None
+    if args.boundary != "none":
+        wrap, mod = boundary_input(args.boundary, args.text, s)
+        result["meta"].update(boundary=args.boundary, text_tokens=args.text)
     for name in args.patterns:
         try:
-            result["patterns"][name] = profile_pattern(name, pats[name], q, k, v, t_cudnn, args)
+            result["patterns"][name] = profile_pattern(name, wrap(pats[name]), q, k, v, t_cudnn, args, mod)
         except Exception as e:  # noqa: BLE001  (reported, the next pattern still runs)
             print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             result["patterns"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -228,9 +240,29 @@ def timed(fn, args) -> float:
     return time_fn(fn, reps=args.reps, min_batch_s=args.batch_s)["ms"]
 
 
-def profile_pattern(name, pat, q, k, v, t_cudnn, args) -> dict:
+def boundary_input(wrap: str, text: int, s: int):
+    """(wrapper of a pattern, `Modality`) for ``--boundary``: ``text`` text tokens, then video frames of 256 tokens
+    (`video_qkv`'s 16 x 16); "k": `KBoundary`, "2d": `TwoDBoundary` with the pattern on video rows x video keys and
+    A-shape (sink 128, local 1024) on the other pairs."""
+    kinds = np.ones((1, s), np.int32)
+    kinds[0, :text] = 0
+    mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=256)
+    other = AShape(sink=128, local=1024)
+    wrapper = {"k": KBoundary, "2d": lambda p: TwoDBoundary({("video", "video"): p}, default=other)}[wrap]
+    return wrapper, mod
+
+
+def without_ranges(layout):
+    """The layout with every part over all its rows (no ``q_block_range``), its structure kept: a `RowSplit`'s
+    parts stay one layout per row kind (until 2026-11-29 this took the first part of a `RowSplit` alone)."""
+    if isinstance(layout, RowSplit):
+        return dataclasses.replace(layout, parts=tuple(without_ranges(p) for p in layout.parts))
+    return with_parts(layout, [part.replace(q_block_range=None) for part in block_parts(layout)])
+
+
+def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
     """One pattern's row of the result (module docstring)."""
-    layout = jax.jit(pat.build_layout)(q, k)
+    layout = jax.jit(lambda q, k: pat.build_layout(q, k, modality=modality))(q, k)
     density = float(np.mean(np.asarray(layout.density())))
     row = {"pattern": repr(pat), "density": density}
     for impl in (None,) if args.skip_triton else (None, "triton"):
@@ -256,7 +288,7 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args) -> dict:
         print(f"{name}: position masks on every entry {t:.2f} ms = {density * t_cudnn / t:.2f} of cuDNN's "
               f"TFLOP/s", flush=True)
     if any(part.q_block_range is not None for part in block_parts(layout)):  # the same without the ranges
-        plain = with_parts(layout, [part.replace(q_block_range=None) for part in block_parts(layout)])
+        plain = without_ranges(layout)
         run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))
         t = timed(lambda: run(q, k, v, plain), args)
         row["attend_ms_without_q_block_range"] = t
