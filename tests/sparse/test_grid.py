@@ -10,7 +10,7 @@ import pytest
 from mmjax.drivers.bench.patterns import frame_grid_patterns
 from mmjax.sparse.attention import attention_recall
 from mmjax.sparse.block_lists import bisect_right
-from mmjax.sparse.layouts import KernelOptions, RowSplit, attend, with_parts
+from mmjax.sparse.layouts import KernelOptions, attend, block_parts, with_parts
 from mmjax.sparse.metrics import block_mass_matrix, oracle_recall
 from mmjax.sparse.modality import Modality, frame_tokens_from_grid_thw
 from mmjax.sparse.pattern_search.space import GRID_FLAGS
@@ -207,15 +207,9 @@ def test_horizontal_lines_inside_a_boundary_list_the_keys_up_to_their_rows_reach
     w = {"k": KBoundary(g), "q": QBoundary({"video": g, "text": text}),
          "2d": TwoDBoundary({("video", "video"): g}, default=text)}[wrap]
     layout = w.build_layout(q, k, modality=mod)
-
-    def parts(lay):
-        if isinstance(lay, RowSplit):
-            return [p for part in lay.parts for p in parts(part)]
-        return list(getattr(lay, "parts", (lay,)))
-
-    rows = [p for p in parts(layout) if p.q_block_range is not None]
+    rows = [p for p in block_parts(layout) if p.q_block_range is not None]
     assert rows and all((np.asarray(p.kv_block_count) > 0).sum() >= 2 for p in rows)
-    for p in parts(layout):
+    for p in block_parts(layout):
         check_layout_values(p)
         if p.q_block_range is not None:
             assert not wholly_masked_entries(p).any()

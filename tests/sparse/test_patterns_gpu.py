@@ -27,14 +27,20 @@ def qkv():
     return video_qkv(jax.random.PRNGKey(3), S, heads=8, kv_heads=2, head_dim=128)
 
 
+def _default_and_reference(q, k, v, layout):
+    """(out, lse, ref, ref_lse): `attend` with the default kernels, then on the reference."""
+    out, lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))(q, k, v, layout)
+    ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
+        q, k, v, layout)
+    return out, lse, ref, ref_lse
+
+
 @needs_gpu
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_pattern_attend_matches_the_reference(qkv, name):
     q, k, v = qkv
     layout = jax.jit(PATTERNS[name].build_layout)(q, k)
-    out, lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))(q, k, v, layout)
-    ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
-        q, k, v, layout)
+    out, lse, ref, ref_lse = _default_and_reference(q, k, v, layout)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not np.isnan(np.asarray(out, np.float32)).any()
     assert rel_err(out, ref) < 2e-2
@@ -57,9 +63,7 @@ def test_frame_grid_inside_a_boundary_matches_the_reference(qkv, wrap):
     w = {"k": KBoundary(g), "q": QBoundary({"video": g, "text": text}),
          "2d": TwoDBoundary({("video", "video"): g}, default=text)}[wrap]
     layout = jax.jit(lambda q, k: w.build_layout(q, k, modality=mod))(q, k)
-    out, lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))(q, k, v, layout)
-    ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
-        q, k, v, layout)
+    out, lse, ref, ref_lse = _default_and_reference(q, k, v, layout)
     assert not np.isnan(np.asarray(out, np.float32)).any()
     assert rel_err(out, ref) < 2e-2
     fin = np.isfinite(np.asarray(ref_lse))

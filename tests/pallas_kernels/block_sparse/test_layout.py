@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import BlockLayout
+from tests.pallas_kernels.helpers import wholly_masked_entries
 
 
 @pytest.mark.parametrize("t,s,bq,bk", [(64, 64, 16, 16), (50, 130, 32, 16), (1, 40, 16, 32)])
@@ -124,8 +125,6 @@ def test_from_block_mask_errors():
 def test_wholly_masked_entries_names_the_tiles_no_row_of_their_block_sees():
     """The test helper: a block past the diagonal, a block inside the gap, a block before the window and a key
     window past the rows are flagged; tiles with one visible pair, unlisted entries and dense causal are not."""
-    from tests.pallas_kernels.helpers import wholly_masked_entries
-
     def lay(lists, **kw):
         count = jnp.asarray([[[len(x) for x in lists]]], jnp.int32)
         blocks = jnp.asarray([[[x + [0] * (4 - len(x)) for x in lists]]], jnp.int32)
