@@ -172,7 +172,9 @@ def run_windows(q_pos: jax.Array, block_q: int, local: int) -> tuple[list[tuple[
 def restrict_to_valid(part: BlockLayout, n_valid: jax.Array) -> BlockLayout:
     """Drop listed keys at packed index >= ``n_valid`` (int32 ``[B, N|1]``): blocks past the
     boundary go, the block straddling it becomes single columns of its valid keys (merged
-    with the existing columns, which stay distinct and outside listed blocks)."""
+    with the existing columns, which stay distinct and outside listed blocks; a part without
+    columns and ``n_valid`` ``[B, 1]`` gets them as one list shared by every query block and
+    head, ``[B, 1, 1, block_k]``, each block reading the valid prefix where it listed the block)."""
     bk, s = part.block_k, part.kv_len
     nq = part.kv_block_count.shape[-1]
     lead = jnp.broadcast_shapes(part.kv_block_count.shape[:2], n_valid.shape[:2])
@@ -188,6 +190,15 @@ def restrict_to_valid(part: BlockLayout, n_valid: jax.Array) -> BlockLayout:
     new_count = keep.sum(-1).astype(jnp.int32)
     new_blocks = jnp.take_along_axis(blocks, order, -1)
     new_blocks = jnp.where(jnp.arange(blocks.shape[-1]) < new_count[..., None], new_blocks, 0).astype(jnp.int32)
+    if part.kv_columns is None and n_valid.shape[1] == 1:
+        # one column list for every query block and head: the straddling block's keys, each block reading its valid
+        # ones (a prefix) where it listed the block (`shared_columns`: the Mosaic kernel runs them in the block
+        # pass's own launch)
+        nv_b = n_valid[:, :, None, None]  # [B, 1, 1, 1]
+        cols = ((nv_b // bk) * bk + jnp.arange(bk, dtype=jnp.int32)).astype(jnp.int32)  # [B, 1, 1, bk]
+        ccount = jnp.where(straddle, (nv % bk)[..., 0], 0).astype(jnp.int32)  # [B, N, nq]
+        return part.replace(kv_blocks=new_blocks, kv_block_count=new_count, kv_columns=cols,
+                            kv_column_count=ccount)
     # Columns: existing valid ones outside the straddling block, then the block's valid keys.
     if part.kv_columns is not None:
         cols = jnp.broadcast_to(part.kv_columns, lead + (nq, part.kv_columns.shape[-1]))

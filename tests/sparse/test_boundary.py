@@ -23,6 +23,9 @@ from mmjax.sparse.patterns import (
     TwoDBoundary,
     VerticalSlash,
 )
+from mmjax.sparse.placement import restrict_to_valid
+from pallas_kernels import BlockLayout
+from pallas_kernels.block_sparse.mosaic_gpu import fused_columns
 from pallas_kernels.block_sparse.validation import check_layout_values
 from pallas_kernels.tiling import cdiv
 from tests.pallas_kernels.helpers import masked_dense_attention, random_qkv, rel_err
@@ -279,3 +282,20 @@ def test_spans_that_disagree_with_the_ids_are_refused():
     short = Modality(m.ids, m.names, ((m.spans[0][0],),))
     with pytest.raises(ValueError, match=r"modality.spans\[0\]: expected runs covering \[0, 64\)"):
         mmjax.build_layout(q, k, QBoundary({"text": A}, default=A), short)
+
+
+def test_straddling_keys_become_one_shared_column_list():
+    """`restrict_to_valid` on a part without columns: the key block straddling the valid keys' end becomes one column
+    list for every query block and head (`shared_columns`, which the Mosaic kernel runs inside the block pass),
+    each block reading the valid prefix where it listed the block; attend is unchanged (masked-dense tests above)."""
+    bk = 16
+    blocks = jnp.asarray([[[[0, 1, 2, 0], [0, 1, 3, 4], [1, 0, 0, 0]]]], jnp.int32)  # [1, 1, 3, 4]
+    part = BlockLayout(kv_blocks=jnp.broadcast_to(blocks, (1, 2, 3, 4)),
+                       kv_block_count=jnp.asarray([[[3, 4, 1], [2, 4, 1]]], jnp.int32), block_q=16, block_k=bk,
+                       q_len=48, kv_len=80)
+    out = restrict_to_valid(part, jnp.asarray([[37]], jnp.int32))  # 37 valid keys: block 2 straddles (5 valid)
+    assert out.kv_columns.shape == (1, 1, 1, bk) and fused_columns(out)
+    np.testing.assert_array_equal(np.asarray(out.kv_columns)[0, 0, 0, :5], np.arange(32, 37))
+    np.testing.assert_array_equal(np.asarray(out.kv_column_count), [[[5, 0, 0], [0, 0, 0]]])
+    np.testing.assert_array_equal(np.asarray(out.kv_block_count), [[[2, 2, 1], [2, 2, 1]]])
+    check_layout_values(out)
