@@ -7,7 +7,8 @@ and the one `attend(q, k, v, layout)`.
   lse-merge of attention over each part (exact). Tri-shape, Grid and each (query, key)
   modality pair of a TwoDBoundary build one.
 * `RowSplit`: layouts whose rows are owned by query modality (QBoundary / TwoDBoundary): row t
-  takes the result of the part of its own kind.
+  takes the result of the part of its own kind (each part merged into one result on its kind's
+  rows only).
 
 ``Layout`` is any of the three; ``AnyLayout`` a `BlockLayout` or a `LayoutSet` (what an inner
 pattern builds). `KernelOptions` says how the kernel runs.
@@ -91,8 +92,8 @@ class RowSplit(_Parts):
     """Layouts whose rows are owned by query modality: row t takes ``parts[i]``'s result
     where ``row_kind[b, t] == kinds[i]`` (rows of no listed kind give 0 / lse -inf).
 
-    parts: one layout per kind (each computed over all rows; rows it does not own are
-    discarded). row_kind: int32 ``[B, T]``. kinds: static kind ids, one per part.
+    parts: one layout per kind (computed over all rows, or over a ``q_block_range``; rows it
+    does not own are discarded). row_kind: int32 ``[B, T]``. kinds: static kind ids, one per part.
     """
 
     parts: tuple[AnyLayout, ...]
@@ -136,18 +137,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
     """Block-sparse attention over any layout: out ``[B, T, N, D]`` (q's dtype), lse ``[B, N, T]``
     float32. A `LayoutSet`'s parts are merged by lse; a `RowSplit`'s rows each take the result
     of their own kind's part. q ``[B, T, N, D]``, k/v ``[B, S, K, D]``."""
-    if isinstance(layout, RowSplit):
-        out = jnp.zeros(q.shape, q.dtype)
-        lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
-        for kind, part in zip(layout.kinds, layout.parts):
-            o, l = attend(q, k, v, part, options)
-            own = layout.row_kind == kind  # [B, T]
-            out = jnp.where(own[:, :, None, None], o, out)
-            lse = jnp.where(own[:, None, :], l, lse)
-        return out, lse
-    out, lse = None, None
     kw = dict(sm_scale=options.sm_scale, implementation=options.implementation, interpret=options.interpret,
               check_finite=options.check_finite)
+    if isinstance(layout, RowSplit):
+        return _attend_row_split(q, k, v, layout, kw)
+    out, lse = None, None
     for part in block_parts(layout):
         if part.q_block_range is not None:  # work in a few query blocks: computed and merged for those rows only
             rows, o, l = block_sparse_attention_rows(q, k, v, part, **kw)
@@ -155,4 +149,29 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
             continue
         o, l = block_sparse_attention(q, k, v, part, **kw)
         out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
+    return out, lse
+
+
+def _attend_row_split(q, k, v, layout: RowSplit, kw: dict) -> tuple[jax.Array, jax.Array]:
+    """`attend` of a `RowSplit`: one result, empty at first (0 / lse -inf, what rows of no listed kind keep), into
+    which every part of every kind is merged on the rows of its kind only: a part over all rows by a select of the
+    merge, a part with a ``q_block_range`` (a kind with few rows, `boundary._kind_range`; Grid's horizontal lines)
+    on its rows alone (`merge_rows`, the other kinds' rows dropped). Merging into an empty row is exact, so each
+    row gets its own kind's parts merged as a `LayoutSet` would merge them."""
+    b, t = q.shape[0], q.shape[1]
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.full((b, q.shape[2], t), -jnp.inf, jnp.float32)
+    for kind, part in zip(layout.kinds, layout.parts):
+        own = layout.row_kind == kind  # [B, T]
+        for p in block_parts(part):
+            if p.q_block_range is not None:
+                rows, o, l = block_sparse_attention_rows(q, k, v, p, **kw)
+                rows = jnp.broadcast_to(rows, (b,) + rows.shape[1:])
+                kind_of = jnp.take_along_axis(layout.row_kind[:, None], jnp.clip(rows, 0, t - 1), axis=-1)
+                out, lse = merge_rows(out, lse, jnp.where((rows < t) & (kind_of == kind), rows, t), o, l)
+                continue
+            o, l = block_sparse_attention(q, k, v, p, **kw)
+            m_out, m_lse = merge_attention(out, lse, o, l)
+            out = jnp.where(own[:, :, None, None], m_out, out)
+            lse = jnp.where(own[:, None, :], m_lse, lse)
     return out, lse

@@ -30,6 +30,7 @@ superset when the block spans a gap between two runs of its modality).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,13 @@ class Placement:
     k_valid: jax.Array | None = None
     num_groups: int = dataclasses.field(default=1, metadata=dict(static=True))
     frame_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @functools.cached_property
+    def row_perm(self) -> jax.Array:
+        """int32 ``[B, 1, T]``: ``rows`` as a layout's ``q_perm``; `q_positions` returns this very array for a
+        pattern without a row order of its own, so a wrapper can tell its parts in its own row order (``part.q_perm
+        is placement.row_perm``) from parts with an inner order (Grid's lines)."""
+        return self.rows[:, None].astype(jnp.int32)
 
     @classmethod
     def identity(cls, b: int, t: int, s: int) -> "Placement":
@@ -227,12 +235,11 @@ def q_positions(pl: Placement, s: int, inner_rows: jax.Array | None = None) -> t
     those rows); ``inner_rows`` (``[B, N|1, T]``, indices into the wrapper's row order) is a
     pattern's own row order on top of the wrapper's."""
     t = pl.rows.shape[1]
-    q_perm = pl.rows[:, None]
+    q_perm = pl.row_perm  # the wrapper's own array where the pattern has no row order of its own
     if inner_rows is not None:
         lead = jnp.broadcast_shapes(q_perm.shape[:2], inner_rows.shape[:2])
         q_perm = jnp.take_along_axis(jnp.broadcast_to(q_perm, lead + (t,)),
-                                     jnp.broadcast_to(inner_rows, lead + (t,)), -1)
-    q_perm = q_perm.astype(jnp.int32)
+                                     jnp.broadcast_to(inner_rows, lead + (t,)), -1).astype(jnp.int32)
     return q_perm, q_perm + (s - t)
 
 

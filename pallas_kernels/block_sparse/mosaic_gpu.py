@@ -28,6 +28,7 @@ from pallas_kernels.block_sparse.merge import merge_attention, merge_chunks, sca
 from pallas_kernels.block_sparse.mosaic_kernel import launch
 from pallas_kernels.block_sparse.mosaic_lists import (
     ROW_CHUNK,
+    chunk_entries,
     chunk_lists,
     fused_lists,
     row_chunk_entries,
@@ -114,36 +115,58 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
                   overlap=overlap, pingpong=pingpong, heads_first=heads_first)
 
 
-def row_range_pass(layout: BlockLayout) -> bool:
+def row_range_pass(layout: BlockLayout, column_pass: str | None = None) -> bool:
     """`block_sparse_attention_mosaic_gpu` runs the layout as `_rows_pass` (one CTA per work item; unless
-    ``persistent=True`` or ``profile`` is asked for): it names a ``q_block_range`` and lists key blocks only (no
-    single columns, no key windows)."""
-    return layout.q_block_range is not None and layout.kv_columns is None and not layout.kv_windows
+    ``persistent=True`` or ``profile`` is asked for): it names a ``q_block_range`` and lists key blocks (no key
+    windows) and no single columns, or only `fused_columns` with ``column_pass`` None or ``"fused"`` (the
+    straddling keys a boundary wrapper's part lists, `mmjax.sparse.placement.restrict_to_valid`)."""
+    if layout.q_block_range is None or layout.kv_windows:
+        return False
+    return layout.kv_columns is None or (fused_columns(layout) and column_pass in (None, "fused"))
 
 
 def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad, pair, overlap, pingpong):
     """The layout over the rows of its ``q_block_range`` alone: (rows int32 ``[B|1, N|1, R]`` as `range_rows`,
     out ``[B, R, N, D]`` in q's dtype, lse ``[B, N, R]``). The rows are gathered once (through ``q_perm``) and
-    repeated once per chunk of their lists (`chunk_lists`, `row_chunk_entries`: `ROW_CHUNK` entries, longer where
+    repeated once per chunk of their lists (`chunk_entries`, `row_chunk_entries`: `ROW_CHUNK` entries, longer where
     the copies would pass `ROW_COPY_BYTES`): each (query block, chunk) is one work item,
-    with the rows' original positions; the chunks are merged by lse."""
+    with the rows' original positions; the chunks are merged by lse. `fused_columns` go on each list as key tiles
+    appended to the keys (`fused_lists`, as in `_fused_column_pass`) before it is cut into chunks."""
     b, t, n, d = q.shape
     s = k.shape[1]
     bk, nk = layout.block_k, layout.num_kv_blocks
+    lo, hi = layout.q_block_range
     rows = layout.range_rows()
     r = rows.shape[-1]
-    blocks, count = chunk_lists(layout, row_chunk_entries(layout.max_blocks, b * r * n * d_pad * q.dtype.itemsize,
-                                                          ROW_CHUNK))
-    c = count.shape[2] // (r // layout.block_q)
+    copy_bytes = b * r * n * d_pad * q.dtype.itemsize
+    k_in, v_in, groups = _prepared_kv(k, v, layout, n // k.shape[2], d_pad)
+    k_pos = _positions_or_iota(layout.kv_perm, s, nk * bk, 0)
+    if layout.kv_columns is None:
+        blocks, count = chunk_lists(layout, row_chunk_entries(layout.max_blocks, copy_bytes, ROW_CHUNK))
+        ranges, num_kv_blocks = None, nk
+    else:  # fused_columns: each list goes on with its column tiles, as key windows
+        k_c, v_c, pos_c, ccount = _shared_column_keys(k, v, layout, d_pad)
+        tiles = k_c.shape[1] // bk
+        k_in, v_in = jnp.concatenate([k_in, k_c], axis=1), jnp.concatenate([v_in, v_c], axis=1)
+        lead = jnp.broadcast_shapes(k_pos.shape[:2], pos_c.shape[:2])
+        k_pos = jnp.concatenate([jnp.broadcast_to(k_pos, lead + k_pos.shape[2:]),
+                                 jnp.broadcast_to(pos_c, lead + pos_c.shape[2:])], axis=-1)
+        own = lambda x: x if x.shape[2] == 1 else x[:, :, lo:hi]  # noqa: E731 (the range's query blocks)
+        count = jnp.broadcast_to(layout.kv_block_count, layout.kv_block_count.shape[:2] + (layout.num_q_blocks,))
+        starts, w_lo, w_hi, total = fused_lists(own(layout.kv_blocks), jnp.clip(count[..., lo:hi], 0,
+                                                                                 layout.max_blocks),
+                                                own(ccount), block_k=bk, num_kv_blocks=nk, tiles=tiles)
+        (blocks, w_lo, w_hi), count = chunk_entries(
+            (starts, w_lo, w_hi), total, row_chunk_entries(starts.shape[-1], copy_bytes, ROW_CHUNK))
+        ranges, num_kv_blocks = (w_lo, w_hi), nk + tiles
+    c = count.shape[2] // (hi - lo)
     t_pad = round_up(c * r, BLOCK_Q)
     q_in = _pad_to(_pad_to(jnp.tile(_gather_rows(q, jnp.minimum(rows, t - 1)), (1, c, 1, 1)), 3, d_pad), 1, t_pad)
     q_pos = _pad_to(jnp.tile(rows + layout.q_offset, (1, 1, c)), 2, t_pad)
-    k_in, v_in, groups = _prepared_kv(k, v, layout, n // k.shape[2], d_pad)
-    k_pos = _positions_or_iota(layout.kv_perm, s, nk * bk, 0)
-    out, lse = launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups, num_kv_blocks=nk,
+    out, lse = launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups, num_kv_blocks=num_kv_blocks,
                       kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal, gap=layout.gap,
                       window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q, pair=pair,
-                      overlap=overlap, pingpong=pingpong)
+                      overlap=overlap, pingpong=pingpong, ranges=ranges)
     out = out[:, :c * r, :, :d].reshape(b, c, r, n, d)
     lse = lse[:, :, :c * r].reshape(b, n, c, r)
     return (rows, *merge_chunks(out, lse))
@@ -378,7 +401,7 @@ def block_sparse_attention_mosaic_gpu(
     _check_poison(poison)
     if not isinstance(heads_first, bool):
         raise ValueError(f"heads_first: expected True or False; received {heads_first!r}")
-    if row_range_pass(layout) and not persistent and profile is None:  # its rows alone, lists in chunks
+    if row_range_pass(layout, column_pass) and not persistent and profile is None:  # its rows alone, lists in chunks
         rows, out, lse = _rows_result(q, k, v, layout, sm_scale=sm_scale, causal=causal, num_stages=num_stages,
                                       key_pairs=key_pairs, overlap=overlap, pingpong=pingpong, poison=poison)
         return scatter_rows(rows, out, lse, t)

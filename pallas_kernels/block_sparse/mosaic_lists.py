@@ -1,7 +1,7 @@
 """The block-sparse Mosaic GPU kernel's list operands, built from a layout with jax.numpy (pure functions, tested on
 the CPU): the persistent grid's item order (`item_order`), the entries whose position mask the kernel skips
 (`visible_entries`), key windows as TMA tiles (`window_tiles`), a row range's lists in chunks (`chunk_lists`,
-`row_chunk_entries`) and shared columns appended to each list (`fused_lists`).
+`chunk_entries`, `row_chunk_entries`) and shared columns appended to each list (`fused_lists`).
 """
 
 from __future__ import annotations
@@ -179,17 +179,30 @@ def chunk_lists(layout: BlockLayout, chunk: int) -> tuple[jax.Array, jax.Array]:
     chunk`` entries (``e`` even): (blocks int32 ``[B|1, N|1, C * nb, e]``, counts ``[B|1, N|1, C * nb]``), chunk
     c of query block i at ``c * nb + i``."""
     lo, hi = layout.q_block_range
-    nb, m = hi - lo, layout.max_blocks
+    count = jnp.broadcast_to(layout.kv_block_count, layout.kv_block_count.shape[:2] + (layout.num_q_blocks,))
+    blocks = layout.kv_blocks if layout.kv_blocks.shape[2] == 1 else layout.kv_blocks[:, :, lo:hi]
+    (blocks,), counts = chunk_entries((blocks,), count[..., lo:hi], chunk)
+    return blocks, counts
+
+
+def chunk_entries(entries: tuple[jax.Array, ...], count: jax.Array, chunk: int
+                  ) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """Lists of ``nb`` query blocks cut into ``C = ceil(M / e)`` chunks of ``e <= chunk`` entries (``e`` even, so a
+    step of two entries stays in one chunk): ``entries`` are int arrays ``[B|1, N|1, nb|1, M]`` of one list (block
+    ids, or a window's start, lo and hi), ``count`` ``[B|1, N|1, nb]`` (clipped into ``[0, M]``) -> (each entry
+    array ``[B', N', C * nb, e]``, counts int32 ``[B|1, N|1, C * nb]``), chunk c of query block i at ``c * nb +
+    i``."""
+    nb, m = count.shape[2], entries[0].shape[-1]
     c = cdiv(m, chunk)
     e = round_up(cdiv(m, c), 2)
-    count = jnp.clip(jnp.broadcast_to(layout.kv_block_count, layout.kv_block_count.shape[:2] + (layout.num_q_blocks,)),
-                     0, m)[..., lo:hi]
-    blocks = layout.kv_blocks if layout.kv_blocks.shape[2] == 1 else layout.kv_blocks[:, :, lo:hi]
-    lead = blocks.shape[:2]
-    blocks = jnp.pad(jnp.broadcast_to(blocks, lead + (nb, m)), ((0, 0), (0, 0), (0, 0), (0, c * e - m)))
-    blocks = jnp.moveaxis(blocks.reshape(lead + (nb, c, e)), 3, 2).reshape(lead + (c * nb, e))
+    count = jnp.clip(count, 0, m)
+    lead = jnp.broadcast_shapes(*(x.shape[:2] for x in entries))
+    out = []
+    for x in entries:
+        x = jnp.pad(jnp.broadcast_to(x, lead + (nb, m)), ((0, 0), (0, 0), (0, 0), (0, c * e - m)))
+        out.append(jnp.moveaxis(x.reshape(lead + (nb, c, e)), 3, 2).reshape(lead + (c * nb, e)))
     counts = jnp.stack([jnp.clip(count - j * e, 0, e) for j in range(c)], axis=2)
-    return blocks, counts.reshape(count.shape[:2] + (c * nb,)).astype(jnp.int32)
+    return tuple(out), counts.reshape(count.shape[:2] + (c * nb,)).astype(jnp.int32)
 
 
 def row_chunk_entries(max_blocks: int, copy_bytes: int, chunk: int = ROW_CHUNK) -> int:

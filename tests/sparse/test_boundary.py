@@ -299,3 +299,44 @@ def test_straddling_keys_become_one_shared_column_list():
     np.testing.assert_array_equal(np.asarray(out.kv_column_count), [[[5, 0, 0], [0, 0, 0]]])
     np.testing.assert_array_equal(np.asarray(out.kv_block_count), [[[2, 2, 1], [2, 2, 1]]])
     check_layout_values(out)
+
+
+@pytest.mark.parametrize("wrap", ["q", "2d"])
+def test_a_kind_with_few_rows_runs_on_its_rows_alone(wrap):
+    """A query kind whose rows fill at most a quarter of the query blocks (the text of a long video): its parts in the
+    wrapper's row order name the blocks of its rows (the last, in that order) as their ``q_block_range`` and
+    `attend` merges them on those rows alone; parts of the other kind and parts with a row order of their own
+    (Grid's lines) do not. Exact against the layout's mask, and the same layout without the ranges gives the same
+    result. Spans unknown (ids traced): no ranges."""
+    s, text = 480, 40
+    q, k, v = random_qkv(21, 1, s, s, 2, 1, 16)
+    kinds = np.ones((1, s), np.int32)
+    kinds[0, :24], kinds[0, -16:] = 0, 0  # a prompt before the video and a question after it
+    m = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=24)
+    g = Grid(stride="frame", local=24, last_q=8, **SMALL)
+    w = (QBoundary({"video": g, "text": A}) if wrap == "q"
+         else TwoDBoundary({("video", "video"): g, ("text", "text"): A}, default=TRI))
+    layout = w.build_layout(q, k, modality=m)
+    text_parts = _parts(layout.parts[layout.kinds.index(0)])
+    nq = -(-s // 32)
+    assert (s - text) // 32 >= 0.75 * nq
+    ranges = [p.q_block_range for p in text_parts]  # (TriShape's last rows keep their own, inside the kind's)
+    assert ((s - text) // 32, nq) in ranges and all(r is not None and r[0] >= (s - text) // 32 for r in ranges)
+    video_ranges = [p.q_block_range for p in _parts(layout.parts[layout.kinds.index(1)])]
+    assert video_ranges.count(None) >= 2 and ((0, 1) in video_ranges)  # Grid's lines keep theirs
+    for part in _parts(layout):
+        check_layout_values(part)
+    ref, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    opts = KernelOptions(implementation="reference")
+    out, lse = mmjax.sparse.attend(q, k, v, layout, opts)
+    assert rel_err(out, ref) < 1e-5
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-4)
+    whole = RowSplit(tuple(LayoutSet(tuple(p.replace(q_block_range=None) for p in _parts(part)))
+                           for part in layout.parts), layout.row_kind, layout.kinds)
+    out_w, lse_w = mmjax.sparse.attend(q, k, v, whole, opts)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_w), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_w), atol=1e-6)
+    traced = jax.jit(lambda ids: w.build_layout(q, k, modality=Modality(ids=ids, names=m.names, frame_tokens=24)))(
+        m.ids)
+    assert [p.q_block_range for p in _parts(traced.parts[traced.kinds.index(0)])] == [
+        None if r == ((s - text) // 32, nq) else r for r in ranges]

@@ -86,10 +86,15 @@ def _check_inner(name: str, p) -> None:
         raise ValueError(f"{name}: expected an mmjax.sparse.patterns pattern; received {type(p).__name__}")
 
 
-def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, k_valid=None, frame_tokens=None) -> AnyLayout:
+def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, k_valid=None, frame_tokens=None,
+                           kind_rows: int | None = None) -> AnyLayout:
     """The intra layout of one query modality: rows of ``kind`` moved last (stable), the
     pattern estimated from them over the valid keys, query blocks without such rows
-    dropped, listed keys restricted to the valid ones (exactly, per key)."""
+    dropped, listed keys restricted to the valid ones (exactly, per key). ``kind_rows`` (static,
+    the most rows of ``kind`` in a batch row; None: unknown): the parts in the wrapper's row
+    order (no row order of their own) name the query blocks of those last rows as their
+    ``q_block_range`` where they are at most `ROW_RANGE_SHARE` of the blocks, so they run on
+    those rows alone (`_kind_range`)."""
     rows = _sort_perm((q_kind == kind).astype(jnp.int32))
     b, s = k.shape[0], k.shape[1]
     pl = Placement(rows=rows, k_group=jnp.zeros((b, s), jnp.int32), k_valid=k_valid, frame_tokens=frame_tokens)
@@ -98,7 +103,35 @@ def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, k_valid=No
     if k_valid is not None:
         n_valid = k_valid.sum(-1).astype(jnp.int32)[:, None]
         parts = [restrict_to_valid(p, n_valid) for p in parts]
+    own_order = [p.q_perm is pl.row_perm and p.q_block_range is None for p in parts]
+    ranges = [_kind_range(q.shape[1], p.block_q, kind_rows) if mine else None for p, mine in zip(parts, own_order)]
+    parts = [p if rng is None else p.replace(q_block_range=rng) for p, rng in zip(parts, ranges)]
     return with_parts(layout, parts)
+
+
+# A query modality's parts run on its rows alone (`BlockLayout.q_block_range`) where those rows fill at most this
+# share of the query blocks (the text of a long video: its parts otherwise compute, unpermute and merge whole outputs
+# for a few hundred rows).
+ROW_RANGE_SHARE = 0.25
+
+
+def _kind_range(t: int, block_q: int, kind_rows: int | None) -> tuple[int, int] | None:
+    """The query blocks ``(lo, nq)`` holding the last ``kind_rows`` of ``t`` rows, or None (unknown, none, or more
+    than `ROW_RANGE_SHARE` of the blocks)."""
+    nq = cdiv(t, block_q)
+    if not kind_rows:
+        return None
+    lo = (t - kind_rows) // block_q
+    return (lo, nq) if nq - lo <= ROW_RANGE_SHARE * nq else None
+
+
+def _query_rows(m: Modality, kind: int, t: int) -> int | None:
+    """The most query rows (the last ``t`` positions) of ``kind`` in a batch row, from the static spans (None when
+    they are unknown)."""
+    if m.spans is None:
+        return None
+    s = int(m.ids.shape[1])
+    return max(sum(max(0, min(e, s) - max(a, s - t)) for k_, a, e in row if k_ == kind) for row in m.spans)
 
 
 # -------------------------------------------------------------------- wrappers
@@ -177,7 +210,8 @@ class QBoundary(Pattern):
             if kind not in _present(m):
                 continue
             pattern = given.get(name, self.default)
-            layout = _query_modality_layout(pattern, q, k, q_kind, kind, frame_tokens=m.frame_tokens)
+            layout = _query_modality_layout(pattern, q, k, q_kind, kind, frame_tokens=m.frame_tokens,
+                                            kind_rows=_query_rows(m, kind, q.shape[1]))
             parts.append(layout)
             kinds.append(kind)
         return RowSplit(tuple(parts), q_kind, tuple(kinds))
@@ -246,7 +280,8 @@ class TwoDBoundary(Pattern):
             pair_parts = []
             for kk, pattern in mine:
                 layout = _query_modality_layout(pattern, q, k, q_kind, qk, k_valid=m.ids == kk,
-                                                frame_tokens=m.frame_tokens)
+                                                frame_tokens=m.frame_tokens,
+                                                kind_rows=_query_rows(m, qk, q.shape[1]))
                 pair_parts += list(block_parts(layout))
             parts.append(LayoutSet(tuple(pair_parts)))
             kinds.append(qk)

@@ -340,3 +340,34 @@ def test_mosaic_shared_columns_match_dense(column_pass):
                                          kv_column_count=jnp.asarray(rng.integers(0, 701, (1, n, nq)), jnp.int32))
     out, lse = block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=128 ** -0.5, column_pass=column_pass)
     _check(out, lse, q, k, v, layout, jnp.bfloat16)
+
+
+@needs_hopper
+@pytest.mark.parametrize("bq,perm", [(128, False), (64, True)])
+def test_mosaic_q_block_range_with_shared_columns_matches_dense(bq, perm):
+    """A row range with shared columns (a boundary wrapper's horizontal lines with the straddling keys): the rows
+    pass with the column tiles on each list, in chunks (`mosaic_gpu._rows_pass`), through `block_sparse_attention`
+    and `block_sparse_attention_rows`."""
+    rng = np.random.default_rng(bq + perm)
+    t, s, n, kh, lo, hi = 1000, 20000, 8, 2, 1, 3
+    q, k, v = random_qkv(13, 1, t, s, n, kh, 128, jnp.bfloat16)
+    nq, nk = -(-t // bq), -(-s // 64)
+    mask = rng.random((1, n, nq, nk)) < 0.7
+    mask[..., 250:] = False
+    mask[:, :, :lo] = mask[:, :, hi:] = False
+    cols = np.sort(rng.choice(np.arange(250 * 64, s), size=150, replace=False)).astype(np.int32)
+    ccount = np.where((np.arange(nq) >= lo) & (np.arange(nq) < hi), rng.integers(1, 151, (1, n, nq)), 0)
+    perms = dict(q_perm=jnp.asarray(rng.permutation(t), jnp.int32)[None, None],
+                 kv_perm=jnp.asarray(rng.permutation(s), jnp.int32)[None, None]) if perm else {}
+    layout = BlockLayout.from_block_mask(jnp.asarray(mask), q_len=t, kv_len=s, block_q=bq, block_k=64,
+                                         kv_columns=jnp.asarray(cols)[None, None, None],
+                                         kv_column_count=jnp.asarray(ccount, jnp.int32), **perms
+                                         ).replace(q_block_range=(lo, hi))
+    assert layout.max_blocks > 128  # more than one chunk
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)
+    rows, o, l = block_sparse_attention_rows(q, k, v, layout, implementation="mosaic_gpu")
+    r = np.broadcast_to(np.asarray(rows), (1, n, rows.shape[-1]))
+    for h in range(n):
+        ok = r[0, h] < t
+        np.testing.assert_array_equal(np.asarray(o)[0, ok, h], np.asarray(out)[0, r[0, h][ok], h])

@@ -222,6 +222,65 @@ def test_shared_columns_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, 
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_l)[fin], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t,s,n,kh,lo,hi,perm,chunk", [
+    (300, 1500, 4, 2, 1, 3, False, 4),  # lists (blocks, then column tiles) in 4-entry chunks
+    (260, 900, 2, 1, 0, 1, True, 128),  # permuted rows and keys, one chunk
+])
+def test_rows_pass_with_shared_columns(monkeypatch, t, s, n, kh, lo, hi, perm, chunk):
+    """A row range whose part also has `shared_columns` (the straddling keys a boundary wrapper's part lists) runs
+    as the rows pass (`row_range_pass`), its column tiles going on each list before it is cut into chunks: one
+    launch, exact against the layout's mask."""
+    monkeypatch.setattr(mosaic_gpu, "ROW_CHUNK", chunk)
+    launches = []
+    monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: launches.append(a[1].shape) or emulated_launch(*a, **kw))
+    rng = np.random.default_rng(t + s + lo)
+    q, k, v = random_qkv(8, 1, t, s, n, kh, 64, jnp.float32)
+    nq, nk, bk = -(-t // 128), -(-s // 64), 64
+    half = nk // 2
+    mask = rng.random((1, n, nq, nk)) < 0.6
+    mask[..., half:] = False  # blocks in the first half, columns in the second
+    mask[:, :, :lo] = mask[:, :, hi:] = False
+    cols = np.sort(rng.choice(np.arange(half * bk, s), size=100, replace=False)).astype(np.int32)
+    inside = (np.arange(nq) >= lo) & (np.arange(nq) < hi)
+    ccount = np.where(inside, rng.integers(0, 101, size=(1, n, nq)), 0).astype(np.int32)
+    ccount[0, 0, lo] = 100  # every column tile somewhere, and none elsewhere
+    ccount[0, -1, hi - 1] = 0
+    kv_perm = jnp.asarray(rng.permutation(s).astype(np.int32))[None, None] if perm else None
+    q_perm = jnp.asarray(rng.permutation(t).astype(np.int32))[None, None] if perm else None
+    layout = BlockLayout.from_block_mask(jnp.asarray(mask), q_len=t, kv_len=s, block_q=128, block_k=bk,
+                                         kv_columns=jnp.asarray(cols)[None, None, None],
+                                         kv_column_count=jnp.asarray(ccount), kv_perm=kv_perm, q_perm=q_perm
+                                         ).replace(q_block_range=(lo, hi))
+    assert mosaic_gpu.row_range_pass(layout) and not mosaic_gpu.row_range_pass(layout, "mosaic")
+    out, lse = mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(q, k, v, layout, sm_scale=64 ** -0.5,
+                                                                        key_pairs=False)
+    assert len(launches) == 1 and launches[0][1] > s  # the keys with the column tiles appended
+    ref_o, ref_l = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    assert rel_err(np.asarray(out), np.asarray(ref_o)) < 1e-5
+    fin = np.isfinite(np.asarray(ref_l))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_l)[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_entries_keep_every_window_once():
+    """`chunk_entries` cuts several arrays of one list alike (fused lists: starts, lo, hi) and counts each chunk."""
+    rng = np.random.default_rng(9)
+    m, nb = 11, 3
+    starts = jnp.asarray(rng.integers(0, 1000, (1, 2, nb, m)), jnp.int32)
+    his = starts + 7
+    count = jnp.asarray([[[11, 0, 5], [3, 9, 14]]], jnp.int32)  # 14: clipped to 11
+    (s_c, h_c), counts = mosaic_lists.chunk_entries((starts, his), count, 4)
+    c = counts.shape[2] // nb
+    assert c == 3 and s_c.shape[-1] == 4 and h_c.shape == s_c.shape
+    for h, i in np.ndindex(2, nb):
+        n_i = min(int(count[0, h, i]), m)
+        assert sum(int(counts[0, h, j * nb + i]) for j in range(c)) == n_i
+        got = np.concatenate([np.asarray(s_c)[0, h, j * nb + i, :int(counts[0, h, j * nb + i])] for j in range(c)])
+        np.testing.assert_array_equal(got, np.asarray(starts)[0, h, i, :n_i])
+        got_h = np.concatenate([np.asarray(h_c)[0, h, j * nb + i, :int(counts[0, h, j * nb + i])] for j in range(c)])
+        np.testing.assert_array_equal(got_h, got + 7)
+
+
 @pytest.mark.parametrize("windows,causal,gap,window", [(False, True, 0, 0), (False, True, 40, 0),
                                                        (False, True, 0, 300), (True, True, 16, 0),
                                                        (False, False, 0, 0)])
