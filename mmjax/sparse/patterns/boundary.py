@@ -7,12 +7,14 @@
   first modality).
 * `QBoundary({name: p})`: for each query modality m, rows are permuted so that m's rows
   come last; m's pattern is estimated from the last queries of m and built for every row;
-  query blocks holding no row of m are dropped. Each row takes the result of its own
+  query blocks holding no row of m are dropped (where the static spans say m's rows fill at
+  most `ROW_RANGE_SHARE` of the blocks, its parts name the blocks of its rows as their
+  ``q_block_range`` and run on those rows alone). Each row takes the result of its own
   modality's part (`RowSplit`).
 * `TwoDBoundary({(mq, mk): p})`: as QBoundary for the queries; each pair's pattern sees the
   keys of mk only (packed first; estimation over them), so every key is attended through
   the pattern of its own modality: a key block straddling mk's last key becomes single
-  columns. The pairs of one query modality are disjoint and are merged by lse
+  columns (one list shared by every query block and head). The pairs of one query modality are disjoint and are merged by lse
   (`LayoutSet`). Every (query kind, key kind) pair of the modalities present must be listed,
   or ``default`` given (it serves the unlisted pairs); ``skip_missing=True`` says explicitly
   that unlisted pairs are not computed (their rows may then see no key and give 0).
