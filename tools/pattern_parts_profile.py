@@ -25,7 +25,8 @@ Timing: the median of ``--reps`` samples, each of the calls queued for up to ``-
 a call) three single calls of one function differed by up to 15% within a run (2026-11-28); ``--reps 7 --batch-s
 0.15`` gave steady rows there (``tools/issue16_targets.sh patterns``). At 1M single calls (about 1 s) suffice.
 
-``--boundary k|2d`` wraps each pattern in `KBoundary` / `TwoDBoundary` over a text prefix and video (`boundary_input`).
+``--boundary k|q|2d`` wraps each pattern in `KBoundary` / `QBoundary` / `TwoDBoundary` over a text prefix, video and
+``--question`` text tokens after it (`boundary_input`).
 
 Writes ``pattern_parts_profile.json`` and a plot of each pattern's ratio per form (``.png``) into ``--out``.
 """
@@ -55,7 +56,7 @@ from mmjax.drivers.bench import trace_summary  # noqa: E402
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
 from mmjax.sparse.layouts import KernelOptions, RowSplit, attend, block_parts, with_parts  # noqa: E402
 from mmjax.sparse.modality import Modality  # noqa: E402
-from mmjax.sparse.patterns import AShape, KBoundary, TwoDBoundary  # noqa: E402
+from mmjax.sparse.patterns import AShape, KBoundary, QBoundary, TwoDBoundary  # noqa: E402
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
 from mmjax.timing import device_name, time_fn  # noqa: E402
 from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
@@ -168,9 +169,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--skip-triton", action="store_true", help="no attend on Triton")
     p.add_argument("--skip-parts", action="store_true", help="no per-part timings")
-    p.add_argument("--boundary", choices=("none", "k", "2d"), default="none",
+    p.add_argument("--boundary", choices=("none", "k", "q", "2d"), default="none",
                    help="each pattern inside a boundary wrapper (`boundary_input`) over --text text tokens, then video")
     p.add_argument("--text", type=int, default=1024, help="text tokens before the video with --boundary")
+    p.add_argument("--question", type=int, default=0, help="text tokens after the video with --boundary")
     p.add_argument("--mask-ab", action="store_true",
                    help="also time attend with the position mask on every entry (no `visible_entries` skip)")
     args = p.parse_args(argv)
@@ -188,8 +190,8 @@ def main(argv=None) -> int:
     pats = dict(gpu_patterns(), **frame_grid_patterns())
     wrap, mod = (lambda p: p), None
     if args.boundary != "none":
-        wrap, mod = boundary_input(args.boundary, args.text, s)
-        result["meta"].update(boundary=args.boundary, text_tokens=args.text)
+        wrap, mod = boundary_input(args.boundary, args.text, s, args.question)
+        result["meta"].update(boundary=args.boundary, text_tokens=args.text, question_tokens=args.question)
     for name in args.patterns:
         try:
             result["patterns"][name] = profile_pattern(name, wrap(pats[name]), q, k, v, t_cudnn, args, mod)
@@ -240,15 +242,19 @@ def timed(fn, args) -> float:
     return time_fn(fn, reps=args.reps, min_batch_s=args.batch_s)["ms"]
 
 
-def boundary_input(wrap: str, text: int, s: int):
+def boundary_input(wrap: str, text: int, s: int, question: int = 0):
     """(wrapper of a pattern, `Modality`) for ``--boundary``: ``text`` text tokens, then video frames of 256 tokens
-    (`video_qkv`'s 16 x 16); "k": `KBoundary`, "2d": `TwoDBoundary` with the pattern on video rows x video keys and
-    A-shape (sink 128, local 1024) on the other pairs."""
+    (`video_qkv`'s 16 x 16), then ``question`` text tokens; "k": `KBoundary`, "q": `QBoundary` with the pattern on
+    the video rows and A-shape (sink 128, local 1024) on the text rows, "2d": `TwoDBoundary` with the pattern on
+    video rows x video keys and that A-shape on the other pairs."""
     kinds = np.ones((1, s), np.int32)
     kinds[0, :text] = 0
+    if question:
+        kinds[0, s - question:] = 0
     mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=256)
     other = AShape(sink=128, local=1024)
-    wrapper = {"k": KBoundary, "2d": lambda p: TwoDBoundary({("video", "video"): p}, default=other)}[wrap]
+    wrapper = {"k": KBoundary, "q": lambda p: QBoundary({"video": p}, default=other),
+               "2d": lambda p: TwoDBoundary({("video", "video"): p}, default=other)}[wrap]
     return wrapper, mod
 
 
