@@ -55,7 +55,8 @@ class Placement:
     def row_perm(self) -> jax.Array:
         """int32 ``[B, 1, T]``: ``rows`` as a layout's ``q_perm``; `q_positions` returns this very array for a
         pattern without a row order of its own, so a wrapper can tell its parts in its own row order (``part.q_perm
-        is placement.row_perm``) from parts with an inner order (Grid's lines)."""
+        is placement.row_perm``) from parts with an inner order (Grid's lines). A placement rebuilt from its
+        leaves (through a jit boundary) has a new one: its parts then look like parts with an order of their own."""
         return self.rows[:, None].astype(jnp.int32)
 
     @classmethod
@@ -183,7 +184,7 @@ def restrict_to_valid(part: BlockLayout, n_valid: jax.Array) -> BlockLayout:
     with the existing columns, which stay distinct and outside listed blocks; a part without
     columns and ``n_valid`` ``[B, 1]`` gets them as one list shared by every query block and
     head, ``[B, 1, 1, block_k]``, each block reading the valid prefix where it listed the block)."""
-    bk, s = part.block_k, part.kv_len
+    bk = part.block_k
     nq = part.kv_block_count.shape[-1]
     lead = jnp.broadcast_shapes(part.kv_block_count.shape[:2], n_valid.shape[:2])
     blocks = jnp.broadcast_to(part.kv_blocks, lead + (nq, part.kv_blocks.shape[-1]))

@@ -31,6 +31,8 @@ from pallas_kernels.block_sparse.mosaic_lists import (
     chunk_entries,
     chunk_lists,
     fused_lists,
+    in_range,
+    range_lists,
     row_chunk_entries,
     window_tiles,
 )
@@ -151,11 +153,9 @@ def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad,
         lead = jnp.broadcast_shapes(k_pos.shape[:2], pos_c.shape[:2])
         k_pos = jnp.concatenate([jnp.broadcast_to(k_pos, lead + k_pos.shape[2:]),
                                  jnp.broadcast_to(pos_c, lead + pos_c.shape[2:])], axis=-1)
-        own = lambda x: x if x.shape[2] == 1 else x[:, :, lo:hi]  # noqa: E731 (the range's query blocks)
-        count = jnp.broadcast_to(layout.kv_block_count, layout.kv_block_count.shape[:2] + (layout.num_q_blocks,))
-        starts, w_lo, w_hi, total = fused_lists(own(layout.kv_blocks), jnp.clip(count[..., lo:hi], 0,
-                                                                                 layout.max_blocks),
-                                                own(ccount), block_k=bk, num_kv_blocks=nk, tiles=tiles)
+        blocks, count = range_lists(layout)
+        starts, w_lo, w_hi, total = fused_lists(blocks, count, in_range(ccount, layout), block_k=bk,
+                                                num_kv_blocks=nk, tiles=tiles)
         (blocks, w_lo, w_hi), count = chunk_entries(
             (starts, w_lo, w_hi), total, row_chunk_entries(starts.shape[-1], copy_bytes, ROW_CHUNK))
         ranges, num_kv_blocks = (w_lo, w_hi), nk + tiles

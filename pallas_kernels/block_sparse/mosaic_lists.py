@@ -1,7 +1,7 @@
 """The block-sparse Mosaic GPU kernel's list operands, built from a layout with jax.numpy (pure functions, tested on
 the CPU): the persistent grid's item order (`item_order`), the entries whose position mask the kernel skips
-(`visible_entries`), key windows as TMA tiles (`window_tiles`), a row range's lists in chunks (`chunk_lists`,
-`chunk_entries`, `row_chunk_entries`) and shared columns appended to each list (`fused_lists`).
+(`visible_entries`), key windows as TMA tiles (`window_tiles`), a row range's lists in chunks (`range_lists`,
+`chunk_lists`, `chunk_entries`, `row_chunk_entries`) and shared columns appended to each list (`fused_lists`).
 """
 
 from __future__ import annotations
@@ -178,11 +178,24 @@ def chunk_lists(layout: BlockLayout, chunk: int) -> tuple[jax.Array, jax.Array]:
     """The lists of the query blocks in ``q_block_range`` cut into ``C = ceil(max_blocks / e)`` chunks of ``e <=
     chunk`` entries (``e`` even): (blocks int32 ``[B|1, N|1, C * nb, e]``, counts ``[B|1, N|1, C * nb]``), chunk
     c of query block i at ``c * nb + i``."""
+    blocks, count = range_lists(layout)
+    (blocks,), counts = chunk_entries((blocks,), count, chunk)
+    return blocks, counts
+
+
+def range_lists(layout: BlockLayout) -> tuple[jax.Array, jax.Array]:
+    """The key-block lists of the query blocks in ``q_block_range`` (``nb`` of them): (blocks int32 ``[B|1, N|1,
+    nb|1, M]``, counts ``[B|1, N|1, nb]`` clipped into ``[0, M]``)."""
     lo, hi = layout.q_block_range
     count = jnp.broadcast_to(layout.kv_block_count, layout.kv_block_count.shape[:2] + (layout.num_q_blocks,))
-    blocks = layout.kv_blocks if layout.kv_blocks.shape[2] == 1 else layout.kv_blocks[:, :, lo:hi]
-    (blocks,), counts = chunk_entries((blocks,), count[..., lo:hi], chunk)
-    return blocks, counts
+    return in_range(layout.kv_blocks, layout), jnp.clip(count[..., lo:hi], 0, layout.max_blocks)
+
+
+def in_range(x: jax.Array, layout: BlockLayout) -> jax.Array:
+    """A per-query-block array ``[B|1, N|1, nq|1, ...]`` of ``layout`` on the blocks of its ``q_block_range`` (a
+    broadcast query-block axis stays 1)."""
+    lo, hi = layout.q_block_range
+    return x if x.shape[2] == 1 else x[:, :, lo:hi]
 
 
 def chunk_entries(entries: tuple[jax.Array, ...], count: jax.Array, chunk: int

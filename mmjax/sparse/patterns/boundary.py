@@ -14,10 +14,11 @@
 * `TwoDBoundary({(mq, mk): p})`: as QBoundary for the queries; each pair's pattern sees the
   keys of mk only (packed first; estimation over them), so every key is attended through
   the pattern of its own modality: a key block straddling mk's last key becomes single
-  columns (one list shared by every query block and head). The pairs of one query modality are disjoint and are merged by lse
-  (`LayoutSet`). Every (query kind, key kind) pair of the modalities present must be listed,
-  or ``default`` given (it serves the unlisted pairs); ``skip_missing=True`` says explicitly
-  that unlisted pairs are not computed (their rows may then see no key and give 0).
+  columns (one list shared by every query block and head). The pairs of one query modality
+  are disjoint and are merged by lse (`LayoutSet`). Every (query kind, key kind) pair of the
+  modalities present must be listed, or ``default`` given (it serves the unlisted pairs);
+  ``skip_missing=True`` says explicitly that unlisted pairs are not computed (their rows may
+  then see no key and give 0).
 
 Inner patterns build through `Pattern.build_placed` (`mmjax.sparse.placement`): windows, slash
 offsets, Grid line phases and causal cut-offs are on original positions whatever the
