@@ -301,6 +301,19 @@ def test_mosaic_overlap_matches_dense(bq, bk, pairs, perm, columns, windows, den
         np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_default)[fin], atol=1e-2)
 
 
+def _check_range_layout(q, k, v, layout):
+    """A layout with a q_block_range through `block_sparse_attention` (a whole result, against the masked dense
+    reference) and `block_sparse_attention_rows` (its rows: the whole result's, bit for bit)."""
+    t, n = q.shape[1], q.shape[2]
+    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)
+    rows, o, l = block_sparse_attention_rows(q, k, v, layout, implementation="mosaic_gpu")
+    r = np.broadcast_to(np.asarray(rows), (1, n, rows.shape[-1]))
+    for h in range(n):
+        ok = r[0, h] < t
+        np.testing.assert_array_equal(np.asarray(o)[0, ok, h], np.asarray(out)[0, r[0, h][ok], h])
+
+
 @needs_hopper
 @pytest.mark.parametrize("t,s,n,kh,bq,lo,hi,perm,gap", [
     (300, 20000, 8, 2, 128, 2, 3, False, 0),  # the last (ragged) block over 313 64-key blocks: 3 chunks
@@ -313,13 +326,7 @@ def test_mosaic_q_block_range_matches_dense(t, s, n, kh, bq, lo, hi, perm, gap):
     q, k, v = random_qkv(11, 1, t, s, n, kh, 128, jnp.bfloat16)
     layout = range_layout(rng, 1, n, t, s, bq, 64, lo, hi, perm=perm, density=0.7).replace(gap=gap)
     assert layout.max_blocks > 128  # more than one chunk
-    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
-    _check(out, lse, q, k, v, layout, jnp.bfloat16)
-    rows, o, l = block_sparse_attention_rows(q, k, v, layout, implementation="mosaic_gpu")
-    r = np.broadcast_to(np.asarray(rows), (1, n, rows.shape[-1]))
-    for h in range(n):
-        ok = r[0, h] < t
-        np.testing.assert_array_equal(np.asarray(o)[0, ok, h], np.asarray(out)[0, r[0, h][ok], h])
+    _check_range_layout(q, k, v, layout)
 
 
 @needs_hopper
@@ -364,10 +371,4 @@ def test_mosaic_q_block_range_with_shared_columns_matches_dense(bq, perm):
                                          kv_column_count=jnp.asarray(ccount, jnp.int32), **perms
                                          ).replace(q_block_range=(lo, hi))
     assert layout.max_blocks > 128  # more than one chunk
-    out, lse = block_sparse_attention(q, k, v, layout, implementation="mosaic_gpu")
-    _check(out, lse, q, k, v, layout, jnp.bfloat16)
-    rows, o, l = block_sparse_attention_rows(q, k, v, layout, implementation="mosaic_gpu")
-    r = np.broadcast_to(np.asarray(rows), (1, n, rows.shape[-1]))
-    for h in range(n):
-        ok = r[0, h] < t
-        np.testing.assert_array_equal(np.asarray(o)[0, ok, h], np.asarray(out)[0, r[0, h][ok], h])
+    _check_range_layout(q, k, v, layout)

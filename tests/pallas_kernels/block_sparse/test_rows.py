@@ -153,6 +153,15 @@ def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups, bl
     return out.astype(q_in.dtype), lse
 
 
+def _assert_matches_mask(out, lse, q, k, v, layout):
+    """out / lse (float32 inputs, the kernel emulated) against masked dense attention over the layout's mask."""
+    ref_o, ref_l = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    assert rel_err(np.asarray(out), np.asarray(ref_o)) < 1e-5
+    fin = np.isfinite(np.asarray(ref_l))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_l)[fin], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("t,s,n,kh,bq,lo,hi,perm,gap,chunk", [
     (300, 2000, 4, 2, 128, 2, 3, False, 0, 6),  # the last (ragged) block, lists in 6-entry chunks
     (256, 1200, 2, 1, 64, 0, 3, True, 64, 4),  # permuted rows and keys, a causal gap, 64-row blocks
@@ -168,12 +177,7 @@ def test_rows_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, bq, lo, hi
         assert -(-lay.max_blocks // chunk) > 1
     rows, o, l = mosaic_gpu.block_sparse_attention_rows_mosaic_gpu.__wrapped__(q, k, v, lay, sm_scale=64 ** -0.5,
                                                                                key_pairs=False)
-    ref_o, ref_l = masked_dense_attention(q, k, v, lay.to_dense_mask())
-    got_o, got_l = scatter_rows(rows, o, l, t)
-    assert rel_err(np.asarray(got_o), np.asarray(ref_o)) < 1e-5
-    fin = np.isfinite(np.asarray(ref_l))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(got_l)), fin)
-    np.testing.assert_allclose(np.asarray(got_l)[fin], np.asarray(ref_l)[fin], rtol=1e-5, atol=1e-5)
+    _assert_matches_mask(*scatter_rows(rows, o, l, t), q, k, v, lay)
 
 
 def test_chunked_lists_keep_every_entry_once():
@@ -215,11 +219,7 @@ def test_shared_columns_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, 
     out, lse = mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(q, k, v, layout, sm_scale=64 ** -0.5,
                                                                         column_pass=column_pass)
     assert len(launches) == (2 if column_pass == "mosaic" else 1)
-    ref_o, ref_l = masked_dense_attention(q, k, v, layout.to_dense_mask())
-    assert rel_err(np.asarray(out), np.asarray(ref_o)) < 1e-5
-    fin = np.isfinite(np.asarray(ref_l))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_l)[fin], rtol=1e-5, atol=1e-5)
+    _assert_matches_mask(out, lse, q, k, v, layout)
 
 
 @pytest.mark.parametrize("t,s,n,kh,lo,hi,perm,chunk", [
@@ -255,11 +255,7 @@ def test_rows_pass_with_shared_columns(monkeypatch, t, s, n, kh, lo, hi, perm, c
     out, lse = mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(q, k, v, layout, sm_scale=64 ** -0.5,
                                                                         key_pairs=False)
     assert len(launches) == 1 and launches[0][1] > s  # the keys with the column tiles appended
-    ref_o, ref_l = masked_dense_attention(q, k, v, layout.to_dense_mask())
-    assert rel_err(np.asarray(out), np.asarray(ref_o)) < 1e-5
-    fin = np.isfinite(np.asarray(ref_l))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_l)[fin], rtol=1e-5, atol=1e-5)
+    _assert_matches_mask(out, lse, q, k, v, layout)
 
 
 def test_chunked_entries_keep_every_window_once():
