@@ -34,7 +34,6 @@ Writes ``pattern_parts_profile.json`` and a plot of each pattern's ratio per for
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
 import json
@@ -54,7 +53,7 @@ from jsonl_log import write_atomic  # noqa: E402
 
 from mmjax.drivers.bench import trace_summary  # noqa: E402
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
-from mmjax.sparse.layouts import KernelOptions, RowSplit, attend, block_parts, with_parts  # noqa: E402
+from mmjax.sparse.layouts import KernelOptions, attend, block_parts, map_parts  # noqa: E402
 from mmjax.sparse.modality import Modality  # noqa: E402
 from mmjax.sparse.patterns import AShape, KBoundary, QBoundary, TwoDBoundary  # noqa: E402
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
@@ -259,11 +258,10 @@ def boundary_input(wrap: str, text: int, s: int, question: int = 0):
 
 
 def without_ranges(layout):
-    """The layout with every part over all its rows (no ``q_block_range``), its structure kept: a `RowSplit`'s
-    parts stay one layout per row kind (until 2026-11-29 this took the first part of a `RowSplit` alone)."""
-    if isinstance(layout, RowSplit):
-        return dataclasses.replace(layout, parts=tuple(without_ranges(p) for p in layout.parts))
-    return with_parts(layout, [part.replace(q_block_range=None) for part in block_parts(layout)])
+    """The layout with every part over all its rows (no ``q_block_range``), its structure kept (`map_parts`: a
+    `RowSplit`'s parts stay one layout per row kind; until 2026-11-29 this took the first part of a `RowSplit`
+    alone)."""
+    return map_parts(layout, lambda part: part.replace(q_block_range=None))
 
 
 def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:

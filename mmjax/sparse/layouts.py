@@ -124,6 +124,16 @@ def with_parts(layout: AnyLayout, parts) -> AnyLayout:
     return LayoutSet(tuple(parts)) if isinstance(layout, LayoutSet) else parts[0]
 
 
+def map_parts(layout: Layout, fn) -> Layout:
+    """The same layout (a `BlockLayout`, `LayoutSet` or `RowSplit`, its structure kept) with ``fn`` applied to each of
+    its `BlockLayout` parts (``fn``: `BlockLayout` -> `BlockLayout`)."""
+    if isinstance(layout, RowSplit):
+        return dataclasses.replace(layout, parts=tuple(map_parts(p, fn) for p in layout.parts))
+    if not isinstance(layout, (BlockLayout, LayoutSet)):
+        raise ValueError(f"layout: expected a BlockLayout, LayoutSet or RowSplit; received {type(layout).__name__}")
+    return with_parts(layout, [fn(p) for p in block_parts(layout)])
+
+
 def summed_density(parts, causal: bool = True) -> jax.Array:
     """Sum of the parts' densities (the tiles all their kernel launches compute), ``[B|1, N|1]``."""
     total = parts[0].density(causal)

@@ -141,18 +141,13 @@ def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad,
     rows = layout.range_rows()
     r = rows.shape[-1]
     copy_bytes = b * r * n * d_pad * q.dtype.itemsize
-    k_in, v_in, groups = _prepared_kv(k, v, layout, n // k.shape[2], d_pad)
-    k_pos = _positions_or_iota(layout.kv_perm, s, nk * bk, 0)
     if layout.kv_columns is None:
+        k_in, v_in, groups = _prepared_kv(k, v, layout, n // k.shape[2], d_pad)
+        k_pos = _positions_or_iota(layout.kv_perm, s, nk * bk, 0)
         blocks, count = chunk_lists(layout, row_chunk_entries(layout.max_blocks, copy_bytes, ROW_CHUNK))
         ranges, num_kv_blocks = None, nk
     else:  # fused_columns: each list goes on with its column tiles, as key windows
-        k_c, v_c, pos_c, ccount = _shared_column_keys(k, v, layout, d_pad)
-        tiles = k_c.shape[1] // bk
-        k_in, v_in = jnp.concatenate([k_in, k_c], axis=1), jnp.concatenate([v_in, v_c], axis=1)
-        lead = jnp.broadcast_shapes(k_pos.shape[:2], pos_c.shape[:2])
-        k_pos = jnp.concatenate([jnp.broadcast_to(k_pos, lead + k_pos.shape[2:]),
-                                 jnp.broadcast_to(pos_c, lead + pos_c.shape[2:])], axis=-1)
+        k_in, v_in, groups, k_pos, ccount, tiles = _keys_with_columns(k, v, layout, n // k.shape[2], d_pad)
         blocks, count = range_lists(layout)
         starts, w_lo, w_hi, total = fused_lists(blocks, count, in_range(ccount, layout), block_k=bk,
                                                 num_kv_blocks=nk, tiles=tiles)
@@ -221,22 +216,30 @@ def fused_columns(layout: BlockLayout) -> bool:
     return shared_columns(layout) and not layout.kv_windows
 
 
+def _keys_with_columns(k, v, layout: BlockLayout, groups: int, d_pad: int):
+    """The keys of a `fused_columns` launch: the prepared k / v in the layout's key order (`_prepared_kv`) with the
+    `shared_columns`' keys appended (`_shared_column_keys`, ``tiles`` tiles of ``block_k``), and every key's
+    original position -> (k_in, v_in, groups, k_pos int32 ``[B|1, N|1, (nk + tiles) * block_k]``, the columns each
+    query block reads ``[B|1, N|1, nq]``, tiles)."""
+    s, bk = k.shape[1], layout.block_k
+    k_in, v_in, groups = _prepared_kv(k, v, layout, groups, d_pad)
+    k_c, v_c, pos_c, ccount = _shared_column_keys(k, v, layout, d_pad)
+    pos_b = _positions_or_iota(layout.kv_perm, s, layout.num_kv_blocks * bk, 0)
+    lead = jnp.broadcast_shapes(pos_b.shape[:2], pos_c.shape[:2])
+    k_pos = jnp.concatenate([jnp.broadcast_to(pos_b, lead + pos_b.shape[2:]),
+                             jnp.broadcast_to(pos_c, lead + pos_c.shape[2:])], axis=-1)
+    return (jnp.concatenate([k_in, k_c], axis=1), jnp.concatenate([v_in, v_c], axis=1), groups, k_pos, ccount,
+            k_c.shape[1] // bk)
+
+
 def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
                        pair, overlap, pingpong, heads_first=False, profile=None):
     """The block pass and the `shared_columns` in one launch (``column_pass="fused"``): the columns' keys gathered
     once per key / value head (`_shared_column_keys`) are appended to the prepared k / v, each query block's list
     goes on with its column tiles (`fused_lists`), and every key carries its original position; no second output
     and no merge."""
-    s = k.shape[1]
     bk, nk = layout.block_k, layout.num_kv_blocks
-    k_in, v_in, groups = _prepared_kv(k, v, layout, q_in.shape[2] // k.shape[2], d_pad)
-    k_c, v_c, pos_c, ccount = _shared_column_keys(k, v, layout, d_pad)
-    tiles = k_c.shape[1] // bk
-    k_in, v_in = jnp.concatenate([k_in, k_c], axis=1), jnp.concatenate([v_in, v_c], axis=1)
-    pos_b = _positions_or_iota(layout.kv_perm, s, nk * bk, 0)
-    lead = jnp.broadcast_shapes(pos_b.shape[:2], pos_c.shape[:2])
-    k_pos = jnp.concatenate([jnp.broadcast_to(pos_b, lead + pos_b.shape[2:]),
-                             jnp.broadcast_to(pos_c, lead + pos_c.shape[2:])], axis=-1)
+    k_in, v_in, groups, k_pos, ccount, tiles = _keys_with_columns(k, v, layout, q_in.shape[2] // k.shape[2], d_pad)
     q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
     starts, lo, hi, count = fused_lists(layout.kv_blocks, jnp.clip(layout.kv_block_count, 0, layout.max_blocks),
                                         ccount, block_k=bk, num_kv_blocks=nk, tiles=tiles)

@@ -186,14 +186,18 @@ def chunk_lists(layout: BlockLayout, chunk: int) -> tuple[jax.Array, jax.Array]:
 def range_lists(layout: BlockLayout) -> tuple[jax.Array, jax.Array]:
     """The key-block lists of the query blocks in ``q_block_range`` (``nb`` of them): (blocks int32 ``[B|1, N|1,
     nb|1, M]``, counts ``[B|1, N|1, nb]`` clipped into ``[0, M]``)."""
-    lo, hi = layout.q_block_range
     count = jnp.broadcast_to(layout.kv_block_count, layout.kv_block_count.shape[:2] + (layout.num_q_blocks,))
-    return in_range(layout.kv_blocks, layout), jnp.clip(count[..., lo:hi], 0, layout.max_blocks)
+    return in_range(layout.kv_blocks, layout), jnp.clip(in_range(count, layout), 0, layout.max_blocks)
 
 
 def in_range(x: jax.Array, layout: BlockLayout) -> jax.Array:
     """A per-query-block array ``[B|1, N|1, nq|1, ...]`` of ``layout`` on the blocks of its ``q_block_range`` (a
     broadcast query-block axis stays 1)."""
+    if layout.q_block_range is None:
+        raise ValueError("layout.q_block_range: expected (lo, hi) (the query blocks that list anything); received None")
+    if x.ndim < 3 or x.shape[2] not in (1, layout.num_q_blocks):
+        raise ValueError(f"x: expected [B|1, N|1, nq|1, ...] with nq = {layout.num_q_blocks}; received "
+                         f"{list(x.shape)}")
     lo, hi = layout.q_block_range
     return x if x.shape[2] == 1 else x[:, :, lo:hi]
 
@@ -205,6 +209,14 @@ def chunk_entries(entries: tuple[jax.Array, ...], count: jax.Array, chunk: int
     ids, or a window's start, lo and hi), ``count`` ``[B|1, N|1, nb]`` (clipped into ``[0, M]``) -> (each entry
     array ``[B', N', C * nb, e]``, counts int32 ``[B|1, N|1, C * nb]``), chunk c of query block i at ``c * nb +
     i``."""
+    if (not entries or count.ndim != 3 or not jnp.issubdtype(count.dtype, jnp.integer)
+            or any(x.ndim != 4 or not jnp.issubdtype(x.dtype, jnp.integer) or x.shape[-1] != entries[0].shape[-1]
+                   or x.shape[2] not in (1, count.shape[2]) for x in entries)):
+        raise ValueError(f"entries, count: expected int arrays [B|1, N|1, nb|1, M] (one M) and [B|1, N|1, nb]; "
+                         f"received {[f'{x.dtype}{list(x.shape)}' for x in entries]} and "
+                         f"{count.dtype}{list(count.shape)}")
+    if not isinstance(chunk, int) or chunk < 2:
+        raise ValueError(f"chunk: expected an int >= 2 (entries per chunk, even); received {chunk!r}")
     nb, m = count.shape[2], entries[0].shape[-1]
     c = cdiv(m, chunk)
     e = round_up(cdiv(m, c), 2)

@@ -8,7 +8,7 @@ import pytest
 
 import mmjax
 from mmjax import Modality
-from mmjax.sparse.layouts import LayoutSet
+from mmjax.sparse.layouts import LayoutSet, map_parts
 from mmjax.sparse.patterns import (
     AShape,
     Dense,
@@ -331,8 +331,7 @@ def test_a_kind_with_few_rows_runs_on_its_rows_alone(wrap):
     out, lse = mmjax.sparse.attend(q, k, v, layout, opts)
     assert rel_err(out, ref) < 1e-5
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-4)
-    whole = RowSplit(tuple(LayoutSet(tuple(p.replace(q_block_range=None) for p in _parts(part)))
-                           for part in layout.parts), layout.row_kind, layout.kinds)
+    whole = map_parts(layout, lambda p: p.replace(q_block_range=None))
     out_w, lse_w = mmjax.sparse.attend(q, k, v, whole, opts)
     np.testing.assert_allclose(np.asarray(out), np.asarray(out_w), atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_w), atol=1e-6)
@@ -340,3 +339,21 @@ def test_a_kind_with_few_rows_runs_on_its_rows_alone(wrap):
         m.ids)
     assert [p.q_block_range for p in _parts(traced.parts[traced.kinds.index(0)])] == [
         None if r == ((s - text) // 32, nq) else r for r in ranges]
+
+
+def test_map_parts_keeps_the_structure():
+    """`map_parts` applies a function to every `BlockLayout` of a `RowSplit` of `LayoutSet`s and keeps both levels;
+    anything else is refused by name."""
+    s = 256
+    q, k, _ = random_qkv(25, 1, s, s, 2, 1, 16)
+    kinds = np.ones((1, s), np.int32)
+    kinds[0, :40] = 0
+    m = Modality.from_token_types(kinds, names=("text", "video"))
+    layout = TwoDBoundary({("video", "video"): A}, default=TRI).build_layout(q, k, modality=m)
+    out = map_parts(layout, lambda p: p.replace(gap=3))
+    assert isinstance(out, RowSplit) and out.kinds == layout.kinds
+    assert [type(p) for p in out.parts] == [type(p) for p in layout.parts]
+    assert [len(_parts(p)) for p in out.parts] == [len(_parts(p)) for p in layout.parts]
+    assert all(p.gap == 3 for p in _parts(out))
+    with pytest.raises(ValueError, match="layout: expected a BlockLayout, LayoutSet or RowSplit; received tuple"):
+        map_parts((1,), lambda p: p)

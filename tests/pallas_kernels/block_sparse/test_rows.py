@@ -378,3 +378,16 @@ def test_non_finite_values_with_the_kernel_emulated(monkeypatch, poison):
         assert rel_err(o[0, :200], np.asarray(ref)[0, :200]) < 1e-5
     with pytest.raises(ValueError, match="poison: expected None, True or False"):
         mosaic_gpu.block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=0.125, poison=1)
+
+
+def test_range_list_helpers_name_bad_inputs():
+    """`chunk_entries` / `in_range` refuse what they cannot cut, naming the argument."""
+    lay = range_layout(np.random.default_rng(10), 1, 2, 300, 900, 128, 64, 1, 3)
+    with pytest.raises(ValueError, match=r"entries, count: expected int arrays"):
+        mosaic_lists.chunk_entries((lay.kv_blocks[..., 0],), lay.kv_block_count, 4)
+    with pytest.raises(ValueError, match=r"chunk: expected an int >= 2"):
+        mosaic_lists.chunk_entries((lay.kv_blocks,), lay.kv_block_count, 1)
+    with pytest.raises(ValueError, match=r"layout.q_block_range: expected \(lo, hi\)"):
+        mosaic_lists.in_range(lay.kv_block_count, lay.replace(q_block_range=None))
+    with pytest.raises(ValueError, match=r"x: expected \[B\|1, N\|1, nq\|1, ...\] with nq = 3"):
+        mosaic_lists.in_range(lay.kv_block_count[:, :, :2], lay)
