@@ -9,6 +9,9 @@ A boundary wrapper hands the inner pattern the *original* q / k plus a `Placemen
   are packed by modality; otherwise 0), ``num_groups`` groups (static).
 * ``k_valid`` bool ``[B, S]`` or None: the keys the pattern may list (TwoDBoundary: keys of
   the pair's key modality).
+* ``est_order`` int32 ``[B, T]`` or None: rows whose last ones the pattern estimates from, where
+  they are not the last of ``rows`` (a wrapper that keeps a modality's rows in place: its
+  rows in the original order, estimation from that modality's last rows).
 * ``frame_tokens`` (static int or None): tokens per video frame, from the wrapper's
   `Modality` (a Grid with ``stride="frame"`` uses it). Invalid keys are packed last and never computed: a key block
   straddling the valid / invalid boundary is replaced by single columns of its valid keys,
@@ -48,6 +51,7 @@ class Placement:
     rows: jax.Array
     k_group: jax.Array
     k_valid: jax.Array | None = None
+    est_order: jax.Array | None = None
     num_groups: int = dataclasses.field(default=1, metadata=dict(static=True))
     frame_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
@@ -59,17 +63,25 @@ class Placement:
         leaves (through a jit boundary) has a new one: its parts then look like parts with an order of their own."""
         return self.rows[:, None].astype(jnp.int32)
 
+    @functools.cached_property
+    def plain_keys(self) -> "KeyOrder":
+        """`pack_keys` without an inner split, one object per placement, so a wrapper can tell the parts whose keys
+        are in this order (``part.kv_perm is placement.plain_keys.perm``): with every key valid and one group it
+        is the original order."""
+        return _pack(self, None, 1)
+
     @classmethod
     def identity(cls, b: int, t: int, s: int) -> "Placement":
         return cls(rows=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
                    k_group=jnp.zeros((b, s), jnp.int32))
 
     def est_rows(self, last_q: int) -> jax.Array:
-        """int32 ``[B, last_q]``: the last rows of the row order (used for estimation)."""
+        """int32 ``[B, last_q]``: the last rows of ``est_order`` (default: the row order), used for estimation."""
         t = self.rows.shape[1]
         if not 1 <= last_q <= t:
             raise ValueError(f"last_q: expected 1 <= last_q <= T={t} (query length); received {last_q}")
-        return self.rows[:, t - last_q:]
+        order = self.rows if self.est_order is None else self.est_order
+        return order[:, t - last_q:]
 
 
 @jax.tree_util.register_dataclass
@@ -91,7 +103,14 @@ class KeyOrder:
 
 def pack_keys(pl: Placement, inner: jax.Array | None = None, num_inner: int = 1) -> KeyOrder:
     """Pack keys by (invalid, group, inner class, position). inner: int32 ``[B|1, N|1, S]``
-    in ``[0, num_inner)`` (original key order) or None."""
+    in ``[0, num_inner)`` (original key order) or None. Without ``inner`` this is the
+    placement's own `Placement.plain_keys` (the same object on every call)."""
+    if inner is None and num_inner == 1:
+        return pl.plain_keys
+    return _pack(pl, inner, num_inner)
+
+
+def _pack(pl: Placement, inner: jax.Array | None, num_inner: int) -> KeyOrder:
     b, s = pl.k_group.shape
     pos = jnp.arange(s, dtype=jnp.int32)
     invalid = jnp.zeros((b, s), jnp.int32) if pl.k_valid is None else (~pl.k_valid).astype(jnp.int32)

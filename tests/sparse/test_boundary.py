@@ -22,6 +22,7 @@ from mmjax.sparse.patterns import (
     TriShape,
     TwoDBoundary,
     VerticalSlash,
+    boundary,
 )
 from mmjax.sparse.placement import restrict_to_valid
 from pallas_kernels import BlockLayout
@@ -357,3 +358,36 @@ def test_map_parts_keeps_the_structure():
     assert all(p.gap == 3 for p in _parts(out))
     with pytest.raises(ValueError, match="layout: expected a BlockLayout, LayoutSet or RowSplit; received tuple"):
         map_parts((1,), lambda p: p)
+
+
+def test_a_modality_between_prompt_and_question_keeps_its_rows_in_place(monkeypatch):
+    """A query modality whose rows, in the original order, fill at most `IN_PLACE_EXTRA` more blocks than they need
+    (a video between a prompt and a question) keeps its rows in place: its parts without a row order of their own
+    have no ``q_perm`` (and, in a QBoundary, where every key is valid, parts in the plain key order no ``kv_perm``).
+    Its pattern is estimated from its last rows as when they are moved last (the same Grid stride / phases: the
+    same key order of the lines), and attend equals masked dense attention over the layout's mask."""
+    s = 640
+    q, k, v = random_qkv(23, 1, s, s, 2, 1, 16)
+    kinds = np.ones((1, s), np.int32)
+    kinds[0, :40], kinds[0, -24:] = 0, 0
+    m = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=32)
+    g = Grid(stride_space=(24, 32), last_q=16, local=24, **SMALL)
+    for w in (QBoundary({"video": g, "text": A}), QBoundary({"video": A}, default=A),
+              TwoDBoundary({("video", "video"): g}, default=A)):
+        layout = w.build_layout(q, k, modality=m)
+        vparts = _parts(layout.parts[layout.kinds.index(1)])
+        assert any(p.q_perm is None for p in vparts)
+        if isinstance(w, QBoundary):  # every key valid: the plain packed order is the original one, no kv_perm
+            assert any(p.q_perm is None and p.kv_perm is None for p in vparts)
+        with monkeypatch.context() as mp:
+            mp.setattr(boundary, "_in_place", lambda *a: False)
+            moved = w.build_layout(q, k, modality=m)
+        mparts = _parts(moved.parts[moved.kinds.index(1)])
+        assert all(p.q_perm is not None for p in mparts)
+        for p, p_moved in zip(vparts, mparts):
+            if p.kv_perm is not None:  # Grid's lines: keys by the estimated phases
+                np.testing.assert_array_equal(np.asarray(p.kv_perm), np.asarray(p_moved.kv_perm))
+        ref, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
+        out, lse = mmjax.sparse.attend(q, k, v, layout, KernelOptions(implementation="reference"))
+        assert rel_err(out, ref) < 1e-5
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-4)

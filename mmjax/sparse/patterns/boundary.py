@@ -90,23 +90,32 @@ def _check_inner(name: str, p) -> None:
 
 
 def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, k_valid=None, frame_tokens=None,
-                           kind_rows: int | None = None) -> AnyLayout:
+                           kind_rows: int | None = None, in_place: bool = False) -> AnyLayout:
     """The intra layout of one query modality: rows of ``kind`` moved last (stable), the
     pattern estimated from them over the valid keys, query blocks without such rows
     dropped, listed keys restricted to the valid ones (exactly, per key). ``kind_rows`` (static,
     the most rows of ``kind`` in a batch row; None: unknown): the parts in the wrapper's row
     order (no row order of their own) name the query blocks of those last rows as their
     ``q_block_range`` where they are at most `ROW_RANGE_SHARE` of the blocks, so they run on
-    those rows alone (`_kind_range`)."""
-    rows = _sort_perm((q_kind == kind).astype(jnp.int32))
-    b, s = k.shape[0], k.shape[1]
-    pl = Placement(rows=rows, k_group=jnp.zeros((b, s), jnp.int32), k_valid=k_valid, frame_tokens=frame_tokens)
+    those rows alone (`_kind_range`). ``in_place`` (`_in_place`): the rows stay in the original
+    order (the pattern still estimated from the last rows of ``kind``), and the parts in that
+    order have no ``q_perm`` (no gather of q, no output put back)."""
+    order = _sort_perm((q_kind == kind).astype(jnp.int32))
+    b, t, s = k.shape[0], q.shape[1], k.shape[1]
+    rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if in_place else order
+    pl = Placement(rows=rows, k_group=jnp.zeros((b, s), jnp.int32), k_valid=k_valid,
+                   est_order=order if in_place else None, frame_tokens=frame_tokens)
     layout = pattern.build_placed(q, k, pl)
     parts = [_keep_query_blocks(p, q_kind, kind) for p in block_parts(layout)]
     if k_valid is not None:
         n_valid = k_valid.sum(-1).astype(jnp.int32)[:, None]
         parts = [restrict_to_valid(p, n_valid) for p in parts]
+    if k_valid is None:  # keys in the plain packed order are in the original order (one group, all valid)
+        parts = [p.replace(kv_perm=None) if p.kv_perm is pl.plain_keys.perm else p for p in parts]
     own_order = [p.q_perm is pl.row_perm and p.q_block_range is None for p in parts]
+    if in_place:
+        parts = [p.replace(q_perm=None) if mine else p for p, mine in zip(parts, own_order)]
+        return with_parts(layout, parts)
     ranges = [_kind_range(q.shape[1], p.block_q, kind_rows) if mine else None for p, mine in zip(parts, own_order)]
     parts = [p if rng is None else p.replace(q_block_range=rng) for p, rng in zip(parts, ranges)]
     return with_parts(layout, parts)
@@ -126,6 +135,31 @@ def _kind_range(t: int, block_q: int, kind_rows: int | None) -> tuple[int, int] 
         return None
     lo = (t - kind_rows) // block_q
     return (lo, nq) if nq - lo <= ROW_RANGE_SHARE * nq else None
+
+
+# A query modality keeps its rows in the original order (`_in_place`) where the query blocks of its pattern holding
+# any of them, in that order, are at most this many more than its rows fill (a video between a prompt and a
+# question: one or two blocks shared with the text, computed for the video's pattern and discarded on the text rows;
+# modalities interleaved in many runs are moved last, each block then holding one modality).
+IN_PLACE_EXTRA = 2
+
+
+def _in_place(m: Modality, kind: int, t: int, block_q: int) -> bool:
+    """Whether ``kind``'s query rows (the last ``t`` positions) stay in the original order: the static spans are
+    known, the kind does not run on its rows alone (`_kind_range`), and in every batch row the blocks of
+    ``block_q`` rows holding any of its rows are at most `IN_PLACE_EXTRA` more than ``ceil(rows / block_q)``."""
+    rows = _query_rows(m, kind, t)
+    if not rows or _kind_range(t, block_q, rows) is not None:
+        return False
+    s = int(m.ids.shape[1])
+    for row in m.spans:
+        runs = [(max(a, s - t) - (s - t), min(e, s) - (s - t)) for k_, a, e in row if k_ == kind and e > s - t]
+        touched = set()
+        for a, e in runs:
+            touched.update(range(a // block_q, cdiv(e, block_q)))
+        if len(touched) - cdiv(sum(e - a for a, e in runs), block_q) > IN_PLACE_EXTRA:
+            return False
+    return True
 
 
 def _query_rows(m: Modality, kind: int, t: int) -> int | None:
@@ -214,7 +248,8 @@ class QBoundary(Pattern):
                 continue
             pattern = given.get(name, self.default)
             layout = _query_modality_layout(pattern, q, k, q_kind, kind, frame_tokens=m.frame_tokens,
-                                            kind_rows=_query_rows(m, kind, q.shape[1]))
+                                            kind_rows=_query_rows(m, kind, q.shape[1]),
+                                            in_place=_in_place(m, kind, q.shape[1], pattern.block_q))
             parts.append(layout)
             kinds.append(kind)
         return RowSplit(tuple(parts), q_kind, tuple(kinds))
@@ -284,7 +319,8 @@ class TwoDBoundary(Pattern):
             for kk, pattern in mine:
                 layout = _query_modality_layout(pattern, q, k, q_kind, qk, k_valid=m.ids == kk,
                                                 frame_tokens=m.frame_tokens,
-                                                kind_rows=_query_rows(m, qk, q.shape[1]))
+                                                kind_rows=_query_rows(m, qk, q.shape[1]),
+                                                in_place=_in_place(m, qk, q.shape[1], pattern.block_q))
                 pair_parts += list(block_parts(layout))
             parts.append(LayoutSet(tuple(pair_parts)))
             kinds.append(qk)
