@@ -174,11 +174,10 @@ def shared_columns(layout: BlockLayout) -> bool:
             and (layout.kv_perm is None or layout.kv_perm.shape[1] == 1))
 
 
-def _shared_column_keys(k, v, layout: BlockLayout, d_pad: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The `shared_columns` list's keys gathered once per key / value head: (k_c, v_c ``[B, tiles * block_k, K,
-    Dp]``, their original positions int32 ``[B|1, 1, tiles * block_k]`` (``kv_len`` for unused slots), the count
-    of columns each query block reads int32 ``[B|1, N|1, nq|1]``)."""
-    s = k.shape[1]
+def _shared_column_index(layout: BlockLayout, s: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where the `shared_columns` list's keys are: (their original indices int32 ``[B|1, 1, tiles * block_k]``
+    (0 for unused slots), their original positions (``kv_len`` for unused slots, never visible), the count of columns
+    each query block reads int32 ``[B|1, N|1, nq|1]``)."""
     bk, mc = layout.block_k, layout.max_columns
     tiles = -(-mc // bk)
     cols = _pad_to(layout.kv_columns, 3, tiles * bk)[:, :, 0]  # [B|1, 1, mcp]
@@ -186,10 +185,16 @@ def _shared_column_keys(k, v, layout: BlockLayout, d_pad: int) -> tuple[jax.Arra
     orig = jnp.where(ok, cols, 0)
     if layout.kv_perm is not None:
         orig = jnp.take_along_axis(jnp.clip(layout.kv_perm, 0, s - 1), orig, axis=-1)
-    k_c = _pad_to(_gather_rows(k, orig), 3, d_pad)  # [B, mcp, K, Dp]
-    v_c = _pad_to(_gather_rows(v, orig), 3, d_pad)
     k_pos = jnp.where(ok, orig, layout.kv_len).astype(jnp.int32)
-    return k_c, v_c, k_pos, jnp.clip(layout.kv_column_count, 0, mc)
+    return orig.astype(jnp.int32), k_pos, jnp.clip(layout.kv_column_count, 0, mc)
+
+
+def _shared_column_keys(k, v, layout: BlockLayout, d_pad: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The `shared_columns` list's keys gathered once per key / value head: (k_c, v_c ``[B, tiles * block_k, K,
+    Dp]``, their original positions int32 ``[B|1, 1, tiles * block_k]`` (``kv_len`` for unused slots), the count
+    of columns each query block reads int32 ``[B|1, N|1, nq|1]``)."""
+    orig, k_pos, ccount = _shared_column_index(layout, k.shape[1])
+    return _pad_to(_gather_rows(k, orig), 3, d_pad), _pad_to(_gather_rows(v, orig), 3, d_pad), k_pos, ccount
 
 
 def _shared_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
@@ -217,19 +222,24 @@ def fused_columns(layout: BlockLayout) -> bool:
 
 
 def _keys_with_columns(k, v, layout: BlockLayout, groups: int, d_pad: int):
-    """The keys of a `fused_columns` launch: the prepared k / v in the layout's key order (`_prepared_kv`) with the
-    `shared_columns`' keys appended (`_shared_column_keys`, ``tiles`` tiles of ``block_k``), and every key's
-    original position -> (k_in, v_in, groups, k_pos int32 ``[B|1, N|1, (nk + tiles) * block_k]``, the columns each
-    query block reads ``[B|1, N|1, nq]``, tiles)."""
+    """The keys of a `fused_columns` launch, gathered in one pass: the keys in the layout's key order, padded to whole
+    blocks (a padding slot reads the last key at a position no query sees), then the `shared_columns`' keys
+    (`_shared_column_index`, ``tiles`` tiles of ``block_k``), and every key's original position -> (k_in, v_in
+    ``[B, (nk + tiles) * block_k, K, Dp]``, groups, k_pos int32 ``[B|1, 1, (nk + tiles) * block_k]``, the columns
+    each query block reads ``[B|1, N|1, nq]``, tiles). One gather rather than the key order's gather, then a
+    concatenation with the column tiles (a second copy of k / v)."""
     s, bk = k.shape[1], layout.block_k
-    k_in, v_in, groups = _prepared_kv(k, v, layout, groups, d_pad)
-    k_c, v_c, pos_c, ccount = _shared_column_keys(k, v, layout, d_pad)
-    pos_b = _positions_or_iota(layout.kv_perm, s, layout.num_kv_blocks * bk, 0)
+    orig_c, pos_c, ccount = _shared_column_index(layout, s)
+    pos_b = _positions_or_iota(layout.kv_perm, s, layout.num_kv_blocks * bk, 0)  # `shared_columns`: [B|1, 1, .]
     lead = jnp.broadcast_shapes(pos_b.shape[:2], pos_c.shape[:2])
-    k_pos = jnp.concatenate([jnp.broadcast_to(pos_b, lead + pos_b.shape[2:]),
-                             jnp.broadcast_to(pos_c, lead + pos_c.shape[2:])], axis=-1)
-    return (jnp.concatenate([k_in, k_c], axis=1), jnp.concatenate([v_in, v_c], axis=1), groups, k_pos, ccount,
-            k_c.shape[1] // bk)
+
+    def joined(blocks, columns):
+        return jnp.concatenate([jnp.broadcast_to(blocks, lead + blocks.shape[2:]),
+                                jnp.broadcast_to(columns, lead + columns.shape[2:])], axis=-1)
+
+    idx = joined(jnp.minimum(pos_b, s - 1), orig_c)
+    k_in, v_in = _pad_to(_gather_rows(k, idx), 3, d_pad), _pad_to(_gather_rows(v, idx), 3, d_pad)
+    return k_in, v_in, groups, joined(pos_b, pos_c), ccount, orig_c.shape[-1] // bk
 
 
 def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
