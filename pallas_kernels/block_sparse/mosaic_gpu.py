@@ -228,6 +228,10 @@ def _keys_with_columns(k, v, layout: BlockLayout, groups: int, d_pad: int):
     ``[B, (nk + tiles) * block_k, K, Dp]``, groups, k_pos int32 ``[B|1, 1, (nk + tiles) * block_k]``, the columns
     each query block reads ``[B|1, N|1, nq]``, tiles). One gather rather than the key order's gather, then a
     concatenation with the column tiles (a second copy of k / v)."""
+    if not shared_columns(layout):  # one key order and one column list for every head: the gather's index
+        raise ValueError("layout: expected shared columns ([B|1, 1, 1, C]) and a key order shared by the heads "
+                         f"(kv_perm [B|1, 1, S] or None); received {getattr(layout.kv_columns, 'shape', None)} / "
+                         f"{None if layout.kv_perm is None else layout.kv_perm.shape}")
     s, bk = k.shape[1], layout.block_k
     orig_c, pos_c, ccount = _shared_column_index(layout, s)
     pos_b = _positions_or_iota(layout.kv_perm, s, layout.num_kv_blocks * bk, 0)  # `shared_columns`: [B|1, 1, .]

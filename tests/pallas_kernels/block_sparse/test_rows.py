@@ -391,3 +391,8 @@ def test_range_list_helpers_name_bad_inputs():
         mosaic_lists.in_range(lay.kv_block_count, lay.replace(q_block_range=None))
     with pytest.raises(ValueError, match=r"x: expected \[B\|1, N\|1, nq\|1, ...\] with nq = 3"):
         mosaic_lists.in_range(lay.kv_block_count[:, :, :2], lay)
+    k = jnp.ones((1, 900, 1, 64), jnp.float32)
+    per_block = lay.replace(kv_columns=jnp.zeros((1, 2, 3, 4), jnp.int32),
+                            kv_column_count=jnp.ones((1, 2, 3), jnp.int32))
+    with pytest.raises(ValueError, match=r"layout: expected shared columns .* received \(1, 2, 3, 4\) / None"):
+        mosaic_gpu._keys_with_columns(k, k, per_block, 2, 64)
