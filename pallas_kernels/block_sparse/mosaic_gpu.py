@@ -147,7 +147,8 @@ def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad,
         blocks, count = chunk_lists(layout, row_chunk_entries(layout.max_blocks, copy_bytes, ROW_CHUNK))
         ranges, num_kv_blocks = None, nk
     else:  # fused_columns: each list goes on with its column tiles, as key windows
-        k_in, v_in, groups, k_pos, ccount, tiles = _keys_with_columns(k, v, layout, n // k.shape[2], d_pad)
+        k_in, v_in, k_pos, ccount, tiles = _keys_with_columns(k, v, layout, d_pad)
+        groups = n // k.shape[2]
         blocks, count = range_lists(layout)
         starts, w_lo, w_hi, total = fused_lists(blocks, count, in_range(ccount, layout), block_k=bk,
                                                 num_kv_blocks=nk, tiles=tiles)
@@ -221,13 +222,14 @@ def fused_columns(layout: BlockLayout) -> bool:
     return shared_columns(layout) and not layout.kv_windows
 
 
-def _keys_with_columns(k, v, layout: BlockLayout, groups: int, d_pad: int):
+def _keys_with_columns(k, v, layout: BlockLayout, d_pad: int):
     """The keys of a `fused_columns` launch, gathered in one pass: the keys in the layout's key order, padded to whole
     blocks (a padding slot reads the last key at a position no query sees), then the `shared_columns`' keys
     (`_shared_column_index`, ``tiles`` tiles of ``block_k``), and every key's original position -> (k_in, v_in
-    ``[B, (nk + tiles) * block_k, K, Dp]``, groups, k_pos int32 ``[B|1, 1, (nk + tiles) * block_k]``, the columns
-    each query block reads ``[B|1, N|1, nq]``, tiles). One gather rather than the key order's gather, then a
-    concatenation with the column tiles (a second copy of k / v)."""
+    ``[B, (nk + tiles) * block_k, K, Dp]``: key / value heads as given, the key order being shared by the heads),
+    k_pos int32 ``[B|1, 1, (nk + tiles) * block_k]``, the columns each query block reads ``[B|1, N|1, nq]``, tiles).
+    One gather rather than the key order's gather, then a concatenation with the column tiles (a second copy of k /
+    v)."""
     if not shared_columns(layout):  # one key order and one column list for every head: the gather's index
         raise ValueError("layout: expected shared columns ([B|1, 1, 1, C]) and a key order shared by the heads "
                          f"(kv_perm [B|1, 1, S] or None); received {getattr(layout.kv_columns, 'shape', None)} / "
@@ -243,23 +245,22 @@ def _keys_with_columns(k, v, layout: BlockLayout, groups: int, d_pad: int):
 
     idx = joined(jnp.minimum(pos_b, s - 1), orig_c)
     k_in, v_in = _pad_to(_gather_rows(k, idx), 3, d_pad), _pad_to(_gather_rows(v, idx), 3, d_pad)
-    return k_in, v_in, groups, joined(pos_b, pos_c), ccount, orig_c.shape[-1] // bk
+    return k_in, v_in, joined(pos_b, pos_c), ccount, orig_c.shape[-1] // bk
 
 
 def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
                        pair, overlap, pingpong, heads_first=False, profile=None):
-    """The block pass and the `shared_columns` in one launch (``column_pass="fused"``): the columns' keys gathered
-    once per key / value head (`_shared_column_keys`) are appended to the prepared k / v, each query block's list
-    goes on with its column tiles (`fused_lists`), and every key carries its original position; no second output
-    and no merge."""
+    """The block pass and the `shared_columns` in one launch (``column_pass="fused"``): the keys in the layout's
+    order and the columns' keys gathered in one pass (`_keys_with_columns`), each query block's list going on with
+    its column tiles (`fused_lists`), every key with its original position; no second output and no merge."""
     bk, nk = layout.block_k, layout.num_kv_blocks
-    k_in, v_in, groups, k_pos, ccount, tiles = _keys_with_columns(k, v, layout, q_in.shape[2] // k.shape[2], d_pad)
+    k_in, v_in, k_pos, ccount, tiles = _keys_with_columns(k, v, layout, d_pad)
     q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
     starts, lo, hi, count = fused_lists(layout.kv_blocks, jnp.clip(layout.kv_block_count, 0, layout.max_blocks),
                                         ccount, block_k=bk, num_kv_blocks=nk, tiles=tiles)
-    return launch(q_in, k_in, v_in, starts, count, q_pos, k_pos, groups=groups, num_kv_blocks=nk + tiles,
-                  kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal, gap=layout.gap,
-                  window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
+    return launch(q_in, k_in, v_in, starts, count, q_pos, k_pos, groups=q_in.shape[2] // k.shape[2],
+                  num_kv_blocks=nk + tiles, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
+                  gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
                   persistent=persistent, ranges=(lo, hi), pair=pair, profile=profile, overlap=overlap,
                   pingpong=pingpong, heads_first=heads_first)
 

@@ -89,34 +89,35 @@ def _check_inner(name: str, p) -> None:
         raise ValueError(f"{name}: expected an mmjax.sparse.patterns pattern; received {type(p).__name__}")
 
 
-def _query_modality_layout(pattern: Pattern, q, k, q_kind, kind: int, k_valid=None, frame_tokens=None,
-                           kind_rows: int | None = None, in_place: bool = False) -> AnyLayout:
+def _query_modality_layout(pattern: Pattern, q, k, m: Modality, q_kind, kind: int, k_valid=None) -> AnyLayout:
     """The intra layout of one query modality: rows of ``kind`` moved last (stable), the
     pattern estimated from them over the valid keys, query blocks without such rows
-    dropped, listed keys restricted to the valid ones (exactly, per key). ``kind_rows`` (static,
-    the most rows of ``kind`` in a batch row; None: unknown): the parts in the wrapper's row
-    order (no row order of their own) name the query blocks of those last rows as their
-    ``q_block_range`` where they are at most `ROW_RANGE_SHARE` of the blocks, so they run on
-    those rows alone (`_kind_range`). ``in_place`` (`_in_place`): the rows stay in the original
-    order (the pattern still estimated from the last rows of ``kind``), and the parts in that
-    order have no ``q_perm`` (no gather of q, no output put back)."""
+    dropped, listed keys restricted to the valid ones (exactly, per key). From the static spans of
+    ``m`` (`_query_rows`): the parts in the wrapper's row order (no row order of their own) name
+    the query blocks of the kind's last rows as their ``q_block_range`` where they are at most
+    `ROW_RANGE_SHARE` of the blocks, so they run on those rows alone (`_kind_range`); or, where
+    the kind's rows sit in a few runs (`_in_place`), the rows stay in the original order (the
+    pattern still estimated from the last rows of ``kind``) and the parts in that order have no
+    ``q_perm`` (no gather of q, no output put back)."""
     order = _sort_perm((q_kind == kind).astype(jnp.int32))
     b, t, s = k.shape[0], q.shape[1], k.shape[1]
+    in_place = _in_place(m, kind, t, pattern.block_q)
     rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if in_place else order
     pl = Placement(rows=rows, k_group=jnp.zeros((b, s), jnp.int32), k_valid=k_valid,
-                   est_order=order if in_place else None, frame_tokens=frame_tokens)
+                   est_order=order if in_place else None, frame_tokens=m.frame_tokens)
     layout = pattern.build_placed(q, k, pl)
     parts = [_keep_query_blocks(p, q_kind, kind) for p in block_parts(layout)]
     if k_valid is not None:
         n_valid = k_valid.sum(-1).astype(jnp.int32)[:, None]
         parts = [restrict_to_valid(p, n_valid) for p in parts]
-    if k_valid is None:  # keys in the plain packed order are in the original order (one group, all valid)
+    else:  # keys in the plain packed order are in the original order (one group, all valid)
         parts = [p.replace(kv_perm=None) if p.kv_perm is pl.plain_keys.perm else p for p in parts]
     own_order = [p.q_perm is pl.row_perm and p.q_block_range is None for p in parts]
     if in_place:
         parts = [p.replace(q_perm=None) if mine else p for p, mine in zip(parts, own_order)]
         return with_parts(layout, parts)
-    ranges = [_kind_range(q.shape[1], p.block_q, kind_rows) if mine else None for p, mine in zip(parts, own_order)]
+    kind_rows = _query_rows(m, kind, t)
+    ranges = [_kind_range(t, p.block_q, kind_rows) if mine else None for p, mine in zip(parts, own_order)]
     parts = [p if rng is None else p.replace(q_block_range=rng) for p, rng in zip(parts, ranges)]
     return with_parts(layout, parts)
 
@@ -151,9 +152,7 @@ def _in_place(m: Modality, kind: int, t: int, block_q: int) -> bool:
     rows = _query_rows(m, kind, t)
     if not rows or _kind_range(t, block_q, rows) is not None:
         return False
-    s = int(m.ids.shape[1])
-    for row in m.spans:
-        runs = [(max(a, s - t) - (s - t), min(e, s) - (s - t)) for k_, a, e in row if k_ == kind and e > s - t]
+    for runs in _query_runs(m, kind, t):
         touched = set()
         for a, e in runs:
             touched.update(range(a // block_q, cdiv(e, block_q)))
@@ -162,13 +161,21 @@ def _in_place(m: Modality, kind: int, t: int, block_q: int) -> bool:
     return True
 
 
-def _query_rows(m: Modality, kind: int, t: int) -> int | None:
-    """The most query rows (the last ``t`` positions) of ``kind`` in a batch row, from the static spans (None when
-    they are unknown)."""
+def _query_runs(m: Modality, kind: int, t: int) -> list[list[tuple[int, int]]] | None:
+    """The runs ``[a, e)`` of ``kind`` among the query rows (the last ``t`` positions, row 0 first), per batch row,
+    from the static spans (None when they are unknown)."""
     if m.spans is None:
         return None
     s = int(m.ids.shape[1])
-    return max(sum(max(0, min(e, s) - max(a, s - t)) for k_, a, e in row if k_ == kind) for row in m.spans)
+    q0 = s - t
+    return [[(max(a, q0) - q0, min(e, s) - q0) for k_, a, e in row if k_ == kind and e > q0] for row in m.spans]
+
+
+def _query_rows(m: Modality, kind: int, t: int) -> int | None:
+    """The most query rows (the last ``t`` positions) of ``kind`` in a batch row, from the static spans (None when
+    they are unknown)."""
+    runs = _query_runs(m, kind, t)
+    return None if runs is None else max(sum(e - a for a, e in row) for row in runs)
 
 
 # -------------------------------------------------------------------- wrappers
@@ -247,9 +254,7 @@ class QBoundary(Pattern):
             if kind not in _present(m):
                 continue
             pattern = given.get(name, self.default)
-            layout = _query_modality_layout(pattern, q, k, q_kind, kind, frame_tokens=m.frame_tokens,
-                                            kind_rows=_query_rows(m, kind, q.shape[1]),
-                                            in_place=_in_place(m, kind, q.shape[1], pattern.block_q))
+            layout = _query_modality_layout(pattern, q, k, m, q_kind, kind)
             parts.append(layout)
             kinds.append(kind)
         return RowSplit(tuple(parts), q_kind, tuple(kinds))
@@ -317,10 +322,7 @@ class TwoDBoundary(Pattern):
                 continue
             pair_parts = []
             for kk, pattern in mine:
-                layout = _query_modality_layout(pattern, q, k, q_kind, qk, k_valid=m.ids == kk,
-                                                frame_tokens=m.frame_tokens,
-                                                kind_rows=_query_rows(m, qk, q.shape[1]),
-                                                in_place=_in_place(m, qk, q.shape[1], pattern.block_q))
+                layout = _query_modality_layout(pattern, q, k, m, q_kind, qk, k_valid=m.ids == kk)
                 pair_parts += list(block_parts(layout))
             parts.append(LayoutSet(tuple(pair_parts)))
             kinds.append(qk)

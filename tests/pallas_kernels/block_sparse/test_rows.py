@@ -395,4 +395,4 @@ def test_range_list_helpers_name_bad_inputs():
     per_block = lay.replace(kv_columns=jnp.zeros((1, 2, 3, 4), jnp.int32),
                             kv_column_count=jnp.ones((1, 2, 3), jnp.int32))
     with pytest.raises(ValueError, match=r"layout: expected shared columns .* received \(1, 2, 3, 4\) / None"):
-        mosaic_gpu._keys_with_columns(k, k, per_block, 2, 64)
+        mosaic_gpu._keys_with_columns(k, k, per_block, 64)
