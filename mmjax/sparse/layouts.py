@@ -21,8 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import BlockLayout, block_sparse_attention, merge_attention
-from pallas_kernels.block_sparse import block_sparse_attention_rows, merge_rows, scatter_rows
+from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels.block_sparse import block_sparse_attention_rows, merge_attention_all, merge_rows, scatter_rows
 from pallas_kernels.checks import check_sm_scale
 
 
@@ -145,43 +145,52 @@ def summed_density(parts, causal: bool = True) -> jax.Array:
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
            options: KernelOptions = KernelOptions()) -> tuple[jax.Array, jax.Array]:
     """Block-sparse attention over any layout: out ``[B, T, N, D]`` (q's dtype), lse ``[B, N, T]``
-    float32. A `LayoutSet`'s parts are merged by lse; a `RowSplit`'s rows each take the result
-    of their own kind's part. q ``[B, T, N, D]``, k/v ``[B, S, K, D]``."""
+    float32. A `LayoutSet`'s parts are merged by lse (the parts over all rows in one pass,
+    `merge_attention_all`; parts with a ``q_block_range`` on their rows alone); a `RowSplit`'s rows each take the
+    result of their own kind's parts. q ``[B, T, N, D]``, k/v ``[B, S, K, D]``."""
     kw = dict(sm_scale=options.sm_scale, implementation=options.implementation, interpret=options.interpret,
               check_finite=options.check_finite)
     if isinstance(layout, RowSplit):
         return _attend_row_split(q, k, v, layout, kw)
-    out, lse = None, None
-    for part in block_parts(layout):
+    parts = block_parts(layout)
+    full = [block_sparse_attention(q, k, v, p, **kw) for p in parts if p.q_block_range is None]
+    out, lse = merge_attention_all(*zip(*full)) if full else (None, None)
+    for part in parts:
         if part.q_block_range is not None:  # work in a few query blocks: computed and merged for those rows only
             rows, o, l = block_sparse_attention_rows(q, k, v, part, **kw)
             out, lse = scatter_rows(rows, o, l, q.shape[1]) if out is None else merge_rows(out, lse, rows, o, l)
-            continue
-        o, l = block_sparse_attention(q, k, v, part, **kw)
-        out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
     return out, lse
 
 
 def _attend_row_split(q, k, v, layout: RowSplit, kw: dict) -> tuple[jax.Array, jax.Array]:
-    """`attend` of a `RowSplit`: one result, empty at first (0 / lse -inf, what rows of no listed kind keep), into
-    which every part of every kind is merged on the rows of its kind only: a part over all rows by a select of the
-    merge, a part with a ``q_block_range`` (a kind with few rows, `boundary._kind_range`; Grid's horizontal lines)
-    on its rows alone (`merge_rows`, the other kinds' rows dropped). Merging into an empty row is exact, so each
-    row gets its own kind's parts merged as a `LayoutSet` would merge them."""
+    """`attend` of a `RowSplit`: each kind's parts over all rows are merged in one pass (`merge_attention_all`) on
+    the rows of that kind alone (their lses -inf elsewhere, so the merge leaves every other row as the result so far
+    has it, and the first kind's merge writes the empty result, 0 / lse -inf, on the other rows: what rows of no
+    listed kind keep); then every kind's parts with a ``q_block_range`` (a kind with few rows,
+    `boundary._kind_range`; Grid's horizontal lines) are merged on its rows alone (`merge_rows`, the other kinds'
+    rows dropped). Merging into an empty row is exact, so each row gets its own kind's parts merged as a `LayoutSet`
+    would merge them."""
     b, t = q.shape[0], q.shape[1]
-    out = jnp.zeros(q.shape, q.dtype)
-    lse = jnp.full((b, q.shape[2], t), -jnp.inf, jnp.float32)
+    out = lse = None
+    ranged = []
     for kind, part in zip(layout.kinds, layout.parts):
+        parts = block_parts(part)
+        ranged += [(kind, p) for p in parts if p.q_block_range is not None]
+        full = [block_sparse_attention(q, k, v, p, **kw) for p in parts if p.q_block_range is None]
+        if not full:
+            continue
         own = layout.row_kind == kind  # [B, T]
-        for p in block_parts(part):
-            if p.q_block_range is not None:
-                rows, o, l = block_sparse_attention_rows(q, k, v, p, **kw)
-                rows = jnp.broadcast_to(rows, (b,) + rows.shape[1:])
-                kind_of = jnp.take_along_axis(layout.row_kind[:, None], jnp.clip(rows, 0, t - 1), axis=-1)
-                out, lse = merge_rows(out, lse, jnp.where((rows < t) & (kind_of == kind), rows, t), o, l)
-                continue
-            o, l = block_sparse_attention(q, k, v, p, **kw)
-            m_out, m_lse = merge_attention(out, lse, o, l)
-            out = jnp.where(own[:, :, None, None], m_out, out)
-            lse = jnp.where(own[:, None, :], m_lse, lse)
+        merged = [] if out is None else [(out, lse)]
+        merged += [(o, jnp.where(own[:, None, :], l.astype(jnp.float32), -jnp.inf)) for o, l in full]
+        if len(merged) == 1:  # the first kind's one part: its rows, the empty result elsewhere
+            out, lse = jnp.where(own[:, :, None, None], merged[0][0], jnp.zeros((), q.dtype)), merged[0][1]
+        else:
+            out, lse = merge_attention_all(*zip(*merged))
+    if out is None:
+        out, lse = jnp.zeros(q.shape, q.dtype), jnp.full((b, q.shape[2], t), -jnp.inf, jnp.float32)
+    for kind, p in ranged:
+        rows, o, l = block_sparse_attention_rows(q, k, v, p, **kw)
+        rows = jnp.broadcast_to(rows, (b,) + rows.shape[1:])
+        kind_of = jnp.take_along_axis(layout.row_kind[:, None], jnp.clip(rows, 0, t - 1), axis=-1)
+        out, lse = merge_rows(out, lse, jnp.where((rows < t) & (kind_of == kind), rows, t), o, l)
     return out, lse

@@ -52,6 +52,29 @@ def merge_attention(
     return _combine([out_a, out_b], [lse_a, lse_b], out_a.dtype)
 
 
+def merge_attention_all(outs, lses) -> tuple[jax.Array, jax.Array]:
+    """`merge_attention` of any number of partial results in one pass: outs, a sequence of ``[B,T,N,D]`` (one
+    shape), lses, a sequence of float32 ``[B,N,T]`` as long -> (out ``[B,T,N,D]`` in ``outs[0]``'s dtype, lse
+    ``[B,N,T]`` float32). k parts are read once and one result written, where k - 1 pairwise merges read and write
+    k - 1 whole results (and round to the out dtype between them); every part's output is held until the merge.
+    One part is returned as it is (lse in float32)."""
+    outs, lses = list(outs), list(lses)
+    if not outs or len(lses) != len(outs):
+        raise ValueError(f"outs, lses: expected two sequences of one length >= 1; received {len(outs)} and "
+                         f"{len(lses)}")
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if getattr(o, "ndim", None) != 4 or o.shape != outs[0].shape:
+            raise ValueError(f"outs[{i}]: expected shape {getattr(outs[0], 'shape', None)} ([B,T,N,D], as outs[0]); "
+                             f"received {getattr(o, 'shape', None)}")
+        b, t, n, _ = o.shape
+        if getattr(x, "shape", None) != (b, n, t):
+            raise ValueError(f"lses[{i}]: expected shape {(b, n, t)} ([B, N, T] from outs[{i}]); received "
+                             f"{getattr(x, 'shape', None)}")
+    if len(outs) == 1:
+        return outs[0], lses[0].astype(jnp.float32)
+    return _combine(outs, lses, outs[0].dtype)
+
+
 def merge_chunks(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`merge_attention` over C parts at once: out ``[B, C, T, N, D]``, lse float32 ``[B, N, C, T]`` (part c: the
     same T rows over the c-th of C disjoint key sets) -> (out ``[B, T, N, D]`` in out's dtype, lse ``[B, N, T]``)."""

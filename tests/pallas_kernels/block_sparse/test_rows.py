@@ -12,6 +12,7 @@ from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse import (
     block_sparse_attention_rows,
     merge_attention,
+    merge_attention_all,
     merge_rows,
     mosaic_gpu,
     mosaic_lists,
@@ -113,6 +114,29 @@ def test_merge_chunks_is_merge_attention_in_turn():
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(l), rtol=1e-6)
     with pytest.raises(ValueError, match=r"\[B, C, T, N, D\]"):
         merge_chunks(parts[0][0], parts[0][1])
+
+
+def test_merge_attention_all_is_merge_attention_in_turn():
+    """k parts in one pass equal k - 1 pairwise merges (empty rows stay empty, a NaN lse gives a NaN row), one part
+    comes back as it is, and bad inputs are named."""
+    rng = np.random.default_rng(3)
+    parts = [_partial(rng, 2, 5, 3, 4) for _ in range(3)]
+    parts[2] = (parts[2][0], parts[2][1].at[1, 0, 3].set(jnp.nan))
+    o, l = parts[0]
+    for o2, l2 in parts[1:]:
+        o, l = merge_attention(o, l, o2, l2)
+    got = merge_attention_all([p[0] for p in parts], [p[1] for p in parts])
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(o), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(l), rtol=1e-6)
+    assert np.isneginf(np.asarray(got[1][:, :, 1])).all() and np.isnan(np.asarray(got[0][1, 3, 0])).all()
+    one = merge_attention_all([parts[0][0]], [parts[0][1]])
+    assert one[0] is parts[0][0] and np.array_equal(np.asarray(one[1]), np.asarray(parts[0][1]))
+    with pytest.raises(ValueError, match=r"outs, lses: expected two sequences of one length >= 1; received 2 and 1"):
+        merge_attention_all([p[0] for p in parts[:2]], [parts[0][1]])
+    with pytest.raises(ValueError, match=r"outs\[1\]: expected shape \(2, 5, 3, 4\)"):
+        merge_attention_all([parts[0][0], parts[1][0][:, :4]], [parts[0][1], parts[1][1]])
+    with pytest.raises(ValueError, match=r"lses\[1\]: expected shape \(2, 3, 5\)"):
+        merge_attention_all([parts[0][0], parts[1][0]], [parts[0][1], parts[1][1][:, :2]])
 
 
 def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups, block_k, block_q, kv_len, causal,
