@@ -8,7 +8,9 @@
 #               results moved to $OUT/PART-before, then DIR copied over the tree and PART again into $OUT/PART)
 #
 # The device tool returns at most two folder levels under $OUT, so both runs keep `issue16_targets.sh`'s own depth
-# ($OUT/PART-before/<sub>/..., $OUT/PART/<sub>/...). Files the branch deletes are not removed by the overlay.
+# ($OUT/PART-before/<sub>/..., $OUT/PART/<sub>/...). Files the branch deletes are not removed by the overlay. The tree
+# is put back afterwards (the overlaid files restored, the added ones removed), so calls for several parts can follow
+# one another in one command.
 set -u -o pipefail
 if [ "${1:-}" = --prepare ]; then
   branch=${2:?--prepare BRANCH [DIR]}
@@ -29,9 +31,15 @@ here=$(dirname "$0")
 bash "$here/issue16_targets.sh" "$part" > /dev/null 2>&1
 before=$?
 rm -rf "$OUT/$part-before" && mv "$OUT/$part" "$OUT/$part-before"
+backup=$(mktemp -d)
+(cd "$dir" && find . -type f) | while read -r f; do  # the tree's own files, restored after: parts can follow
+  if [ -e "$f" ]; then mkdir -p "$backup/$(dirname "$f")" && cp -p "$f" "$backup/$f"; else echo "$f" >> "$backup.new"; fi
+done
 cp -r "$dir"/. .
 bash "$here/issue16_targets.sh" "$part" > /dev/null 2>&1
 after=$?
+cp -r "$backup"/. . && rm -rf "$backup"
+[ -f "$backup.new" ] && xargs rm -f < "$backup.new" && rm -f "$backup.new"
 for side in "$part-before" "$part"; do
   echo "== $side"
   tail -n 12 "$OUT/$side/log.txt"
