@@ -40,6 +40,10 @@ bash "$here/issue16_targets.sh" "$part" > /dev/null 2>&1
 after=$?
 cp -r "$backup"/. . && rm -rf "$backup"
 [ -f "$backup.new" ] && xargs rm -f < "$backup.new" && rm -f "$backup.new"
+# the device tool returns at most 8 files: the plots of the side before and the GPU names (printed here) go
+cat "$OUT/$part/gpu.txt" 2>/dev/null
+find "$OUT/$part-before" -name '*.png' -delete
+rm -f "$OUT/$part-before/gpu.txt" "$OUT/$part/gpu.txt"
 for side in "$part-before" "$part"; do
   echo "== $side"
   tail -n 12 "$OUT/$side/log.txt"
