@@ -20,7 +20,8 @@
 # `short_work_trace.py --orders-only`, and MInference's top-100 mask at 32k); `short-rows` (the item orders again,
 # then the kernel rows at 32k and 128k without the checks); `order-traces` (the item orders with each form's device
 # time from a profiler trace); `boundary` (the pattern GPU tests, then Grid(frame) inside QBoundary and TwoDBoundary at
-# 128k over 1,000 text tokens, the video and a 64-token question, `pattern_parts_profile.py --boundary q|2d`).
+# 128k over 1,000 text tokens, the video and a 64-token question, `pattern_parts_profile.py --boundary q|2d`);
+# `boundary-2d` (TwoDBoundary alone, no tests: a quick A / B with overlay_ab.sh).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
@@ -77,6 +78,9 @@ case $part in
           --split 0 --skip-parts --no-trace --reps 5 --batch-s 0.15 --patterns "Grid(frame)" --boundary $b \
           --text 1000 --question 64
       done ;;
+  boundary-2d) timeout 200 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
+      --split 0 --skip-parts --no-trace --reps 5 --batch-s 0.15 --patterns "Grid(frame)" --boundary 2d --text 1000 \
+      --question 64 ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
       -k "heads_first or persistent_grid" 2>&1 | tail -5; \
       timeout 400 python3 tools/heads_first_bench.py --out "$OUT/$part/heads-first.jsonl" --cudnn ;;
