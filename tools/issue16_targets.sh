@@ -21,7 +21,8 @@
 # then the kernel rows at 32k and 128k without the checks); `order-traces` (the item orders with each form's device
 # time from a profiler trace); `boundary` (the pattern GPU tests, then Grid(frame) inside QBoundary and TwoDBoundary at
 # 128k over 1,000 text tokens, the video and a 64-token question, `pattern_parts_profile.py --boundary q|2d`);
-# `boundary-2d` (TwoDBoundary alone, no tests: a quick A / B with overlay_ab.sh).
+# `boundary-2d` (TwoDBoundary alone, no tests: a quick A / B with overlay_ab.sh); `grid` (the Mosaic GPU tests of
+# strided rows and shared columns, then Grid and Grid(frame) alone at 128k, 7 samples).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
@@ -78,6 +79,10 @@ case $part in
           --split 0 --skip-parts --no-trace --reps 5 --batch-s 0.15 --patterns "Grid(frame)" --boundary $b \
           --text 1000 --question 64
       done ;;
+  grid) XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py -k "strided_rows or shared_columns" 2>&1 | tail -3; \
+      timeout 300 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
+      --split 0 --skip-parts --no-trace --reps 7 --batch-s 0.15 --patterns Grid "Grid(frame)" ;;
   boundary-2d) timeout 200 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
       --split 0 --skip-parts --no-trace --reps 5 --batch-s 0.15 --patterns "Grid(frame)" --boundary 2d --text 1000 \
       --question 64 ;;
