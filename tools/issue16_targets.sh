@@ -30,6 +30,11 @@ source "$(dirname "$0")/carried_wheels.sh" || exit 1
 export PYTHONPATH=${PYTHONPATH}:${PWD}/tools
 mkdir -p "$OUT/$part"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/$part/gpu.txt"
+
+boundary_profile() {  # WRAP OUT: Grid(frame) inside the wrapper at 128k, 1,000 text tokens, the video, 64 more
+  timeout 150 python3 tools/pattern_parts_profile.py --out "$2" --seq-len 131072 --skip-triton --split 0 --skip-parts \
+    --no-trace --reps 5 --batch-s 0.15 --patterns "Grid(frame)" --boundary "$1" --text 1000 --question 64
+}
 case $part in
   mosaic) timeout 560 python3 tools/bench_mosaic_gpu.py --out "$OUT/$part" ;;
   patterns) timeout 560 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
@@ -74,18 +79,12 @@ case $part in
   order-traces) timeout 300 python3 tools/short_work_trace.py --out "$OUT/$part" --orders-only --order-traces ;;
   boundary) XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
       tests/sparse/test_patterns_gpu.py 2>&1 | tail -3; \
-      for b in q 2d; do
-        timeout 120 python3 tools/pattern_parts_profile.py --out "$OUT/$part/$b" --seq-len 131072 --skip-triton \
-          --split 0 --skip-parts --no-trace --reps 5 --batch-s 0.15 --patterns "Grid(frame)" --boundary $b \
-          --text 1000 --question 64
-      done ;;
+      for b in q 2d; do boundary_profile $b "$OUT/$part/$b"; done ;;
   grid) XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
       tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py -k "strided_rows or shared_columns" 2>&1 | tail -3; \
       timeout 300 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
       --split 0 --skip-parts --no-trace --reps 7 --batch-s 0.15 --patterns Grid "Grid(frame)" ;;
-  boundary-2d) timeout 200 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
-      --split 0 --skip-parts --no-trace --reps 5 --batch-s 0.15 --patterns "Grid(frame)" --boundary 2d --text 1000 \
-      --question 64 ;;
+  boundary-2d) boundary_profile 2d "$OUT/$part" ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
       -k "heads_first or persistent_grid" 2>&1 | tail -5; \
       timeout 400 python3 tools/heads_first_bench.py --out "$OUT/$part/heads-first.jsonl" --cudnn ;;
