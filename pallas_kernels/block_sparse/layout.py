@@ -97,6 +97,13 @@ class BlockLayout:
         layouts). A part with work in a few query blocks (TriShape's last rows, Grid's horizontal lines) then runs
         on those rows alone: the Mosaic GPU kernel takes their lists in chunks, one work item each, and merges
         the chunks (`mosaic_lists.ROW_CHUNK`), and `mmjax.sparse.layouts.attend` merges only those rows.
+      q_row_stride: 0, or a static promise about ``q_perm`` (checked on concrete layouts): the rows of every query
+        block are its first row plus multiples of this stride, ``q_perm[i * block_q + j] = q_perm[i * block_q] +
+        j * q_row_stride``, the first row's frame ``q_perm[i * block_q] // q_row_stride`` a multiple of 8 (Grid's
+        phase-major rows: one phase, ``block_q`` consecutive frames from a multiple of ``block_q``), with ``q_len``
+        a multiple of the stride and of ``block_q``. The Mosaic GPU kernel then reads Q and writes O as strided
+        boxes of the original arrays (no gather of q, no output put back, `mosaic_gpu.strided_rows`); the other
+        implementations use ``q_perm`` as always.
     """
 
     kv_blocks: jax.Array
@@ -114,6 +121,7 @@ class BlockLayout:
     kv_windows: bool = dataclasses.field(default=False, metadata=dict(static=True))
     window_align: int = dataclasses.field(default=1, metadata=dict(static=True))
     q_block_range: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    q_row_stride: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -478,6 +486,22 @@ class BlockLayout:
             if perm is not None:
                 checkify.check(jnp.all(jnp.sort(perm, axis=-1) == jnp.arange(length)),
                                f"layout.{name}: expected a permutation of 0..{length - 1} per (batch, head)")
+        if self.q_row_stride:
+            checkify.check(jnp.all(strided_rows_hold(self)),
+                           f"layout.q_perm: expected the rows of each query block to step by q_row_stride="
+                           f"{self.q_row_stride} from its first row")
+
+
+def strided_rows_hold(layout: BlockLayout) -> jax.Array:
+    """bool ``[B|1, N|1, nq]``: query block i's rows are ``q_perm[i * block_q] + j * q_row_stride``, its first
+    row's frame a multiple of 8 (the ``q_row_stride`` promise; False everywhere without ``q_perm``, a stride, or
+    ``q_len`` a multiple of ``block_q`` and of the stride)."""
+    st, bq, t = layout.q_row_stride, layout.block_q, layout.q_len
+    if layout.q_perm is None or st <= 0 or t % bq or t % st:
+        lead = (1, 1) if layout.q_perm is None else layout.q_perm.shape[:2]
+        return jnp.zeros(lead + (layout.num_q_blocks,), bool)
+    rows = layout.q_perm.reshape(layout.q_perm.shape[:2] + (t // bq, bq))
+    return jnp.all(rows == rows[..., :1] + st * jnp.arange(bq), axis=-1) & ((rows[..., 0] // st) % 8 == 0)
 
 
 def window_keys(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int) -> tuple[jax.Array, jax.Array]:

@@ -93,13 +93,14 @@ def _prepared_kv(k, v, layout: BlockLayout, groups: int, d_pad: int) -> tuple[ja
 
 
 def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                overlap, pingpong, heads_first=False, profile=None):
-    """The layout's key blocks; q_in is padded and in the layout's row order."""
+                overlap, pingpong, heads_first=False, profile=None, boxes=None):
+    """The layout's key blocks; q_in is padded and in the layout's row order (``boxes``: (q_box, row_stride), q_in
+    the original rows in `strided_rows`' view)."""
     s = k.shape[1]
     bk, nk = layout.block_k, layout.num_kv_blocks
     s_pad = nk * bk
     has_pos = layout.q_perm is not None or layout.kv_perm is not None
-    k_in, v_in, groups = _prepared_kv(k, v, layout, q_in.shape[2] // k.shape[2], d_pad)
+    k_in, v_in, groups = _prepared_kv(k, v, layout, q_in.shape[-2] // k.shape[2], d_pad)
     q_pos = k_pos = None
     if has_pos:
         q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
@@ -114,7 +115,7 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
                   block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile,
-                  overlap=overlap, pingpong=pingpong, heads_first=heads_first)
+                  overlap=overlap, pingpong=pingpong, heads_first=heads_first, **_box_args(boxes))
 
 
 def row_range_pass(layout: BlockLayout, column_pass: str | None = None) -> bool:
@@ -249,7 +250,7 @@ def _keys_with_columns(k, v, layout: BlockLayout, d_pad: int):
 
 
 def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
-                       pair, overlap, pingpong, heads_first=False, profile=None):
+                       pair, overlap, pingpong, heads_first=False, profile=None, boxes=None):
     """The block pass and the `shared_columns` in one launch (``column_pass="fused"``): the keys in the layout's
     order and the columns' keys gathered in one pass (`_keys_with_columns`), each query block's list going on with
     its column tiles (`fused_lists`), every key with its original position; no second output and no merge."""
@@ -258,11 +259,26 @@ def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, sta
     q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
     starts, lo, hi, count = fused_lists(layout.kv_blocks, jnp.clip(layout.kv_block_count, 0, layout.max_blocks),
                                         ccount, block_k=bk, num_kv_blocks=nk, tiles=tiles)
-    return launch(q_in, k_in, v_in, starts, count, q_pos, k_pos, groups=q_in.shape[2] // k.shape[2],
+    return launch(q_in, k_in, v_in, starts, count, q_pos, k_pos, groups=q_in.shape[-2] // k.shape[2],
                   num_kv_blocks=nk + tiles, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
                   gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
                   persistent=persistent, ranges=(lo, hi), pair=pair, profile=profile, overlap=overlap,
-                  pingpong=pingpong, heads_first=heads_first)
+                  pingpong=pingpong, heads_first=heads_first, **_box_args(boxes))
+
+
+def _box_args(boxes) -> dict:
+    return {} if boxes is None else dict(q_box=boxes[0], row_stride=boxes[1])
+
+
+def strided_rows(layout: BlockLayout, q: jax.Array, column_pass: str | None) -> bool:
+    """Whether the Mosaic passes read Q and write O as strided boxes of the original arrays (the layout's
+    ``q_row_stride`` promise, `MosaicConfig.row_stride`): a stride and a ``q_perm``, q ``[B, T, N, D]`` with T = the
+    layout's ``q_len`` (a multiple of 128) and D a multiple of 64 (no padding), no row-range pass and no
+    separate column pass."""
+    t, d = q.shape[1], q.shape[3]
+    return (layout.q_row_stride > 0 and layout.q_perm is not None and t == layout.q_len and t % BLOCK_Q == 0
+            and d % 64 == 0 and not row_range_pass(layout, column_pass)
+            and (layout.kv_columns is None or column_pass == "fused"))
 
 
 def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
@@ -434,17 +450,25 @@ def block_sparse_attention_mosaic_gpu(
         stages = min(stages, max_stages(layout.block_k, d_pad, layout.block_q, pair=key_pairs, persistent=True))
     t_pad = round_up(layout.num_q_blocks * layout.block_q, BLOCK_Q)
     q_orig, k_orig, v_orig = q, k, v
-    if layout.q_perm is not None:
-        q_perm = jnp.clip(layout.q_perm, 0, t - 1)
-        q = _gather_rows(q, q_perm)  # [B, T, N, D] in permuted row order per head
-    q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
+    strided = strided_rows(layout, q, column_pass) and d == d_pad
+    boxes = None
+    if strided:  # the original rows, viewed so that each query block is one strided box (no gather)
+        st = layout.q_row_stride
+        q_in = q.reshape(q.shape[0], t // st, st, *q.shape[2:])
+        boxes = (jnp.clip(layout.q_perm[..., ::layout.block_q], 0, t - 1).astype(jnp.int32), st)
+    else:
+        if layout.q_perm is not None:
+            q = _gather_rows(q, jnp.clip(layout.q_perm, 0, t - 1))  # [B, T, N, D] in permuted row order per head
+        q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
           "pingpong": pingpong, "heads_first": heads_first}
 
     def passes(kp, vp):
         """The Mosaic passes on k / v as `_on_keys` gives them."""
-        out, lse = (_fused_column_pass if fused else _block_pass)(q_in, kp, vp, layout, profile=profile, **kw)
+        out, lse = (_fused_column_pass if fused else _block_pass)(q_in, kp, vp, layout, profile=profile, boxes=boxes,
+                                                                  **kw)
+        out = out.reshape(out.shape[0], t, *out.shape[3:]) if strided else out
         out, lse = out[:, :t, :, :d], lse[:, :, :t]
         if layout.kv_columns is not None and column_pass == "mosaic":
             out_c, lse_c = _column_pass(q_in, kp, vp, layout, **kw)
@@ -452,9 +476,9 @@ def block_sparse_attention_mosaic_gpu(
         return out, lse
 
     out, lse = _on_keys(passes, k, v, poison)
-    if layout.q_perm is not None:
+    if layout.q_perm is not None:  # (strided: out is in the original order already, lse in the layout's)
         inv = inverse_permutation(jnp.clip(layout.q_perm, 0, t - 1))  # [B|1, N|1, T]
-        out = _gather_rows(out, inv)
+        out = out if strided else _gather_rows(out, inv)
         lse = jnp.take_along_axis(lse, jnp.broadcast_to(inv, lse.shape), axis=2)
     if layout.kv_columns is not None and column_pass == "triton":  # rows in the original order on both sides
         columns_only = layout.replace(kv_block_count=jnp.zeros_like(layout.kv_block_count))

@@ -114,6 +114,11 @@ class MosaicConfig:
       heads_first: work items run query heads fastest (then query blocks, the last rows first), so the CTAs that run
         at the same time are the heads of a few query blocks, and the query heads of one key / value head read
         their shared tiles from L2; else query blocks fastest.
+      row_stride: 0, or the rows of each query block are an arithmetic progression of this stride in the original
+        order (Grid's phase-major rows: one phase, consecutive frames): q and out are the original arrays viewed
+        as ``[B, T / row_stride, row_stride, N, Dp]``, a ``q_box`` operand holds each query block's first original
+        row, and the kernel loads Q and stores O as strided boxes there (no gather of q, no output put back); lse
+        stays in the layout's row order.
     """
 
     block_k: int
@@ -140,6 +145,7 @@ class MosaicConfig:
     persistent: bool = False
     visible: bool = False
     heads_first: bool = False
+    row_stride: int = 0
 
 
 
@@ -149,6 +155,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     lo_ref, hi_ref = (refs.pop(0), refs.pop(0)) if cfg.windows else (None, None)
     qpos_ref, kpos_ref = (refs.pop(0), refs.pop(0)) if cfg.has_pos else (None, None)
     vis_ref = refs.pop(0) if cfg.visible else None
+    box_ref = refs.pop(0) if cfg.row_stride else None
     out_ref, lse_ref = refs
     leads = dict(cfg.leads)
     bk, dp, stages = cfg.block_k, cfg.head_dim, cfg.stages
@@ -158,8 +165,9 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     split = cfg.block_q == WG_ROWS  # one query block (and key list) per consumer warpgroup
     rings = ring_count(cfg.block_q)
     dtype = q_ref.dtype
-    ctas = q_ref.shape[1] // BLOCK_Q
-    heads = q_ref.shape[2]
+    rows_total = q_ref.shape[1] * q_ref.shape[2] if cfg.row_stride else q_ref.shape[1]
+    ctas = rows_total // BLOCK_Q
+    heads = q_ref.shape[-2]
     items = ctas * heads * q_ref.shape[0]
     pid = lax.axis_index("items")
 
@@ -231,6 +239,15 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             at = (*self.lead("kv_lo", self.query_block(w)), j)
             return lo_ref[at], hi_ref[at]
 
+        def rows(self, ref, wg):
+            """Consumer wg's 64 rows of ``ref`` (q or out, ``[B, T, N, Dp]``; ``row_stride``: the strided box of its
+            query block in the ``[B, T / stride, stride, N, Dp]`` view)."""
+            if not cfg.row_stride:
+                return ref.at[self.batch, pl.ds(self.cta * BLOCK_Q + wg * WG_ROWS, WG_ROWS), self.head]
+            first = box_ref[*self.lead("q_box", self.query_block(wg))]
+            frame = pl.multiple_of(first // cfg.row_stride + (0 if split else wg * WG_ROWS), TMA_ROWS)
+            return ref.at[self.batch, pl.ds(frame, WG_ROWS), lax.rem(first, cfg.row_stride), self.head]
+
     def body(scoped):
         (qo_smem, k_smem, v_smem, lse_pos, *o_tiles), (k_bar, v_bar, q_bar, p_bar), (k_free, v_free), sched = scoped
         o_smem = o_tiles[0] if cfg.persistent else qo_smem  # the consumers' O tiles (the Q tiles on one item)
@@ -253,8 +270,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
             def load_q(it):
                 """Item ``it``'s Q rows of this consumer into its Q tile."""
-                row0 = it.cta * BLOCK_Q + wg * WG_ROWS
-                plgpu.copy_gmem_to_smem(q_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head], q_smem, q_bar.at[wg])
+                plgpu.copy_gmem_to_smem(it.rows(q_ref, wg), q_smem, q_bar.at[wg])
 
             def run_item(t, done):
                 """Item t of this CTA; ``done``: K/V stages of this consumer's ring used by earlier items."""
@@ -495,8 +511,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 with jax.named_scope("write"):
                     if cfg.persistent:  # the last item's stores have read o_smem / l_smem
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    fa3.write_rows(acc, m, fa3.row_sums(l), o_smem.at[wg], l_smem,
-                                   out_ref.at[it.batch, pl.ds(row0, WG_ROWS), it.head],
+                    fa3.write_rows(acc, m, fa3.row_sums(l), o_smem.at[wg], l_smem, it.rows(out_ref, wg),
                                    lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)], dtype)
                 return done + count
 
@@ -612,7 +627,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            persistent: bool = False, ranges: tuple[jax.Array, jax.Array] | None = None,
            pair: bool = False, profile: tuple[int, str] | None = None,
            overlap: bool = False, pingpong: bool = True,
-           skip_visible_masks: bool = True, heads_first: bool = False) -> tuple[jax.Array, jax.Array]:
+           skip_visible_masks: bool = True, heads_first: bool = False,
+           q_box: jax.Array | None = None, row_stride: int = 0) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of two list
     entries, ``stages`` K stages and `pair_v_stages` V stages per ring).
@@ -630,6 +646,9 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         per ring: the next step's key positions arrive with its V tile).
       skip_visible_masks: with original positions, skip the position mask of entries every row of their query
         block sees whole (`visible_entries`; where that table stays small).
+      q_box, row_stride: with ``row_stride`` > 0, q_in is ``[B, Tp / row_stride, row_stride, N, Dp]`` (the original
+        rows, viewed) and ``q_box`` int32 ``[B|1, N|1, nq]`` each query block's first original row; its rows are
+        that row plus multiples of ``row_stride`` (`MosaicConfig.row_stride`); out comes back in that view.
       profile: None, or (ranges, directory): Mosaic GPU's profiler records the kernel's named regions (``qk``,
         ``softmax``, ``wait_v``, ``pv`` / ``next_k`` per consumer step; per item ``wait_q``, ``wait_first_k``,
         ``offset`` / ``resync`` (the second consumer's half-step lag, taken at its start and made up at its end)
@@ -638,9 +657,14 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         directory (timestamps in SM clock cycles / 1000; `tools/mosaic_profile.py`).
 
     Returns:
-      out ``[B, Tp, N, Dp]`` in q's dtype and lse ``[B, N, Tp]`` float32, in row order of q_in.
+      out ``[B, Tp, N, Dp]`` in q's dtype and lse ``[B, N, Tp]`` float32, in row order of q_in (``row_stride``: out
+      in q_in's view, the original order; lse in the layout's row order).
     """
-    b, tp, n, dp = q_in.shape
+    if row_stride:
+        b, frames, _, n, dp = q_in.shape
+        tp = frames * row_stride
+    else:
+        b, tp, n, dp = q_in.shape
     names = {"kv_blocks": blocks, "kv_block_count": count[..., None]}
     operands = [q_in, k_in, v_in, blocks, count]
     if persistent:
@@ -660,6 +684,12 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         if vis is not None:
             names["visible"] = vis
             operands.append(vis)
+    if row_stride:
+        if q_box is None or q_box.ndim != 3 or q_box.shape[2] != count.shape[2]:
+            raise ValueError(f"q_box: expected int32 [B|1, N|1, {count.shape[2]}] (each query block's first row) "
+                             f"with row_stride={row_stride}; received {getattr(q_box, 'shape', None)}")
+        names["q_box"] = q_box[..., None]
+        operands.append(q_box.astype(jnp.int32))
     cfg = MosaicConfig(
         block_k=block_k, head_dim=dp, stages=stages, groups=groups, num_kv_blocks=num_kv_blocks,
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
@@ -667,6 +697,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
         pair=pair, v_stages=pair_v_stages(stages, block_q, block_k) if pair else stages, overlap=overlap,
         pingpong=pingpong, persistent=persistent, visible=vis is not None, heads_first=heads_first,
+        row_stride=row_stride,
     )
     if overlap and has_pos and cfg.v_stages < 2:
         raise ValueError(f"overlap: needs two V stages per ring with original positions (the next step's key "

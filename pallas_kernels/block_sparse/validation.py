@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.block_sparse.layout import BlockLayout
+from pallas_kernels.block_sparse.layout import BlockLayout, strided_rows_hold
 from pallas_kernels.checks import check_int, concrete, fmt_shape
 from pallas_kernels.tiling import cdiv
 
@@ -74,6 +74,7 @@ def check_layout_values(layout: BlockLayout) -> None:
         raise ValueError(f"layout.window_align: expected 1 for a layout without kv_windows; received "
                          f"{layout.window_align}")
     _check_q_block_range(layout)
+    _check_q_row_stride(layout)
     nk = layout.num_kv_blocks
     blocks, count = concrete(layout.kv_blocks), concrete(layout.kv_block_count)
     if blocks is not None and count is not None:
@@ -153,6 +154,26 @@ def _check_q_block_range(layout: BlockLayout) -> None:
         if bad.size:
             raise ValueError(f"layout.{name}: expected 0 for the query blocks outside q_block_range={rng}; "
                              f"received a count > 0 at query block {int(bad[0])}")
+
+
+def _check_q_row_stride(layout: BlockLayout) -> None:
+    """``q_row_stride``: an int >= 0; with a stride, a ``q_perm`` and ``q_len`` a multiple of ``block_q`` and of the
+    stride, and on a concrete ``q_perm`` every query block's rows stepping by it."""
+    st = layout.q_row_stride
+    check_int("layout.q_row_stride", st, 0)
+    if not st:
+        return
+    if layout.q_perm is None or layout.q_len % layout.block_q or layout.q_len % st:
+        raise ValueError(f"layout.q_row_stride: expected 0, or a q_perm and q_len={layout.q_len} a multiple of "
+                         f"block_q={layout.block_q} and of the stride; received {st} "
+                         f"({'no q_perm' if layout.q_perm is None else 'q_len not a multiple'})")
+    perm = concrete(layout.q_perm)
+    if perm is not None:
+        holds = np.asarray(strided_rows_hold(layout))
+        if not holds.all():
+            b, h, i = (int(x[0]) for x in np.nonzero(~holds))
+            raise ValueError(f"layout.q_perm: expected the rows of each query block to step by q_row_stride={st} "
+                             f"from its first row; query block {i} (batch {b}, head {h}) does not")
 
 
 def _check_windows(layout: BlockLayout, starts: np.ndarray, used: np.ndarray, ids: np.ndarray) -> None:

@@ -310,3 +310,30 @@ def test_frame_grid_patterns_take_the_frame_size():
     assert g.stride == 28 and frame_grid_patterns()["Grid(frame)"].stride == 256
     with pytest.raises(ValueError, match="^frame_hw: expected two ints"):
         frame_grid_patterns((4, 0))
+
+
+def test_lines_promise_strided_rows_where_each_block_is_one_phase():
+    """With one static stride dividing T into a whole number of query blocks per phase (and no sink group), every
+    query block of the lines part is one phase and ``block_q`` consecutive frames: the part says so
+    (`BlockLayout.q_row_stride`, checked on the concrete layout), so the Mosaic GPU kernel reads and writes those
+    rows in place. Otherwise (a searched stride, T not a whole number of blocks per phase, a sink) it does not."""
+    t = 16 * 64  # 64 frames of 16 tokens: two query blocks of 32 rows per phase
+    q, k, v = random_qkv(31, 1, t, t, 4, 2, 16)
+
+    def lines(g):
+        parts = block_parts(g.build_layout(q, k))
+        return [p for p in parts if p.q_perm is not None and p.q_block_range is None][0]
+
+    part = lines(Grid(stride=16, local=9, last_q=16, **SMALL))
+    assert part.q_row_stride == 16
+    check_layout_values(part)
+    assert lines(Grid(stride=16, local=9, last_q=16, sink=8, **SMALL)).q_row_stride == 0
+    assert lines(Grid(stride="search", stride_space=(8, 16), local=9, last_q=16, **SMALL)).q_row_stride == 0
+    q2, k2 = q[:, :t - 16], k[:, :t - 16]  # 63 frames: a block would span two phases
+    parts = block_parts(Grid(stride=16, local=9, last_q=16, **SMALL).build_layout(q2, k2))
+    assert all(p.q_row_stride == 0 for p in parts)
+    out, _ = attend(q, k, v, Grid(stride=16, local=9, last_q=16, **SMALL).build_layout(q, k),
+                    KernelOptions(implementation="reference"))
+    ref, _ = masked_dense_attention(q, k, v, Grid(stride=16, local=9, last_q=16, **SMALL).build_layout(
+        q, k).to_dense_mask())
+    assert rel_err(out, ref) < 1e-5

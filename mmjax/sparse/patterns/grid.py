@@ -312,7 +312,16 @@ class Grid(Pattern):
         qg_sorted = jnp.take_along_axis(qg, q_perm, -1)
         q_pos = q_perm + off
         return self._assemble(kv_perm, q_perm, kg_sorted, qg_sorted, q_pos, kv_perm, stride, phase, t, s, bounds,
-                              band=self._band(t, s) if self.local else None, rows_keys=None)
+                              band=self._band(t, s) if self.local else None, rows_keys=None,
+                              row_stride=self._row_stride(t, bounds))
+
+    def _row_stride(self, t: int, bounds: tuple[int, int]) -> int:
+        """The lines part's `BlockLayout.q_row_stride`: its rows go by phase, each phase's rows stepping by the
+        stride, so with one static stride dividing T, a whole number of query blocks per phase and no sink group,
+        every query block is one phase and ``block_q`` consecutive frames (0 otherwise)."""
+        st = bounds[0]
+        ok = bounds[0] == bounds[1] and not self.sink and t % st == 0 and (t // st) % self.block_q == 0
+        return st if ok else 0
 
     @staticmethod
     def _key_stride(stride: jax.Array, bounds: tuple[int, int]) -> jax.Array:
@@ -321,7 +330,7 @@ class Grid(Pattern):
         return jnp.full((1, 1), bounds[0], jnp.int32) if bounds[0] == bounds[1] else stride
 
     def _assemble(self, kv_perm, q_perm, code, qg_sorted, q_pos, k_pos, stride, phase, t: int, s: int,
-                  bounds, *, band, rows_keys, seg_base=(0,)) -> LayoutSet | BlockLayout:
+                  bounds, *, band, rows_keys, seg_base=(0,), row_stride: int = 0) -> LayoutSet | BlockLayout:
         """Lines and rows parts from the packed keys and the sorted query groups.
 
         code ``[B|1, N|1, S]``: each packed key's code, ascending: ``seg_base[i]`` + its `key_groups` group for
@@ -329,7 +338,8 @@ class Grid(Pattern):
         k_pos: their positions, ascending within a code. qg_sorted / q_pos ``[B,N,T]``: each permuted row's
         `phase_groups` group and position; stride ``[B,N]``, phase ``[B,N,P]``. rows_keys: the rows part's key
         order, None (every key, in original order) or (kv_perm int32 ``[B, 1, S]``: the valid keys first, by
-        position; int32 ``[B, S]``: the valid keys at positions up to each position)."""
+        position; int32 ``[B, S]``: the valid keys at positions up to each position). row_stride: the lines part's
+        `BlockLayout.q_row_stride` (`_row_stride`)."""
         bq, bk = self.block_q, self.block_k
         nq, nk = cdiv(t, bq), cdiv(s, bk)
         front = 1 if self.sink else 0  # the sink group
@@ -410,7 +420,8 @@ class Grid(Pattern):
                                kv_block_count=jnp.where(h_rows, listed, 0).astype(jnp.int32),
                                q_block_range=(0, cdiv(self.max_line_rows(t, bounds[0]), bq)), **rows_common)
         if front or self.use_vline or self.use_slash:
-            parts.append(BlockLayout(kv_blocks=blocks, kv_block_count=count.astype(jnp.int32), **common))
+            parts.append(BlockLayout(kv_blocks=blocks, kv_block_count=count.astype(jnp.int32),
+                                     q_row_stride=row_stride, **common))
         if self.use_hline:
             parts.append(full)
         return LayoutSet(tuple(parts)) if len(parts) > 1 else parts[0]

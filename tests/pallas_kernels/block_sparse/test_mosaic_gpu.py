@@ -359,3 +359,18 @@ def test_mosaic_rejects_a_bad_profile_request(profile, match):
     layout = BlockLayout.dense_causal(256, 256, block_q=128, block_k=64)
     with pytest.raises(ValueError, match=match):
         block_sparse_attention_mosaic_gpu(q, q, q, layout, sm_scale=0.1, profile=profile)
+
+
+@pytest.mark.parametrize("bq,persistent,pair", [(128, False, True), (128, True, True), (64, False, False)])
+def test_strided_rows_lower_for_cuda(bq, persistent, pair):
+    """`BlockLayout.q_row_stride` (Grid's phase-major rows): q and out as ``[B, T / stride, stride, N, D]`` views with
+    each query block one strided box (TMA), on one CTA per item and on the persistent grid, 128- and 64-row blocks."""
+    t, st = 4096, 16
+    q_perm = np.concatenate([np.arange(p, t, st) for p in range(st)]).astype(np.int32)[None, None]
+    layout = BlockLayout.random_causal(jax.random.PRNGKey(1), t, t, keep=0.1, block_q=bq, block_k=64).replace(
+        q_perm=jnp.asarray(q_perm), q_row_stride=st)
+    run = functools.partial(lower_for_cuda, (1, t, 8, 128), (1, t, 2, 128), jnp.bfloat16,
+                            attention=block_sparse_attention_mosaic_gpu, sm_scale=0.1, persistent=persistent,
+                            key_pairs=pair)
+    gathers = [run(lay).count("stablehlo.gather") for lay in (layout, layout.replace(q_row_stride=0))]
+    assert gathers[0] == gathers[1] - 2  # no gather of q into the blocks' row order, none of out back

@@ -13,7 +13,7 @@ from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse import block_sparse_attention_rows
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
 from pallas_kernels.platform import is_sm90
-from tests.pallas_kernels.block_sparse.test_rows import range_layout
+from tests.pallas_kernels.block_sparse.test_rows import range_layout, strided_layout
 from tests.pallas_kernels.block_sparse.test_windows import random_window_layout
 from tests.pallas_kernels.helpers import (
     masked_dense_attention,
@@ -372,3 +372,21 @@ def test_mosaic_q_block_range_with_shared_columns_matches_dense(bq, perm):
                                          ).replace(q_block_range=(lo, hi))
     assert layout.max_blocks > 128  # more than one chunk
     _check_range_layout(q, k, v, layout)
+
+
+@needs_hopper
+@pytest.mark.parametrize("bq,persistent,columns", [(128, False, 0), (128, True, 0), (64, False, 0), (128, False, 300)])
+def test_mosaic_strided_rows_match_dense(bq, persistent, columns):
+    """Grid-like phase-major rows (`BlockLayout.q_row_stride`: each query block one phase, consecutive frames; each
+    head its own phase order): Q read and O written as strided boxes of the original arrays. Against the masked
+    dense reference, and bit for bit against the same layout with the rows gathered (q_row_stride=0)."""
+    t, n = 8192, 8
+    q, k, v = random_qkv(14, 1, t, t, n, 2, 128, jnp.bfloat16)
+    layout = strided_layout(np.random.default_rng(bq + persistent + columns), t, n, 16, bq, 0.05, columns)
+    run = jax.jit(lambda lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=128 ** -0.5,
+                                                                persistent=persistent))
+    out, lse = run(layout)
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)
+    out0, lse0 = run(layout.replace(q_row_stride=0))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out0, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))

@@ -19,6 +19,7 @@ from pallas_kernels.block_sparse import (
     scatter_rows,
 )
 from pallas_kernels.block_sparse.merge import merge_chunks
+from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import masked_dense_attention, random_layout, random_qkv, rel_err
 
 
@@ -140,11 +141,25 @@ def test_merge_attention_all_is_merge_attention_in_turn():
 
 
 def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups, block_k, block_q, kv_len, causal,
-                    gap, window, sm_scale, q_offset, ranges=None, **_):
+                    gap, window, sm_scale, q_offset, ranges=None, q_box=None, row_stride=0, **_):
     """What `mosaic_kernel.launch` computes with original positions, as masked dense attention: row r of q_in (query
     block r // block_q) sees key c of k_in when c's block is among its block's first ``count`` ids (with
     ``ranges``: c lies in ``[lo, hi)`` of one of its first ``count`` entries) and the positions allow it (without
-    positions: row r at ``r + q_offset``, key c at c)."""
+    positions: row r at ``r + q_offset``, key c at c). With ``row_stride``, q_in is the original rows viewed as
+    ``[B, T / stride, stride, N, D]``, query block i's rows are ``q_box[i] + j * stride`` and out comes back in that
+    view (lse in the blocks' row order)."""
+    if row_stride:
+        b, f, st, n, dp = q_in.shape
+        rows = (q_box[..., None] + st * jnp.arange(block_q)).reshape(q_box.shape[:2] + (-1,))  # [B|1, N|1, Tp]
+        rows = jnp.broadcast_to(rows, (b, n, rows.shape[-1]))
+        flat = q_in.reshape(b, f * st, n, dp)
+        gathered = jnp.take_along_axis(flat, jnp.transpose(rows, (0, 2, 1))[..., None], axis=1)
+        out, lse = emulated_launch(gathered, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups, block_k=block_k,
+                                   block_q=block_q, kv_len=kv_len, causal=causal, gap=gap, window=window,
+                                   sm_scale=sm_scale, q_offset=q_offset, ranges=ranges)
+        bi, hi = jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None]
+        placed = jnp.zeros_like(flat).at[bi, rows, hi].set(jnp.transpose(out, (0, 2, 1, 3)))
+        return placed.reshape(q_in.shape), lse
     b, tp, n, dp = q_in.shape
     sp = k_in.shape[1]
     nqb = count.shape[2]
@@ -420,3 +435,44 @@ def test_range_list_helpers_name_bad_inputs():
                             kv_column_count=jnp.ones((1, 2, 3), jnp.int32))
     with pytest.raises(ValueError, match=r"layout: expected shared columns .* received \(1, 2, 3, 4\) / None"):
         mosaic_gpu._keys_with_columns(k, k, per_block, 64)
+
+
+def strided_layout(rng, t: int, n: int, stride: int, block_q: int, density: float, columns: int = 0) -> BlockLayout:
+    """A random layout over ``t`` queries / keys whose rows go phase by phase (each head its own phase order), so
+    every query block is one strided box (`BlockLayout.q_row_stride`); with ``columns``, that many shared columns in
+    the second half of the keys (each query block a random prefix), blocks in the first half."""
+    q_perm = np.stack([np.concatenate([np.arange(p, t, stride) for p in rng.permutation(stride)]) for _ in range(n)])
+    nq, nk = t // block_q, t // 64
+    mask = rng.random((1, n, nq, nk)) < density
+    extra = {}
+    if columns:
+        mask[..., nk // 2:] = False
+        cols = np.sort(rng.choice(np.arange(nk // 2 * 64, t), size=columns, replace=False)).astype(np.int32)
+        extra = dict(kv_columns=jnp.asarray(cols)[None, None, None],
+                     kv_column_count=jnp.asarray(rng.integers(0, columns + 1, size=(1, n, nq)), jnp.int32))
+    return BlockLayout.from_block_mask(jnp.asarray(mask), q_len=t, kv_len=t, block_q=block_q, block_k=64,
+                                       q_perm=jnp.asarray(q_perm[None], jnp.int32), **extra
+                                       ).replace(q_row_stride=stride)
+
+
+@pytest.mark.parametrize("column_pass", [None, "fused"])
+def test_strided_rows_read_and_write_in_place(monkeypatch, column_pass):
+    """A layout whose query blocks are strided boxes of the original rows (`BlockLayout.q_row_stride`, Grid's
+    phase-major rows): the Mosaic passes take q in its ``[B, T / stride, stride, N, D]`` view and each block's first
+    row (no gather of q, out written in the original order); exact against the layout's mask, with a per-head row
+    order, with and without shared columns in the launch."""
+    launches = []
+    monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: launches.append(kw.get("row_stride", 0))
+                        or emulated_launch(*a, **kw))
+    t, n = 1024, 4
+    q, k, v = random_qkv(12, 1, t, t, n, 2, 64, jnp.float32)
+    layout = strided_layout(np.random.default_rng(3), t, n, 8, 128, 0.3, columns=70 if column_pass else 0)
+    check_layout_values(layout)
+    assert mosaic_gpu.strided_rows(layout, q, column_pass or "fused")
+    out, lse = mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(q, k, v, layout, sm_scale=64 ** -0.5,
+                                                                        column_pass=column_pass and "fused")
+    assert launches == [8]
+    _assert_matches_mask(out, lse, q, k, v, layout)
+    broken = layout.replace(q_perm=jnp.roll(layout.q_perm, 1, axis=-1))
+    with pytest.raises(ValueError, match="q_row_stride=8"):
+        check_layout_values(broken)
