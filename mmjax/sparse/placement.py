@@ -16,6 +16,12 @@ A boundary wrapper hands the inner pattern the *original* q / k plus a `Placemen
   `Modality` (a Grid with ``stride="frame"`` uses it). Invalid keys are packed last and never computed: a key block
   straddling the valid / invalid boundary is replaced by single columns of its valid keys,
   so each key is attended exactly by the pattern of its own modality.
+* ``keys_in_place`` (static bool): the valid keys are one run of positions ``[start, end)`` in every batch row and
+  every query row the wrapper keeps lies before ``end`` (a video between a prompt and a question, for the video's
+  rows). The plain key order (`Placement.plain_keys`) is then the original one: its packed index is the position,
+  ranges are cut below ``start`` (`KeyOrder.start`) and keys from ``end`` on are left to causality (no row that
+  is kept sees them); the wrapper cuts the parts in that order below ``start`` (`restrict_from`), so their key
+  blocks are the pattern's aligned blocks, with no key gather.
 
 Patterns state their rules on **original positions** (local windows, slash offsets, Grid line
 phases, causal cut-offs) and pack keys by ``(invalid, group, inner class, position)``: the
@@ -54,6 +60,7 @@ class Placement:
     est_order: jax.Array | None = None
     num_groups: int = dataclasses.field(default=1, metadata=dict(static=True))
     frame_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    keys_in_place: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @functools.cached_property
     def row_perm(self) -> jax.Array:
@@ -67,8 +74,8 @@ class Placement:
     def plain_keys(self) -> "KeyOrder":
         """`pack_keys` without an inner split, one object per placement, so a wrapper can tell the parts whose keys
         are in this order (``part.kv_perm is placement.plain_keys.perm``): with every key valid and one group it
-        is the original order."""
-        return _pack(self, None, 1)
+        is the original order; with ``keys_in_place`` too (the valid keys from `KeyOrder.start` on)."""
+        return _in_place_keys(self) if self.keys_in_place else _pack(self, None, 1)
 
     @classmethod
     def identity(cls, b: int, t: int, s: int) -> "Placement":
@@ -88,13 +95,19 @@ class Placement:
 @dataclasses.dataclass(frozen=True)
 class KeyOrder:
     """Packed key order: ``perm`` int32 ``[B, N|1, S]`` (original key of each packed index),
-    ``code`` the ascending packed codes, ``n_valid`` int32 ``[B, N|1]``."""
+    ``code`` the ascending packed codes, ``n_valid`` int32 ``[B, N|1]``; ``start`` int32 ``[B, 1]`` or None: the
+    packed index of the first valid key (keys in place, `Placement.keys_in_place`; None: 0, the valid keys first)."""
 
     perm: jax.Array
     code: jax.Array
     n_valid: jax.Array
     num_groups: int = dataclasses.field(metadata=dict(static=True))
     num_inner: int = dataclasses.field(metadata=dict(static=True))
+    start: jax.Array | None = None
+
+    def first(self) -> jax.Array:
+        """int32 ``[B, 1|N]``: the packed index of the first valid key."""
+        return jnp.zeros_like(self.n_valid) if self.start is None else self.start
 
     @property
     def kv_len(self) -> int:
@@ -124,6 +137,17 @@ def _pack(pl: Placement, inner: jax.Array | None, num_inner: int) -> KeyOrder:
     return KeyOrder(perm, code, n_valid, pl.num_groups, num_inner)
 
 
+def _in_place_keys(pl: Placement) -> KeyOrder:
+    """The original key order for a placement with ``keys_in_place``: packed index = position, the valid keys one run
+    from ``start`` (the first valid key) on."""
+    b, s = pl.k_group.shape
+    pos = jnp.arange(s, dtype=jnp.int32)
+    valid = jnp.ones((b, s), bool) if pl.k_valid is None else pl.k_valid
+    start = jnp.argmax(valid, axis=-1).astype(jnp.int32)[:, None]  # [B, 1]
+    n_valid = valid.sum(-1).astype(jnp.int32)[:, None]
+    return KeyOrder(jnp.broadcast_to(pos, (b, 1, s)), jnp.broadcast_to(pos, (b, 1, s)), n_valid, 1, 1, start)
+
+
 def _search(sorted_: jax.Array, values: jax.Array, side: str) -> jax.Array:
     """Batched searchsorted: sorted_ ``[B, H, S]``, values ``[B, H, ...]``."""
     lead = jnp.broadcast_shapes(sorted_.shape[:2], values.shape[:2])
@@ -136,10 +160,13 @@ def _search(sorted_: jax.Array, values: jax.Array, side: str) -> jax.Array:
 def segment_ranges(order: KeyOrder, inner: int, lo_pos: jax.Array, hi_pos: jax.Array
                    ) -> list[tuple[jax.Array, jax.Array]]:
     """Packed index ranges (inclusive) of the keys of inner class ``inner`` whose positions
-    lie in ``[lo_pos, hi_pos]`` (int32 ``[B|1, N|1, ...]``), one range per key group."""
+    lie in ``[lo_pos, hi_pos]`` (int32 ``[B|1, N|1, ...]``), one range per key group. Keys in place
+    (``order.start``): from the first valid key on (the keys past the valid run are left to causality)."""
     s = order.kv_len
     lo_pos = jnp.clip(lo_pos, 0, s)
     hi_pos = jnp.clip(hi_pos, -1, s - 1)
+    if order.start is not None:
+        lo_pos = jnp.maximum(lo_pos, order.start.reshape(order.start.shape + (1,) * (lo_pos.ndim - 2)))
     out = []
     for g in range(order.num_groups):
         base = (g * order.num_inner + inner) * (s + 1)
@@ -204,27 +231,46 @@ def restrict_to_valid(part: BlockLayout, n_valid: jax.Array) -> BlockLayout:
     columns and ``n_valid`` ``[B, 1]`` gets them as one list shared by every query block and
     head, ``[B, 1, 1, block_k]``, each block reading the valid prefix where it listed the block)."""
     bk = part.block_k
+    nv = n_valid[..., None, None]  # [B, N|1, 1, 1]
+    return _cut(part, nv // bk, nv % bk > 0, lambda ids: ids < nv // bk, lambda cols: cols < nv,
+                (nv // bk) * bk + jnp.arange(bk, dtype=jnp.int32), nv % bk)
+
+
+def restrict_from(part: BlockLayout, start: jax.Array) -> BlockLayout:
+    """Drop listed keys at packed index < ``start`` (int32 ``[B, N|1]``; keys in place, `Placement.keys_in_place`):
+    blocks below it go, the block straddling it becomes single columns of its keys from ``start`` on (the same
+    column forms as `restrict_to_valid`: one list ``[B, 1, 1, block_k]`` from ``start`` on for a part without
+    columns, each block reading its prefix where it listed the block)."""
+    bk = part.block_k
+    st = start[..., None, None]  # [B, N|1, 1, 1]
+    cut = st % bk > 0
+    return _cut(part, st // bk, cut, lambda ids: ids * bk >= st, lambda cols: cols >= st,
+                st + jnp.arange(bk, dtype=jnp.int32), jnp.where(cut, bk - st % bk, 0))
+
+
+def _cut(part: BlockLayout, straddle_id, has_straddle, block_ok, col_ok, extra, n_extra) -> BlockLayout:
+    """`restrict_to_valid` / `restrict_from`: keep the listed blocks with ``block_ok(ids)`` and the columns with
+    ``col_ok(cols)`` outside the straddling block ``straddle_id`` (``has_straddle``: it holds valid and invalid
+    keys; both ``[B, N|1, 1, 1]``); where a query block listed it, its valid keys (the first ``n_extra`` of
+    ``extra``, ``[B, N|1, 1, block_k]`` packed indices) become columns."""
+    bk = part.block_k
     nq = part.kv_block_count.shape[-1]
-    lead = jnp.broadcast_shapes(part.kv_block_count.shape[:2], n_valid.shape[:2])
+    lead = jnp.broadcast_shapes(part.kv_block_count.shape[:2], straddle_id.shape[:2])
     blocks = jnp.broadcast_to(part.kv_blocks, lead + (nq, part.kv_blocks.shape[-1]))
     count = jnp.broadcast_to(part.kv_block_count, lead + (nq,))
-    nv = jnp.broadcast_to(n_valid, lead)[..., None, None]  # [B, N, 1, 1]
-    full_blocks = nv // bk  # blocks below are entirely valid
-    has_partial = (nv % bk) > 0
     used = jnp.arange(blocks.shape[-1]) < count[..., None]
-    keep = used & (blocks < full_blocks)
-    straddle = (used & (blocks == full_blocks) & has_partial).any(-1)  # [B, N, nq]
+    keep = used & block_ok(blocks)
+    straddle = (used & (blocks == straddle_id) & has_straddle).any(-1)  # [B, N, nq]
     order = jnp.argsort(~keep, axis=-1, stable=True)
     new_count = keep.sum(-1).astype(jnp.int32)
     new_blocks = jnp.take_along_axis(blocks, order, -1)
     new_blocks = jnp.where(jnp.arange(blocks.shape[-1]) < new_count[..., None], new_blocks, 0).astype(jnp.int32)
-    if part.kv_columns is None and n_valid.shape[1] == 1:
-        # one column list for every query block and head: the straddling block's keys, each block reading its valid
-        # ones (a prefix) where it listed the block (`shared_columns`: the Mosaic kernel runs them in the block
-        # pass's own launch)
-        nv_b = n_valid[:, :, None, None]  # [B, 1, 1, 1]
-        cols = ((nv_b // bk) * bk + jnp.arange(bk, dtype=jnp.int32)).astype(jnp.int32)  # [B, 1, 1, bk]
-        ccount = jnp.where(straddle, (nv % bk)[..., 0], 0).astype(jnp.int32)  # [B, N, nq]
+    if part.kv_columns is None and straddle_id.shape[1] == 1:
+        # one column list for every query block and head: the straddling block's valid keys, each block reading them
+        # (a prefix) where it listed the block (`shared_columns`: the Mosaic kernel runs them in the block pass's own
+        # launch)
+        cols = extra[:, :, :1].astype(jnp.int32)  # [B, 1, 1, bk]
+        ccount = jnp.where(straddle, n_extra[..., 0], 0).astype(jnp.int32)  # [B, N, nq]
         return part.replace(kv_blocks=new_blocks, kv_block_count=new_count, kv_columns=cols,
                             kv_column_count=ccount)
     # Columns: existing valid ones outside the straddling block, then the block's valid keys.
@@ -232,15 +278,14 @@ def restrict_to_valid(part: BlockLayout, n_valid: jax.Array) -> BlockLayout:
         cols = jnp.broadcast_to(part.kv_columns, lead + (nq, part.kv_columns.shape[-1]))
         ccount = jnp.broadcast_to(part.kv_column_count, lead + (nq,))
         cused = jnp.arange(cols.shape[-1]) < ccount[..., None]
-        in_straddle = straddle[..., None] & (cols // bk == full_blocks)
-        ckeep = cused & (cols < nv) & ~in_straddle
+        in_straddle = straddle[..., None] & (cols // bk == straddle_id)
+        ckeep = cused & col_ok(cols) & ~in_straddle
     else:
         cols = jnp.zeros(lead + (nq, 0), jnp.int32)
         ckeep = jnp.zeros(cols.shape, bool)
-    extra = full_blocks * bk + jnp.arange(bk, dtype=jnp.int32)  # [B, N, 1, bk]
     extra = jnp.broadcast_to(extra, lead + (nq, bk))
-    ekeep = straddle[..., None] & (extra < nv)
-    all_cols = jnp.concatenate([cols, extra], -1)
+    ekeep = straddle[..., None] & (jnp.arange(bk) < n_extra)
+    all_cols = jnp.concatenate([cols, extra.astype(jnp.int32)], -1)
     all_keep = jnp.concatenate([ckeep, ekeep], -1)
     corder = jnp.argsort(~all_keep, axis=-1, stable=True)
     new_ccount = all_keep.sum(-1).astype(jnp.int32)

@@ -24,7 +24,7 @@ from mmjax.sparse.patterns import (
     VerticalSlash,
     boundary,
 )
-from mmjax.sparse.placement import restrict_to_valid
+from mmjax.sparse.placement import restrict_from, restrict_to_valid
 from pallas_kernels import BlockLayout
 from pallas_kernels.block_sparse.mosaic_gpu import fused_columns
 from pallas_kernels.block_sparse.validation import check_layout_values
@@ -391,3 +391,75 @@ def test_a_modality_between_prompt_and_question_keeps_its_rows_in_place(monkeypa
         out, lse = mmjax.sparse.attend(q, k, v, layout, KernelOptions(implementation="reference"))
         assert rel_err(out, ref) < 1e-5
         np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-4)
+
+
+@pytest.mark.parametrize("with_columns", [False, True])
+def test_restricting_keys_keeps_exactly_the_valid_pairs(with_columns):
+    """`restrict_to_valid` (keys below ``n_valid``) and `restrict_from` (keys from ``start`` on: keys in place) keep
+    exactly the pairs of the part on those keys, per key: blocks outside go, the straddling block's valid keys become
+    columns (one shared list, each query block reading a prefix, for a part without columns and one cut per batch
+    row; else per query block, after the part's own columns outside that block)."""
+    t, s, bk = 96, 160, 16
+    part = BlockLayout.random_causal(jax.random.PRNGKey(5), t, s, keep=0.5, block_q=32, block_k=bk, batch=2,
+                                     heads=2)
+    pos = np.arange(s)
+    if with_columns:  # a few columns per query block outside its listed blocks
+        listed = np.asarray(part.computed_pairs_permuted())[..., ::32, :]  # [B, N, nq, S]: the listed keys
+        cols = np.zeros(listed.shape[:3] + (6,), np.int32)
+        ccount = np.zeros(listed.shape[:3], np.int32)
+        for idx in np.ndindex(*listed.shape[:3]):
+            free = pos[~listed[idx]][::5][:6]
+            cols[idx][:len(free)], ccount[idx] = free, len(free)
+        part = part.replace(kv_columns=jnp.asarray(cols), kv_column_count=jnp.asarray(ccount))
+    full = np.asarray(part.to_dense_mask())
+    cut = np.asarray([[37], [64]], np.int32)  # a straddling block in row 0, none in row 1
+    for out, keep in ((restrict_to_valid(part, jnp.asarray(cut)), pos[None, :] < cut),
+                      (restrict_from(part, jnp.asarray(cut)), pos[None, :] >= cut)):
+        check_layout_values(out)
+        assert (out.kv_columns.shape[2] == 1) == (not with_columns)  # the shared list
+        np.testing.assert_array_equal(np.asarray(out.to_dense_mask()), full & keep[:, None, None, :])
+
+
+def test_a_video_between_prompt_and_question_keeps_its_keys_in_place(monkeypatch):
+    """In a TwoDBoundary the video rows' (video, video) pair has its keys in one run that ends after every video row:
+    the parts in the plain key order keep the original key order (no ``kv_perm``), cut below the video's first key
+    (`restrict_from`), so the band lists the pattern's aligned key blocks; keys past the video are left to causality.
+    The video rows still see video keys only, Grid's mask is the one of the packed keys (its band is exact by its
+    window) with fewer entries, and attend equals masked dense attention. Pairs whose keys are two runs (the text)
+    or end before the query rows (the question's rows over the video) keep the packed order, as do traced ids."""
+    s = 640
+    q, k, v = random_qkv(27, 1, s, s, 2, 1, 16)
+    kinds = np.ones((1, s), np.int32)
+    kinds[0, :40], kinds[0, -24:] = 0, 0
+    m = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=32)
+    assert boundary._keys_in_place(m, 1, 1, s)
+    assert not boundary._keys_in_place(m, 1, 0, s) and not boundary._keys_in_place(m, 0, 1, s)
+    g = Grid(stride_space=(24, 32), last_q=16, local=16, **SMALL)  # a band of 32 + 15 keys: 3 aligned blocks
+    w = TwoDBoundary({("video", "video"): g}, default=A)
+    vid = kinds[0] == 1
+    layout = w.build_layout(q, k, modality=m)
+    with monkeypatch.context() as mp:
+        mp.setattr(boundary, "_keys_in_place", lambda *a: False)
+        packed = w.build_layout(q, k, modality=m)
+    vparts, pparts = _parts(layout.parts[layout.kinds.index(1)]), _parts(packed.parts[packed.kinds.index(1)])
+    band = [p for p in vparts if p.window]
+    assert len(band) == 1 and band[0].kv_perm is None and band[0].q_perm is None
+    band_packed = [p for p in pparts if p.window][0]
+    assert band_packed.kv_perm is not None
+    assert int(band[0].kv_block_count.sum()) < int(band_packed.kv_block_count.sum())
+    only_video = TwoDBoundary({("video", "video"): g}, skip_missing=True)
+    mask = np.asarray(only_video.build_layout(q, k, modality=m).to_dense_mask())[0]
+    assert not mask[:, vid][:, :, ~vid].any() and not mask[:, ~vid].any()
+    with monkeypatch.context() as mp:
+        mp.setattr(boundary, "_keys_in_place", lambda *a: False)
+        mask_packed = np.asarray(only_video.build_layout(q, k, modality=m).to_dense_mask())[0]
+    np.testing.assert_array_equal(mask, mask_packed)
+    for part in _parts(layout):
+        check_layout_values(part)
+    ref, ref_lse = masked_dense_attention(q, k, v, layout.to_dense_mask())
+    out, lse = mmjax.sparse.attend(q, k, v, layout, KernelOptions(implementation="reference"))
+    assert rel_err(out, ref) < 1e-5
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-4)
+    traced = jax.jit(lambda ids: w.build_layout(q, k, modality=Modality(ids=ids, names=m.names, frame_tokens=32)))(
+        m.ids)
+    assert all(p.kv_perm is not None for p in _parts(traced.parts[traced.kinds.index(1)]))

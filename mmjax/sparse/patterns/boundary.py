@@ -14,7 +14,9 @@
 * `TwoDBoundary({(mq, mk): p})`: as QBoundary for the queries; each pair's pattern sees the
   keys of mk only (packed first; estimation over them), so every key is attended through
   the pattern of its own modality: a key block straddling mk's last key becomes single
-  columns (one list shared by every query block and head). The pairs of one query modality
+  columns (one list shared by every query block and head). Where mk's keys are one run that ends after every
+  row of mq (a video's own keys for its rows, between a prompt and a question), they stay in the original
+  order instead, cut below the run's first key (`_keys_in_place`). The pairs of one query modality
   are disjoint and are merged by lse (`LayoutSet`). Every (query kind, key kind) pair of the
   modalities present must be listed, or ``default`` given (it serves the unlisted pairs);
   ``skip_missing=True`` says explicitly that unlisted pairs are not computed (their rows may
@@ -42,7 +44,7 @@ import jax.numpy as jnp
 from mmjax.sparse.layouts import AnyLayout, LayoutSet, RowSplit, block_parts, with_parts
 from mmjax.sparse.modality import Modality
 from mmjax.sparse.patterns.base import Pattern
-from mmjax.sparse.placement import Placement, restrict_to_valid
+from mmjax.sparse.placement import Placement, restrict_from, restrict_to_valid
 from pallas_kernels import BlockLayout
 from pallas_kernels.tiling import cdiv
 
@@ -89,29 +91,39 @@ def _check_inner(name: str, p) -> None:
         raise ValueError(f"{name}: expected an mmjax.sparse.patterns pattern; received {type(p).__name__}")
 
 
-def _query_modality_layout(pattern: Pattern, q, k, m: Modality, q_kind, kind: int, k_valid=None) -> AnyLayout:
+def _query_modality_layout(pattern: Pattern, q, k, m: Modality, q_kind, kind: int,
+                           key_kind: int | None = None) -> AnyLayout:
     """The intra layout of one query modality: rows of ``kind`` moved last (stable), the
-    pattern estimated from them over the valid keys, query blocks without such rows
-    dropped, listed keys restricted to the valid ones (exactly, per key). From the static spans of
+    pattern estimated from them over the valid keys (those of ``key_kind``; None: every key), query blocks without
+    such rows dropped, listed keys restricted to the valid ones (exactly, per key). From the static spans of
     ``m`` (`_query_rows`): the parts in the wrapper's row order (no row order of their own) name
     the query blocks of the kind's last rows as their ``q_block_range`` where they are at most
     `ROW_RANGE_SHARE` of the blocks, so they run on those rows alone (`_kind_range`); or, where
     the kind's rows sit in a few runs (`_in_place`), the rows stay in the original order (the
     pattern still estimated from the last rows of ``kind``) and the parts in that order have no
-    ``q_perm`` (no gather of q, no output put back)."""
+    ``q_perm`` (no gather of q, no output put back). Where the valid keys are one run that ends after
+    every row of ``kind`` (`_keys_in_place`: a video's own keys for its rows), the parts in the plain key order keep
+    the keys in the original order (no ``kv_perm``), cut below the run (`restrict_from`)."""
     order = _sort_perm((q_kind == kind).astype(jnp.int32))
     b, t, s = k.shape[0], q.shape[1], k.shape[1]
     in_place = _in_place(m, kind, t, pattern.block_q)
+    k_valid = None if key_kind is None else m.ids == key_kind
+    keys_in_place = key_kind is not None and _keys_in_place(m, kind, key_kind, t)
     rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if in_place else order
     pl = Placement(rows=rows, k_group=jnp.zeros((b, s), jnp.int32), k_valid=k_valid,
-                   est_order=order if in_place else None, frame_tokens=m.frame_tokens)
+                   est_order=order if in_place else None, frame_tokens=m.frame_tokens, keys_in_place=keys_in_place)
     layout = pattern.build_placed(q, k, pl)
     parts = [_keep_query_blocks(p, q_kind, kind) for p in block_parts(layout)]
-    if k_valid is not None:
+    plain = [p.kv_perm is pl.plain_keys.perm for p in parts]
+    if keys_in_place:  # the plain order is the original one from the run's first key on; the rest packed
+        n_valid = k_valid.sum(-1).astype(jnp.int32)[:, None]
+        parts = [restrict_from(p, pl.plain_keys.start).replace(kv_perm=None) if mine
+                 else restrict_to_valid(p, n_valid) for p, mine in zip(parts, plain)]
+    elif k_valid is not None:
         n_valid = k_valid.sum(-1).astype(jnp.int32)[:, None]
         parts = [restrict_to_valid(p, n_valid) for p in parts]
     else:  # keys in the plain packed order are in the original order (one group, all valid)
-        parts = [p.replace(kv_perm=None) if p.kv_perm is pl.plain_keys.perm else p for p in parts]
+        parts = [p.replace(kv_perm=None) if mine else p for p, mine in zip(parts, plain)]
     own_order = [p.q_perm is pl.row_perm and p.q_block_range is None for p in parts]
     if in_place:
         parts = [p.replace(q_perm=None) if mine else p for p, mine in zip(parts, own_order)]
@@ -157,6 +169,21 @@ def _in_place(m: Modality, kind: int, t: int, block_q: int) -> bool:
         for a, e in runs:
             touched.update(range(a // block_q, cdiv(e, block_q)))
         if len(touched) - cdiv(sum(e - a for a, e in runs), block_q) > IN_PLACE_EXTRA:
+            return False
+    return True
+
+
+def _keys_in_place(m: Modality, kind: int, key_kind: int, t: int) -> bool:
+    """Whether the keys of ``key_kind`` can stay in the original order for the query rows of ``kind`` (the last
+    ``t`` positions): from the static spans, in every batch row they are one run and every query row of ``kind``
+    lies before its end, so no kept row sees a key past it (causality) and only the run's start needs a cut."""
+    runs = _query_runs(m, kind, t)
+    if runs is None:
+        return False
+    s = int(m.ids.shape[1])
+    for row, q_runs in zip(m.spans, runs):
+        key_runs = [(a, e) for k_, a, e in row if k_ == key_kind]
+        if len(key_runs) != 1 or any(e + s - t > key_runs[0][1] for _, e in q_runs):
             return False
     return True
 
@@ -322,7 +349,7 @@ class TwoDBoundary(Pattern):
                 continue
             pair_parts = []
             for kk, pattern in mine:
-                layout = _query_modality_layout(pattern, q, k, m, q_kind, qk, k_valid=m.ids == kk)
+                layout = _query_modality_layout(pattern, q, k, m, q_kind, qk, key_kind=kk)
                 pair_parts += list(block_parts(layout))
             parts.append(LayoutSet(tuple(pair_parts)))
             kinds.append(qk)

@@ -65,18 +65,20 @@ def _placed_prefix(p: Pattern, order, q_perm, q_max, t: int, s: int) -> BlockLay
 
 
 def placed_ashape(p, sink: int, local: int, order, q_perm, q_pos, t: int, s: int) -> BlockLayout:
-    """A-shape in a placement (``p``: the pattern whose block sizes are used; ``order``: the
-    packed `placement.KeyOrder`; ``q_perm`` / ``q_pos``: `placement.q_positions`): the first ``sink`` keys of the packed order plus the
-    position windows of each block's row runs, in every key segment."""
+    """A-shape in a placement (``p``: the pattern whose block sizes are used; ``order``: the packed
+    `placement.KeyOrder`; ``q_perm`` / ``q_pos``: `placement.q_positions`): the first ``sink`` valid keys of the
+    packed order plus the position windows of each block's row runs, in every key segment."""
     bk = p.block_k
     windows, width = plc.run_windows(q_pos, p.block_q, local)
     q_max = windows[1][1]
     groups = [g for lo_w, hi_w in windows
               for g in plc.to_block_ranges(plc.segment_ranges(order, 0, lo_w, hi_w), bk, width)]
-    if sink:
-        n_sink = jnp.minimum(order.n_valid, sink)[..., None]  # [B, N|1, 1]
-        hi = jnp.broadcast_to(jnp.where(n_sink > 0, (n_sink - 1) // bk, -1), q_max.shape)
-        groups.append((jnp.zeros_like(hi)[..., None], hi[..., None], cdiv(sink, bk)))
+    if sink:  # the first valid keys: from packed index `order.first()` (0 unless the keys are in place)
+        first = order.first()[..., None]  # [B, N|1, 1]
+        n_sink = jnp.minimum(order.n_valid, sink)[..., None]
+        lo = jnp.broadcast_to(first // bk, q_max.shape)
+        hi = jnp.broadcast_to(jnp.where(n_sink > 0, (first + n_sink - 1) // bk, first // bk - 1), q_max.shape)
+        groups.append((lo[..., None], hi[..., None], cdiv(sink, bk) + (order.start is not None)))
     blocks, count = ranges_to_lists(groups, cdiv(s, bk))
     return BlockLayout(kv_blocks=blocks, kv_block_count=count, q_perm=q_perm, kv_perm=order.perm,
                        block_q=p.block_q, block_k=bk, q_len=t, kv_len=s)

@@ -261,6 +261,35 @@ def test_shared_columns_pass_with_the_kernel_emulated(monkeypatch, t, s, n, kh, 
     _assert_matches_mask(out, lse, q, k, v, layout)
 
 
+def test_windowed_band_with_columns_from_a_run_start(monkeypatch):
+    """A boundary wrapper's band with the keys in place (`Placement.keys_in_place`): keys in the original order (no
+    ``kv_perm``), a causal window, the key blocks from the run's start on and the straddling block's keys from the
+    start as one shared column list read where a query block listed that block: one launch of the fused pass, exact
+    against the layout's mask."""
+    launches = []
+    monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: launches.append(a[1].shape) or emulated_launch(*a, **kw))
+    t = s = 640
+    bq, bk, window, start = 128, 64, 100, 150
+    q, k, v = random_qkv(10, 1, t, s, 4, 2, 64, jnp.float32)
+    nq, nk = t // bq, s // bk
+    rows_lo, rows_hi = np.arange(nq) * bq, np.arange(nq) * bq + bq - 1
+    ids = np.arange(nk)
+    band = (ids[None] >= (rows_lo[:, None] - window + 1) // bk) & (ids[None] <= rows_hi[:, None] // bk)
+    straddle = band[:, start // bk]
+    mask = band & (ids[None] * bk >= start)
+    cols = (start + np.arange(bk)).astype(np.int32)[None, None, None]
+    ccount = np.where(straddle, bk - start % bk, 0).astype(np.int32)[None, None]
+    layout = BlockLayout.from_block_mask(jnp.asarray(mask)[None, None], q_len=t, kv_len=s, block_q=bq, block_k=bk,
+                                         kv_columns=jnp.asarray(cols), kv_column_count=jnp.asarray(ccount)
+                                         ).replace(window=window)
+    assert straddle.any() and mosaic_gpu.fused_columns(layout)
+    out, lse = mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(q, k, v, layout, sm_scale=64 ** -0.5)
+    assert len(launches) == 1
+    _assert_matches_mask(out, lse, q, k, v, layout)
+    pos = np.arange(s)
+    assert not (np.asarray(layout.to_dense_mask()) & (pos < start)).any()  # nothing before the run
+
+
 @pytest.mark.parametrize("t,s,n,kh,lo,hi,perm,chunk", [
     (300, 1500, 4, 2, 1, 3, False, 4),  # lists (blocks, then column tiles) in 4-entry chunks
     (260, 900, 2, 1, 0, 1, True, 128),  # permuted rows and keys, one chunk
