@@ -22,7 +22,9 @@
 # time from a profiler trace); `boundary` (the pattern GPU tests, then Grid(frame) inside QBoundary and TwoDBoundary at
 # 128k over 1,000 text tokens, the video and a 64-token question, `pattern_parts_profile.py --boundary q|2d`);
 # `boundary-2d` (TwoDBoundary alone, no tests: a quick A / B with overlay_ab.sh); `grid` (the Mosaic GPU tests of
-# strided rows and shared columns, then Grid and Grid(frame) alone at 128k, 7 samples).
+# strided rows and shared columns, then Grid and Grid(frame) alone at 128k, 7 samples); `grid1m` (Grid and
+# Grid(frame) alone at 1M, then Grid(frame) inside TwoDBoundary at 1M over 1,000 text tokens, the video and a 64-token
+# question, each with XLA's plan of the call's temporaries).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
@@ -85,6 +87,10 @@ case $part in
       timeout 300 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
       --split 0 --skip-parts --no-trace --reps 7 --batch-s 0.15 --patterns Grid "Grid(frame)" ;;
   boundary-2d) boundary_profile 2d "$OUT/$part" ;;
+  grid1m) timeout 270 python3 tools/pattern_parts_profile.py --out "$OUT/$part/alone" --seq-len 1048576 --skip-triton \
+      --skip-parts --no-trace --split 0 --patterns Grid "Grid(frame)"; \
+      timeout 270 python3 tools/pattern_parts_profile.py --out "$OUT/$part/2d" --seq-len 1048576 --skip-triton \
+      --skip-parts --no-trace --split 0 --patterns "Grid(frame)" --boundary 2d --text 1000 --question 64 ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
       -k "heads_first or persistent_grid" 2>&1 | tail -5; \
       timeout 400 python3 tools/heads_first_bench.py --out "$OUT/$part/heads-first.jsonl" --cudnn ;;

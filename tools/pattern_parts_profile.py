@@ -5,7 +5,9 @@ Run on a GPU: ``python tools/pattern_parts_profile.py --out DIR [--seq-len 13107
 On `bench patterns`' video-like input (B = 1, 28 / 4 heads, D = 128, bf16, causal), for each pattern:
 
 * ``attend`` on the built layout (the bench's "kernel ms"), by default implementation and on Triton, and its
-  TFLOP/s on the tiles all its launches compute (``density`` x cuDNN's causal FLOPs) over cuDNN's in the same run;
+  TFLOP/s on the tiles all its launches compute (``density`` x cuDNN's causal FLOPs) over cuDNN's in the same run,
+  and XLA's plan of the call's temporaries (``attend_temp_gib_*``: gathers, partial outputs and merges, not the
+  inputs);
   where a part names a ``q_block_range``, also without it (the part over all rows, merged over all rows); with
   ``--mask-ab`` also with the position mask on every entry (no `mosaic_gpu.visible_entries` skip);
 * each `BlockLayout` part alone (`block_sparse_attention`, the implementation it picks, with its own gathers):
@@ -275,9 +277,11 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
         t = timed(lambda: run(q, k, v, layout), args)
         key = impl or "default"
         row[f"attend_ms_{key}"] = t
+        plan = run.lower(q, k, v, layout).compile().memory_analysis()  # XLA's plan: the call's own temporaries
+        row[f"attend_temp_gib_{key}"] = plan.temp_size_in_bytes / 2**30
         row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
         print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
-              f"cuDNN's TFLOP/s", flush=True)
+              f"cuDNN's TFLOP/s, temporaries {row[f'attend_temp_gib_{key}']:.2f} GiB", flush=True)
     if args.mask_ab:  # the position mask on every entry (before `mosaic_gpu.visible_entries`)
         plain_launch = mosaic_gpu.launch
         mosaic_gpu.launch = functools.partial(plain_launch, skip_visible_masks=False)
