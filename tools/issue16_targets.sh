@@ -24,7 +24,8 @@
 # `boundary-2d` (TwoDBoundary alone, no tests: a quick A / B with overlay_ab.sh); `grid` (the Mosaic GPU tests of
 # strided rows and shared columns, then Grid and Grid(frame) alone at 128k, 7 samples); `grid1m` (Grid and
 # Grid(frame) alone at 1M, then Grid(frame) inside TwoDBoundary at 1M over 1,000 text tokens, the video and a 64-token
-# question, each with XLA's plan of the call's temporaries).
+# question, each with XLA's plan of the call's temporaries); `grid-search` (the Mosaic GPU tests of per-head key
+# orders, then Grid with searched strides alone at 128k, 7 samples, and at 1M, 3 single calls: an overlay A / B).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
@@ -87,6 +88,12 @@ case $part in
       timeout 300 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
       --split 0 --skip-parts --no-trace --reps 7 --batch-s 0.15 --patterns Grid "Grid(frame)" ;;
   boundary-2d) boundary_profile 2d "$OUT/$part" ;;
+  grid-search) XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu -n 2 \
+      tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py -k "per_head_key_orders" 2>&1 | tail -3; \
+      timeout 90 python3 tools/pattern_parts_profile.py --out "$OUT/$part/128k" --seq-len 131072 --skip-triton \
+      --split 0 --skip-parts --no-trace --reps 7 --batch-s 0.15 --patterns Grid; \
+      timeout 170 python3 tools/pattern_parts_profile.py --out "$OUT/$part/1m" --seq-len 1048576 --skip-triton \
+      --skip-parts --no-trace --split 0 --patterns Grid ;;
   grid1m) timeout 270 python3 tools/pattern_parts_profile.py --out "$OUT/$part/alone" --seq-len 1048576 --skip-triton \
       --skip-parts --no-trace --split 0 --patterns Grid "Grid(frame)"; \
       timeout 270 python3 tools/pattern_parts_profile.py --out "$OUT/$part/2d" --seq-len 1048576 --skip-triton \
