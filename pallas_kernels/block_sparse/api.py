@@ -71,8 +71,18 @@ def block_sparse_attention(
     implementation, sm_scale = _resolve(q, k, v, layout, sm_scale=sm_scale, causal=causal,
                                         implementation=implementation, interpret=interpret, num_warps=num_warps,
                                         num_stages=num_stages, check_finite=check_finite)
+    layout = _held(layout)
     return _run(implementation, q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
                 num_warps=num_warps, num_stages=num_stages)
+
+
+def _held(layout: BlockLayout) -> BlockLayout:
+    """The layout with its arrays behind one ``lax.optimization_barrier`` (a no-op at run time), after the value
+    checks. Under jit, a layout closed over as a constant would let XLA evaluate the passes' preparation (inverse
+    permutations, item orders, list sorts) at compile time: Grid's layout at 128k took 20.5 s to compile with the
+    kernels stood in on a CPU, 1.3 s as a jit argument (`tools/attend_compile_time.py`)."""
+    leaves, tree = jax.tree.flatten(layout)
+    return jax.tree.unflatten(tree, jax.lax.optimization_barrier(leaves))
 
 
 def _run(implementation: str, q, k, v, layout: BlockLayout, *, sm_scale, causal, interpret, num_warps, num_stages
@@ -140,6 +150,7 @@ def block_sparse_attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, layout
     if layout.q_block_range is None:
         raise ValueError("layout.q_block_range: expected (lo, hi) (the query blocks that list anything) for "
                          "block_sparse_attention_rows; received None")
+    layout = _held(layout)
     if implementation == "mosaic_gpu" and row_range_pass(layout):
         return block_sparse_attention_rows_mosaic_gpu(q, k, v, layout, sm_scale=sm_scale, causal=causal)
     out, lse = _run(implementation, q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,

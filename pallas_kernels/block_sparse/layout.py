@@ -492,16 +492,17 @@ class BlockLayout:
                            f"{self.q_row_stride} from its first row")
 
 
-def strided_rows_hold(layout: BlockLayout) -> jax.Array:
+def strided_rows_hold(layout: BlockLayout, xp=jnp) -> jax.Array:
     """bool ``[B|1, N|1, nq]``: query block i's rows are ``q_perm[i * block_q] + j * q_row_stride``, its first
     row's frame a multiple of 8 (the ``q_row_stride`` promise; False everywhere without ``q_perm``, a stride, or
-    ``q_len`` a multiple of ``block_q`` and of the stride)."""
+    ``q_len`` a multiple of ``block_q`` and of the stride). ``xp``: ``numpy`` for a host ``q_perm`` (the value
+    checks: computed there, they stay concrete inside a jit trace)."""
     st, bq, t = layout.q_row_stride, layout.block_q, layout.q_len
     if layout.q_perm is None or st <= 0 or t % bq or t % st:
         lead = (1, 1) if layout.q_perm is None else layout.q_perm.shape[:2]
-        return jnp.zeros(lead + (layout.num_q_blocks,), bool)
+        return xp.zeros(lead + (layout.num_q_blocks,), bool)
     rows = layout.q_perm.reshape(layout.q_perm.shape[:2] + (t // bq, bq))
-    return jnp.all(rows == rows[..., :1] + st * jnp.arange(bq), axis=-1) & ((rows[..., 0] // st) % 8 == 0)
+    return xp.all(rows == rows[..., :1] + st * xp.arange(bq), axis=-1) & ((rows[..., 0] // st) % 8 == 0)
 
 
 def window_keys(starts: jax.Array, count: jax.Array, block_k: int, kv_len: int) -> tuple[jax.Array, jax.Array]:

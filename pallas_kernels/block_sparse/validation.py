@@ -169,7 +169,7 @@ def _check_q_row_stride(layout: BlockLayout) -> None:
                          f"({'no q_perm' if layout.q_perm is None else 'q_len not a multiple'})")
     perm = concrete(layout.q_perm)
     if perm is not None:
-        holds = np.asarray(strided_rows_hold(layout))
+        holds = strided_rows_hold(layout.replace(q_perm=perm), xp=np)
         if not holds.all():
             b, h, i = (int(x[0]) for x in np.nonzero(~holds))
             raise ValueError(f"layout.q_perm: expected the rows of each query block to step by q_row_stride={st} "

@@ -505,3 +505,22 @@ def test_strided_rows_read_and_write_in_place(monkeypatch, column_pass):
     broken = layout.replace(q_perm=jnp.roll(layout.q_perm, 1, axis=-1))
     with pytest.raises(ValueError, match="q_row_stride=8"):
         check_layout_values(broken)
+
+
+def test_a_closed_over_layout_is_checked_and_not_folded_under_jit():
+    """A concrete layout closed over under jit: its value checks run on the host (the strided-rows check once raised
+    a TracerArrayConversionError there), a broken promise is still refused, and its arrays reach the passes behind an
+    optimization barrier (XLA would otherwise evaluate their preparation at compile time); the result is the eager
+    one."""
+    t, n = 256, 2
+    q, k, v = random_qkv(15, 1, t, t, n, 1, 64, jnp.float32)
+    layout = strided_layout(np.random.default_rng(4), t, n, 8, 32, 0.4)
+    run = jax.jit(lambda q, k, v: block_sparse_attention(q, k, v, layout, implementation="reference"))
+    assert "optimization_barrier" in run.lower(q, k, v).as_text()
+    out, lse = run(q, k, v)
+    ref_o, ref_l = block_sparse_attention(q, k, v, layout, implementation="reference")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_o))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_l))
+    broken = layout.replace(q_perm=jnp.roll(layout.q_perm, 1, axis=-1))
+    with pytest.raises(ValueError, match="q_row_stride=8"):
+        jax.jit(lambda q, k, v: block_sparse_attention(q, k, v, broken, implementation="reference"))(q, k, v)

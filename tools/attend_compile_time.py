@@ -1,0 +1,69 @@
+"""Compile time of `mmjax.sparse.attend` on the Mosaic GPU path with the layout closed over as a constant (a layout
+built once, then ``jax.jit(lambda q, k, v: attend(q, k, v, layout))``) and with the layout as a jit argument.
+
+On any machine the kernel launches are stood in by an opaque result (an optimization barrier over values made from
+every operand the kernel would read), so what compiles is the passes' preparation: gathers, inverse permutations,
+item orders, list sorts. On an sm90 GPU ``--kernels real`` compiles the kernels too.
+
+    PYTHONPATH=. python3 tools/attend_compile_time.py --seq-len 131072 --patterns "Grid(frame)" Grid
+
+`bench patterns`' video-like input (28 / 4 heads, D = 128, bf16). Prints one line per pattern and form: seconds to
+lower and to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns
+from mmjax.sparse import KernelOptions
+from mmjax.sparse.layouts import attend
+from mmjax.sparse.synthetic import video_qkv
+from pallas_kernels.block_sparse import mosaic_gpu
+
+
+def opaque_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, block_q, **_):
+    """A stand-in for `mosaic_kernel.launch`: out shaped as ``q_in``, lse ``[B, N, blocks * block_q]``, both depending
+    on every operand the kernel reads, behind an optimization barrier (what a kernel's output is to XLA)."""
+    c = blocks.sum().astype(jnp.float32) + count.sum().astype(jnp.float32)
+    for pos in (q_pos, k_pos):
+        if pos is not None:
+            c = c + pos.sum().astype(jnp.float32)
+    out = (q_in * (1.0 + c) + k_in[:, :1].mean() + v_in[:, :1].mean()).astype(q_in.dtype)
+    lse = jnp.zeros((q_in.shape[0], q_in.shape[-2], count.shape[2] * block_q), jnp.float32) + c
+    return jax.lax.optimization_barrier((out, lse))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-len", type=int, default=131072)
+    p.add_argument("--patterns", nargs="+", default=["Grid(frame)", "Grid"])
+    p.add_argument("--kernels", choices=("stand-in", "real"), default="stand-in")
+    a = p.parse_args(argv)
+    if a.kernels == "stand-in":
+        mosaic_gpu.launch = opaque_launch
+    s = a.seq_len
+    q, k, v = video_qkv(jax.random.PRNGKey(s), s, heads=28, kv_heads=4, head_dim=128)
+    pats = dict(gpu_patterns(), **frame_grid_patterns())
+    opts = KernelOptions(implementation="mosaic_gpu")
+    for name in a.patterns:
+        layout = jax.jit(lambda q, k, pat=pats[name]: pat.build_layout(q, k))(q, k)
+        forms = (("closed-over", lambda q, k, v, lay=layout: attend(q, k, v, lay, opts), (q, k, v)),
+                 ("argument", lambda q, k, v, lay: attend(q, k, v, lay, opts), (q, k, v, layout)))
+        for form, fn, args in forms:
+            t0 = time.perf_counter()
+            lowered = jax.jit(fn).lower(*args)
+            t1 = time.perf_counter()
+            lowered.compile()
+            print(f"{jax.devices()[0].platform} S={s} {name}, kernels {a.kernels}, layout {form}: lower "
+                  f"{t1 - t0:.1f} s, compile {time.perf_counter() - t1:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
