@@ -79,8 +79,8 @@ def block_sparse_attention(
 def _held(layout: BlockLayout) -> BlockLayout:
     """The layout with its arrays behind one ``lax.optimization_barrier`` (a no-op at run time), after the value
     checks. Under jit, a layout closed over as a constant would let XLA evaluate the passes' preparation (inverse
-    permutations, item orders, list sorts) at compile time: Grid's layout at 128k took 20.5 s to compile with the
-    kernels stood in on a CPU, 1.3 s as a jit argument (`tools/attend_compile_time.py`)."""
+    permutations, item orders, list sorts) at compile time: with Grid's layout at 128k and the kernels stood in, 21.3 s
+    on a CPU, 1.7 s with the barrier, 1.3 s with the layout as a jit argument (`tools/attend_compile_time.py`)."""
     leaves, tree = jax.tree.flatten(layout)
     return jax.tree.unflatten(tree, jax.lax.optimization_barrier(leaves))
 
