@@ -273,12 +273,11 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
     row = {"pattern": repr(pat), "density": density}
     for impl in (None,) if args.skip_triton else (None, "triton"):
         opts = KernelOptions(implementation=impl)
-        run = jax.jit(lambda q, k, v, lay, opts=opts: attend(q, k, v, lay, opts))
+        run = jax.jit(lambda q, k, v, lay, opts=opts: attend(q, k, v, lay, opts)).lower(q, k, v, layout).compile()
         t = timed(lambda: run(q, k, v, layout), args)
         key = impl or "default"
         row[f"attend_ms_{key}"] = t
-        plan = run.lower(q, k, v, layout).compile().memory_analysis()  # XLA's plan: the call's own temporaries
-        row[f"attend_temp_gib_{key}"] = plan.temp_size_in_bytes / 2**30
+        row[f"attend_temp_gib_{key}"] = run.memory_analysis().temp_size_in_bytes / 2**30  # the call's own temporaries
         row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
         print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
               f"cuDNN's TFLOP/s, temporaries {row[f'attend_temp_gib_{key}']:.2f} GiB", flush=True)

@@ -450,7 +450,7 @@ def block_sparse_attention_mosaic_gpu(
         stages = min(stages, max_stages(layout.block_k, d_pad, layout.block_q, pair=key_pairs, persistent=True))
     t_pad = round_up(layout.num_q_blocks * layout.block_q, BLOCK_Q)
     q_orig, k_orig, v_orig = q, k, v
-    strided = strided_rows(layout, q, column_pass) and d == d_pad
+    strided = strided_rows(layout, q, column_pass)  # (D a multiple of 64: no head-dim padding)
     boxes = None
     if strided:  # the original rows, viewed so that each query block is one strided box (no gather)
         st = layout.q_row_stride
