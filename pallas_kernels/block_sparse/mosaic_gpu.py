@@ -79,28 +79,53 @@ def _expand_heads(x: jax.Array, groups: int) -> jax.Array:
     return jnp.repeat(x, groups, axis=2) if groups > 1 else x
 
 
-def _prepared_kv(k, v, layout: BlockLayout, groups: int, d_pad: int) -> tuple[jax.Array, jax.Array, int]:
+def per_head_key_orders(layout: BlockLayout, q_heads: int, kv_heads: int) -> bool:
+    """Static: the layout names a key order per query head (``kv_perm [B|1, N, S]``) over grouped heads, so the passes
+    would copy k / v once per query head (`_prepared_kv`) unless the heads of each group agree (`same_key_orders`)."""
+    return layout.kv_perm is not None and layout.kv_perm.shape[1] > 1 and q_heads // kv_heads > 1
+
+
+def _group_orders(kv_perm: jax.Array, kv_heads: int) -> jax.Array:
+    """``kv_perm [B|1, N, S]`` -> ``[B|1, K, N / K, S]``: the key orders of each key / value head's query heads."""
+    return kv_perm.reshape(kv_perm.shape[0], kv_heads, kv_perm.shape[1] // kv_heads, kv_perm.shape[2])
+
+
+def same_key_orders(layout: BlockLayout, kv_heads: int) -> jax.Array:
+    """bool ``[]``, on the device: every query head of each key / value head's group has the same key order (Grid
+    with searched strides where the heads found the same stride), so one copy of k / v per key / value head serves
+    the group (`_prepared_kv` with ``grouped``). One read of ``kv_perm``."""
+    orders = _group_orders(layout.kv_perm, kv_heads)
+    return jnp.all(orders == orders[:, :, :1])
+
+
+def _prepared_kv(k, v, layout: BlockLayout, groups: int, d_pad: int,
+                 grouped: bool = False) -> tuple[jax.Array, jax.Array, int]:
     """(k, v, groups) as the kernel reads them: in the layout's key order (a permutation per query head over grouped
-    heads copies k / v once per query head, groups 1), head dim padded to ``d_pad``, keys to whole blocks."""
+    heads copies k / v once per query head, groups 1; with ``grouped``, the caller's promise that each group's heads
+    share their order (`same_key_orders`), once per key / value head), head dim padded to ``d_pad``, keys to whole
+    blocks."""
     s = k.shape[1]
     s_pad = layout.num_kv_blocks * layout.block_k
     if layout.kv_perm is not None:
         kv_perm = jnp.clip(layout.kv_perm, 0, s - 1)
-        if kv_perm.shape[1] > 1 and groups > 1:  # a permutation per query head: one copy per head
-            k, v, groups = _expand_heads(k, groups), _expand_heads(v, groups), 1
+        if kv_perm.shape[1] > 1 and groups > 1:
+            if grouped:  # the group's first head's order, [B|1, K, S]
+                kv_perm = _group_orders(kv_perm, k.shape[2])[:, :, 0]
+            else:  # one copy per query head
+                k, v, groups = _expand_heads(k, groups), _expand_heads(v, groups), 1
         k, v = _gather_rows(k, kv_perm), _gather_rows(v, kv_perm)
     return _pad_to(_pad_to(k, 3, d_pad), 1, s_pad), _pad_to(_pad_to(v, 3, d_pad), 1, s_pad), groups
 
 
 def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                overlap, pingpong, heads_first=False, profile=None, boxes=None):
+                overlap, pingpong, heads_first=False, profile=None, boxes=None, grouped=False):
     """The layout's key blocks; q_in is padded and in the layout's row order (``boxes``: (q_box, row_stride), q_in
-    the original rows in `strided_rows`' view)."""
+    the original rows in `strided_rows`' view; ``grouped``: `_prepared_kv`'s)."""
     s = k.shape[1]
     bk, nk = layout.block_k, layout.num_kv_blocks
     s_pad = nk * bk
     has_pos = layout.q_perm is not None or layout.kv_perm is not None
-    k_in, v_in, groups = _prepared_kv(k, v, layout, q_in.shape[-2] // k.shape[2], d_pad)
+    k_in, v_in, groups = _prepared_kv(k, v, layout, q_in.shape[-2] // k.shape[2], d_pad, grouped)
     q_pos = k_pos = None
     if has_pos:
         q_pos = _positions_or_iota(layout.q_perm, layout.q_len, t_pad, layout.q_offset)
@@ -128,13 +153,15 @@ def row_range_pass(layout: BlockLayout, column_pass: str | None = None) -> bool:
     return layout.kv_columns is None or (fused_columns(layout) and column_pass in (None, "fused"))
 
 
-def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad, pair, overlap, pingpong):
+def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad, pair, overlap, pingpong,
+              grouped=False):
     """The layout over the rows of its ``q_block_range`` alone: (rows int32 ``[B|1, N|1, R]`` as `range_rows`,
     out ``[B, R, N, D]`` in q's dtype, lse ``[B, N, R]``). The rows are gathered once (through ``q_perm``) and
     repeated once per chunk of their lists (`chunk_entries`, `row_chunk_entries`: `ROW_CHUNK` entries, longer where
     the copies would pass `ROW_COPY_BYTES`): each (query block, chunk) is one work item,
     with the rows' original positions; the chunks are merged by lse. `fused_columns` go on each list as key tiles
-    appended to the keys (`fused_lists`, as in `_fused_column_pass`) before it is cut into chunks."""
+    appended to the keys (`fused_lists`, as in `_fused_column_pass`) before it is cut into chunks. ``grouped``:
+    `_prepared_kv`'s."""
     b, t, n, d = q.shape
     s = k.shape[1]
     bk, nk = layout.block_k, layout.num_kv_blocks
@@ -143,7 +170,7 @@ def _rows_pass(q, k, v, layout: BlockLayout, *, sm_scale, causal, stages, d_pad,
     r = rows.shape[-1]
     copy_bytes = b * r * n * d_pad * q.dtype.itemsize
     if layout.kv_columns is None:
-        k_in, v_in, groups = _prepared_kv(k, v, layout, n // k.shape[2], d_pad)
+        k_in, v_in, groups = _prepared_kv(k, v, layout, n // k.shape[2], d_pad, grouped)
         k_pos = _positions_or_iota(layout.kv_perm, s, nk * bk, 0)
         blocks, count = chunk_lists(layout, row_chunk_entries(layout.max_blocks, copy_bytes, ROW_CHUNK))
         ranges, num_kv_blocks = None, nk
@@ -464,10 +491,12 @@ def block_sparse_attention_mosaic_gpu(
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
           "pingpong": pingpong, "heads_first": heads_first}
 
-    def passes(kp, vp):
-        """The Mosaic passes on k / v as `_on_keys` gives them."""
-        out, lse = (_fused_column_pass if fused else _block_pass)(q_in, kp, vp, layout, profile=profile, boxes=boxes,
-                                                                  **kw)
+    def passes(kp, vp, grouped=False):
+        """The Mosaic passes on k / v as `_on_keys` gives them (``grouped``: `_prepared_kv`'s)."""
+        if fused:  # (`shared_columns`: one key order for every head)
+            out, lse = _fused_column_pass(q_in, kp, vp, layout, profile=profile, boxes=boxes, **kw)
+        else:
+            out, lse = _block_pass(q_in, kp, vp, layout, profile=profile, boxes=boxes, grouped=grouped, **kw)
         out = out.reshape(out.shape[0], t, *out.shape[3:]) if strided else out
         out, lse = out[:, :t, :, :d], lse[:, :, :t]
         if layout.kv_columns is not None and column_pass == "mosaic":
@@ -475,7 +504,7 @@ def block_sparse_attention_mosaic_gpu(
             out, lse = merge_attention(out, lse, out_c[:, :t, :, :d], lse_c[:, :, :t])
         return out, lse
 
-    out, lse = _on_keys(passes, k, v, poison)
+    out, lse = _on_keys(_by_key_orders(passes, layout, q.shape[2], k.shape[2]), k, v, poison)
     if layout.q_perm is not None:  # (strided: out is in the original order already, lse in the layout's)
         inv = inverse_permutation(jnp.clip(layout.q_perm, 0, t - 1))  # [B|1, N|1, T]
         out = out if strided else _gather_rows(out, inv)
@@ -503,6 +532,16 @@ def _on_keys(run, k, v, poison: bool | None):
     return checked_if_nonfinite(branch, v) if poison is None else branch(poison)
 
 
+def _by_key_orders(run, layout: BlockLayout, q_heads: int, kv_heads: int):
+    """``run(k, v, grouped)`` as a function of (k, v): with `per_head_key_orders`, a ``lax.cond`` on
+    `same_key_orders` (decided on the device, both branches compiled) between one copy of k / v per key / value head
+    (``grouped``) and one per query head; else ``run(k, v)``."""
+    if not per_head_key_orders(layout, q_heads, kv_heads):
+        return run
+    same = same_key_orders(layout, kv_heads)
+    return lambda k, v: jax.lax.cond(same, lambda: run(k, v, True), lambda: run(k, v, False))
+
+
 def _rows_result(q, k, v, layout: BlockLayout, *, sm_scale, causal, num_stages, key_pairs, overlap, pingpong,
                  poison):
     """`_rows_pass` with the kernel's defaults (stages; keys poisoned as ``poison`` says, None: unless every value
@@ -510,9 +549,11 @@ def _rows_result(q, k, v, layout: BlockLayout, *, sm_scale, causal, num_stages, 
     d_pad = fa3.padded_head_dim(q.shape[3])
     stages = num_stages or default_stages(layout.block_k * (2 if key_pairs else 1), d_pad, layout.block_q)
 
-    return _on_keys(lambda kp, vp: _rows_pass(q, kp, vp, layout, sm_scale=sm_scale, causal=causal, stages=stages,
-                                              d_pad=d_pad, pair=key_pairs, overlap=overlap, pingpong=pingpong),
-                    k, v, poison)
+    def rows(kp, vp, grouped=False):
+        return _rows_pass(q, kp, vp, layout, sm_scale=sm_scale, causal=causal, stages=stages, d_pad=d_pad,
+                          pair=key_pairs, overlap=overlap, pingpong=pingpong, grouped=grouped)
+
+    return _on_keys(_by_key_orders(rows, layout, q.shape[2], k.shape[2]), k, v, poison)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "key_pairs", "overlap", "pingpong",

@@ -390,3 +390,24 @@ def test_mosaic_strided_rows_match_dense(bq, persistent, columns):
     out0, lse0 = run(layout.replace(q_row_stride=0))
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out0, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))
+
+
+@needs_hopper
+@pytest.mark.parametrize("shared", [True, False])
+def test_mosaic_per_head_key_orders_match_dense(shared):
+    """A key order per query head over grouped heads: one copy of k / v per key / value head where each group's heads
+    agree (`same_key_orders`), one per query head where they do not (a `lax.cond` on the device). Against the masked
+    dense reference, and bit for bit against the per-query-head copy of the same layout (the heads as one group)."""
+    b, t, n, kh = 1, 4096, 8, 2
+    rng = np.random.default_rng(40 + shared)
+    q, k, v = random_qkv(17, b, t, t, n, kh, 128, jnp.bfloat16)
+    layout = random_layout(rng, b, n, t, t, 128, 64, density=0.1, perm=True)
+    if shared:
+        layout = layout.replace(kv_perm=jnp.repeat(layout.kv_perm[:, ::n // kh], n // kh, axis=1))
+    run = jax.jit(lambda q, k, v, lay: block_sparse_attention_mosaic_gpu(q, k, v, lay, sm_scale=128 ** -0.5))
+    out, lse = run(q, k, v, layout)
+    _check(out, lse, q, k, v, layout, jnp.bfloat16)
+    k_all, v_all = jnp.repeat(k, n // kh, axis=2), jnp.repeat(v, n // kh, axis=2)  # groups of one: no cond
+    out1, lse1 = run(q, k_all, v_all, layout)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out1, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))

@@ -524,3 +524,40 @@ def test_a_closed_over_layout_is_checked_and_not_folded_under_jit():
     broken = layout.replace(q_perm=jnp.roll(layout.q_perm, 1, axis=-1))
     with pytest.raises(ValueError, match="q_row_stride=8"):
         jax.jit(lambda q, k, v: block_sparse_attention(q, k, v, broken, implementation="reference"))(q, k, v)
+
+
+@pytest.mark.parametrize("shared,rows", [(True, False), (False, False), (True, True)])
+def test_per_head_key_orders_copy_keys_per_group_where_the_heads_agree(monkeypatch, shared, rows):
+    """A key order per query head over grouped heads (Grid with searched strides): where each group's heads agree
+    (`same_key_orders`, decided on the device) the block pass (or the rows pass of a ``q_block_range``) reads one
+    copy of k / v per key / value head, else one per query head; exact against the layout's mask either way (the
+    launch that ran records its key heads)."""
+    ran = []
+
+    def recording(q_in, k_in, *a, **kw):
+        heads = k_in.shape[2]
+        jax.debug.callback(lambda: ran.append(heads))
+        return emulated_launch(q_in, k_in, *a, **kw)
+
+    monkeypatch.setattr(mosaic_gpu, "launch", recording)
+    t, s, n, kh = 300, 500, 6, 2
+    rng = np.random.default_rng(21 + shared)
+    q, k, v = random_qkv(16, 2, t, s, n, kh, 64, jnp.float32)
+    if rows:
+        lay = range_layout(rng, 2, n, t, s, 64, 64, 1, 4, density=0.4, perm=True)
+    else:
+        lay = random_layout(rng, 2, n, t, s, 64, 64, density=0.4, perm=True)
+    if shared:  # each group's heads take its first head's order; the groups differ
+        lay = lay.replace(kv_perm=jnp.repeat(lay.kv_perm[:, ::n // kh], n // kh, axis=1))
+    assert mosaic_gpu.per_head_key_orders(lay, n, kh) and not mosaic_gpu.per_head_key_orders(lay, n, n)
+    assert bool(mosaic_gpu.same_key_orders(lay, kh)) == shared
+    if rows:
+        r, o, l = jax.jit(lambda q, k, v, lay: mosaic_gpu.block_sparse_attention_rows_mosaic_gpu.__wrapped__(
+            q, k, v, lay, sm_scale=64 ** -0.5, key_pairs=False))(q, k, v, lay)
+        out, lse = scatter_rows(r, o, l, t)
+    else:
+        out, lse = jax.jit(lambda q, k, v, lay: mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__(
+            q, k, v, lay, sm_scale=64 ** -0.5, key_pairs=False, persistent=False))(q, k, v, lay)
+    jax.effects_barrier()
+    assert ran == [kh if shared else n]
+    _assert_matches_mask(out, lse, q, k, v, lay)
