@@ -370,6 +370,12 @@ def block_sparse_attention_mosaic_gpu(
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
+    A key order per query head over grouped heads (``kv_perm [B|1, N, S]``, Grid with searched strides): k / v are
+    gathered once per key / value head where each group's query heads agree (`same_key_orders`, a ``lax.cond`` on
+    the device), else once per query head. One H100, 2026-12-07, Grid (searched) on `bench patterns`' input, every
+    head at stride 256: 8.66 -> 8.17 ms at 128k, 233.8 -> 230.8 ms at 1M (`pattern-parts-*-grid-search-shared-key-
+    order*`).
+
     ``heads_first``: the work items run query heads fastest, so the query heads of one key / value head run at the
     same time and read the tiles their lists share from L2 (`MosaicConfig`); False (default): query blocks fastest.
     Not faster where measured (one H200, 2026-11-28, `tools/heads_first_bench.py`, `heads-first_*.jsonl`, 28 / 4
