@@ -10,32 +10,20 @@ them (about 20 GB resident at 1M tokens).
 from __future__ import annotations
 
 import argparse
-import gc
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from pattern_parts_profile import GROUPED_FROM, HEADS, KV_HEADS, D
+from pattern_parts_profile import HEADS, KV_HEADS, draws
 
 from mmjax.drivers.bench.patterns import gpu_patterns
-from mmjax.sparse.synthetic import video_qkv
 
 
 def estimation_inputs(s: int, last_q: int) -> tuple[jax.Array, jax.Array]:
     """(the last ``last_q`` rows of q ``[1, last_q, N, D]``, k ``[1, S, K, D]``) of `pattern_parts_profile.inputs`
-    at length ``s``, without keeping the rest of q or v."""
-    if s < GROUPED_FROM:
-        q, k, _ = video_qkv(jax.random.PRNGKey(s), s, heads=HEADS, kv_heads=KV_HEADS, head_dim=D)
-        return q[:, -last_q:], k
-    qs, ks = [], []
-    for g in range(KV_HEADS):
-        q, k, v = video_qkv(jax.random.fold_in(jax.random.PRNGKey(s), g), s, heads=HEADS // KV_HEADS, kv_heads=1,
-                            head_dim=D)
-        qs.append(jax.block_until_ready(q[:, -last_q:]))
-        ks.append(k)
-        del q, v
-        gc.collect()
-    return jnp.concatenate(qs, axis=2), jnp.concatenate(ks, axis=2)
+    at length ``s``, without keeping the rest of q or v (`draws`)."""
+    parts = draws(s, keep=lambda qkv: (qkv[0][:, -last_q:], qkv[1]))
+    return tuple(jnp.concatenate(x, axis=2) for x in zip(*parts, strict=True))
 
 
 def main() -> None:

@@ -79,22 +79,27 @@ matplotlib.use("Agg")
 GROUPED_FROM = 1 << 20  # from this length the input is drawn per key / value head group (`inputs`)
 
 
-def inputs(s: int):
-    """`bench patterns`' video-like q, k, v. From `GROUPED_FROM` tokens on, drawn one key / value head and its
-    query heads at a time (the same recipe, another draw) and concatenated: drawn at once, its float32
-    temporaries ran out of an H100's memory at 1M tokens (2026-11-28; on a CPU at 128k the draw at once peaks at
-    9.7 GB resident)."""
+def draws(s: int, keep=lambda qkv: qkv):
+    """`inputs`' draws in head order, each passed through ``keep`` (a function of (q, k, v)) before the next: one
+    draw of every head below `GROUPED_FROM` tokens, else one per key / value head and its query heads (the same
+    recipe, another draw): drawn at once, its float32 temporaries ran out of an H100's memory at 1M tokens
+    (2026-11-28; on a CPU at 128k the draw at once peaks at 9.7 GB resident)."""
     if s < GROUPED_FROM:
-        out = video_qkv(jax.random.PRNGKey(s), s, heads=HEADS, kv_heads=KV_HEADS, head_dim=D)
-    else:
-        parts = []
-        for g in range(KV_HEADS):
-            parts.append(jax.block_until_ready(video_qkv(jax.random.fold_in(jax.random.PRNGKey(s), g), s,
-                                                         heads=HEADS // KV_HEADS, kv_heads=1, head_dim=D)))
-            gc.collect()
-        out = tuple(jnp.concatenate(x, axis=2) for x in zip(*parts, strict=True))
-        del parts
-    out = jax.block_until_ready(out)
+        return [keep(video_qkv(jax.random.PRNGKey(s), s, heads=HEADS, kv_heads=KV_HEADS, head_dim=D))]
+    out = []
+    for g in range(KV_HEADS):
+        out.append(jax.block_until_ready(keep(video_qkv(jax.random.fold_in(jax.random.PRNGKey(s), g), s,
+                                                        heads=HEADS // KV_HEADS, kv_heads=1, head_dim=D))))
+        gc.collect()
+    return out
+
+
+def inputs(s: int):
+    """`bench patterns`' video-like q ``[1, S, 28, 128]``, k, v ``[1, S, 4, 128]`` bf16 (`draws`, concatenated over
+    heads)."""
+    parts = draws(s)
+    out = jax.block_until_ready(tuple(jnp.concatenate(x, axis=2) for x in zip(*parts, strict=True)))
+    del parts
     gc.collect()
     return out
 
