@@ -25,7 +25,9 @@
 # strided rows and shared columns, then Grid and Grid(frame) alone at 128k, 7 samples); `grid1m` (Grid and
 # Grid(frame) alone at 1M, then Grid(frame) inside TwoDBoundary at 1M over 1,000 text tokens, the video and a 64-token
 # question, each with XLA's plan of the call's temporaries); `grid-search` (the Mosaic GPU tests of per-head key
-# orders, then Grid with searched strides alone at 128k, 7 samples, and at 1M, 3 single calls: an overlay A / B).
+# orders, then Grid with searched strides alone at 128k, 7 samples, and at 1M, 3 single calls: an overlay A / B);
+# `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
+# closed over and as a jit argument, `attend_compile_time.py --kernels real`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
 set -u -o pipefail
 part=${1:?mosaic or minference}
@@ -98,6 +100,8 @@ case $part in
       --skip-parts --no-trace --split 0 --patterns Grid "Grid(frame)"; \
       timeout 270 python3 tools/pattern_parts_profile.py --out "$OUT/$part/2d" --seq-len 1048576 --skip-triton \
       --skip-parts --no-trace --split 0 --patterns "Grid(frame)" --boundary 2d --text 1000 --question 64 ;;
+  compile-real) timeout 300 python3 tools/attend_compile_time.py --kernels real --seq-len 131072 \
+      --patterns Grid "Grid(frame)" ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
       -k "heads_first or persistent_grid" 2>&1 | tail -5; \
       timeout 400 python3 tools/heads_first_bench.py --out "$OUT/$part/heads-first.jsonl" --cudnn ;;
