@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from pattern_parts_profile import HEADS, KV_HEADS, draws
+from pattern_parts_profile import HEADS, KV_HEADS, draws, join_heads
 
 from mmjax.drivers.bench.patterns import gpu_patterns
 
@@ -22,8 +21,7 @@ from mmjax.drivers.bench.patterns import gpu_patterns
 def estimation_inputs(s: int, last_q: int) -> tuple[jax.Array, jax.Array]:
     """(the last ``last_q`` rows of q ``[1, last_q, N, D]``, k ``[1, S, K, D]``) of `pattern_parts_profile.inputs`
     at length ``s``, without keeping the rest of q or v (`draws`)."""
-    parts = draws(s, keep=lambda qkv: (qkv[0][:, -last_q:], qkv[1]))
-    return tuple(jnp.concatenate(x, axis=2) for x in zip(*parts, strict=True))
+    return join_heads(draws(s, keep=lambda qkv: (qkv[0][:, -last_q:], qkv[1])))
 
 
 def main() -> None:

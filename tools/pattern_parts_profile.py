@@ -94,11 +94,18 @@ def draws(s: int, keep=lambda qkv: qkv):
     return out
 
 
+def join_heads(parts: list[tuple]) -> tuple:
+    """`draws`' parts as one tuple of arrays over every head: the one draw as it is (no copy), several concatenated
+    over the head axis."""
+    if len(parts) == 1:
+        return tuple(parts[0])
+    return tuple(jnp.concatenate(x, axis=2) for x in zip(*parts, strict=True))
+
+
 def inputs(s: int):
-    """`bench patterns`' video-like q ``[1, S, 28, 128]``, k, v ``[1, S, 4, 128]`` bf16 (`draws`, concatenated over
-    heads)."""
+    """`bench patterns`' video-like q ``[1, S, 28, 128]``, k, v ``[1, S, 4, 128]`` bf16 (`draws`, `join_heads`)."""
     parts = draws(s)
-    out = jax.block_until_ready(tuple(jnp.concatenate(x, axis=2) for x in zip(*parts, strict=True)))
+    out = jax.block_until_ready(join_heads(parts))
     del parts
     gc.collect()
     return out

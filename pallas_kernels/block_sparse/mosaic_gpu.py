@@ -79,10 +79,19 @@ def _expand_heads(x: jax.Array, groups: int) -> jax.Array:
     return jnp.repeat(x, groups, axis=2) if groups > 1 else x
 
 
+def _check_heads(q_heads, kv_heads) -> None:
+    check_int("q_heads", q_heads, 1)
+    check_int("kv_heads", kv_heads, 1)
+    if q_heads % kv_heads:
+        raise ValueError(f"kv_heads: expected a divisor of q_heads={q_heads}; received {kv_heads}")
+
+
 def per_head_key_orders(layout: BlockLayout, q_heads: int, kv_heads: int) -> bool:
-    """Static: the layout names a key order per query head (``kv_perm [B|1, N, S]``) over grouped heads, so the passes
-    would copy k / v once per query head (`_prepared_kv`) unless the heads of each group agree (`same_key_orders`)."""
-    return layout.kv_perm is not None and layout.kv_perm.shape[1] > 1 and q_heads // kv_heads > 1
+    """Static: the layout names a key order per query head (``kv_perm [B|1, N, S]``) over grouped heads (q_heads N a
+    multiple of kv_heads K, N > K), so the passes would copy k / v once per query head (`_prepared_kv`) unless the
+    heads of each group agree (`same_key_orders`)."""
+    _check_heads(q_heads, kv_heads)
+    return layout.kv_perm is not None and layout.kv_perm.shape[1] > 1 and q_heads > kv_heads
 
 
 def _group_orders(kv_perm: jax.Array, kv_heads: int) -> jax.Array:
@@ -93,8 +102,14 @@ def _group_orders(kv_perm: jax.Array, kv_heads: int) -> jax.Array:
 def same_key_orders(layout: BlockLayout, kv_heads: int) -> jax.Array:
     """bool ``[]``, on the device: every query head of each key / value head's group has the same key order (Grid
     with searched strides where the heads found the same stride), so one copy of k / v per key / value head serves
-    the group (`_prepared_kv` with ``grouped``). One read of ``kv_perm``."""
-    orders = _group_orders(layout.kv_perm, kv_heads)
+    the group (`_prepared_kv` with ``grouped``). One read of ``kv_perm``; the layout must have one, ``[B|1, N, S]``
+    with N a multiple of ``kv_heads``."""
+    perm = layout.kv_perm
+    if perm is None or perm.ndim != 3:
+        raise ValueError(f"layout.kv_perm: expected int32 [B|1, N, S]; received "
+                         f"{None if perm is None else perm.shape}")
+    _check_heads(perm.shape[1], kv_heads)
+    orders = _group_orders(perm, kv_heads)
     return jnp.all(orders == orders[:, :, :1])
 
 
@@ -108,7 +123,7 @@ def _prepared_kv(k, v, layout: BlockLayout, groups: int, d_pad: int,
     s_pad = layout.num_kv_blocks * layout.block_k
     if layout.kv_perm is not None:
         kv_perm = jnp.clip(layout.kv_perm, 0, s - 1)
-        if kv_perm.shape[1] > 1 and groups > 1:
+        if per_head_key_orders(layout, k.shape[2] * groups, k.shape[2]):
             if grouped:  # the group's first head's order, [B|1, K, S]
                 kv_perm = _group_orders(kv_perm, k.shape[2])[:, :, 0]
             else:  # one copy per query head

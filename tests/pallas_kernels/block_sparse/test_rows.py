@@ -561,3 +561,15 @@ def test_per_head_key_orders_copy_keys_per_group_where_the_heads_agree(monkeypat
     jax.effects_barrier()
     assert ran == [kh if shared else n]
     _assert_matches_mask(out, lse, q, k, v, lay)
+
+
+def test_key_order_helpers_name_bad_inputs():
+    """`per_head_key_orders` / `same_key_orders` refuse head counts that do not group and a layout without a key order
+    per head, naming the argument."""
+    lay = random_layout(np.random.default_rng(22), 1, 6, 200, 300, 64, 64, density=0.4, perm=True)
+    with pytest.raises(ValueError, match=r"kv_heads: expected a divisor of q_heads=6; received 4"):
+        mosaic_gpu.per_head_key_orders(lay, 6, 4)
+    with pytest.raises(ValueError, match=r"kv_heads: expected an int >= 1; received 0"):
+        mosaic_gpu.same_key_orders(lay, 0)
+    with pytest.raises(ValueError, match=r"layout.kv_perm: expected int32 \[B\|1, N, S\]; received None"):
+        mosaic_gpu.same_key_orders(lay.replace(kv_perm=None), 2)
