@@ -8,21 +8,27 @@ item orders, list sorts. On an sm90 GPU ``--kernels real`` compiles the kernels 
     PYTHONPATH=.:tools python3 tools/attend_compile_time.py --seq-len 131072 --patterns "Grid(frame)" Grid
 
 `bench patterns`' video-like input (28 / 4 heads, D = 128, bf16). Prints one line per pattern and form: seconds to
-lower and to compile.
+lower and to compile. ``--pattern-attend`` adds the pattern's own ``attend`` with the input's frame size (256) known:
+for Grid with searched strides both branches of `Grid.frame_first`'s ``lax.cond`` compile, timed beside
+``frame_first=False``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from boundary_compile_time import compile_seconds
 
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns
 from mmjax.sparse import KernelOptions
 from mmjax.sparse.layouts import attend
+from mmjax.sparse.modality import Modality
+from mmjax.sparse.patterns import Grid
 from mmjax.sparse.synthetic import video_qkv
 from pallas_kernels.block_sparse import mosaic_gpu
 
@@ -44,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--patterns", nargs="+", default=["Grid(frame)", "Grid"])
     p.add_argument("--kernels", choices=("stand-in", "real"), default="stand-in")
+    p.add_argument("--pattern-attend", action="store_true",
+                   help="also the pattern's own attend (estimation, layout, attention) with the frame size known")
     a = p.parse_args(argv)
     if a.kernels == "stand-in":
         mosaic_gpu.launch = opaque_launch
@@ -51,13 +59,20 @@ def main(argv=None) -> int:
     q, k, v = video_qkv(jax.random.PRNGKey(s), s, heads=28, kv_heads=4, head_dim=128)
     pats = dict(gpu_patterns(), **frame_grid_patterns())
     opts = KernelOptions(implementation="mosaic_gpu")
+    frame_mod = Modality.from_token_types(np.ones((1, s), np.int32), names=("text", "video"), frame_tokens=256)
     for name in a.patterns:
         layout = jax.jit(lambda q, k, pat=pats[name]: pat.build_layout(q, k))(q, k)
-        forms = (("closed-over", lambda q, k, v, lay=layout: attend(q, k, v, lay, opts), (q, k, v)),
-                 ("argument", lambda q, k, v, lay: attend(q, k, v, lay, opts), (q, k, v, layout)))
+        forms = (("layout closed-over", lambda q, k, v, lay=layout: attend(q, k, v, lay, opts), (q, k, v)),
+                 ("layout argument", lambda q, k, v, lay: attend(q, k, v, lay, opts), (q, k, v, layout)))
+        if a.pattern_attend:  # the pattern's own attend, the input's frame size known (Grid: `frame_first` on, off)
+            pat = pats[name]
+            forms += tuple((f"pattern attend, frame_first={ff}",
+                            lambda q, k, v, p=dataclasses.replace(pat, frame_first=ff): p.attend(
+                                q, k, v, modality=frame_mod, options=opts), (q, k, v))
+                           for ff in ((True, False) if isinstance(pat, Grid) and pat.stride == "search" else (True,)))
         for form, fn, args in forms:
             lo, co = compile_seconds(fn, *args)
-            print(f"{jax.devices()[0].platform} S={s} {name}, kernels {a.kernels}, layout {form}: lower "
+            print(f"{jax.devices()[0].platform} S={s} {name}, kernels {a.kernels}, {form}: lower "
                   f"{lo:.1f} s, compile {co:.1f} s", flush=True)
     return 0
 

@@ -26,6 +26,9 @@
 # Grid(frame) alone at 1M, then Grid(frame) inside TwoDBoundary at 1M over 1,000 text tokens, the video and a 64-token
 # question, each with XLA's plan of the call's temporaries); `grid-search` (the Mosaic GPU tests of per-head key
 # orders, then Grid with searched strides alone at 128k, 7 samples, and at 1M, 3 single calls: an overlay A / B);
+# `frame-first` (the GPU tests of Grid with searched strides and the frame size known, then Grid and Grid(frame) at
+# 128k, each layout's attend and each pattern's own attend, Grid's with `frame_first` on and off, 7 samples) and
+# `frame-first1m` (Grid's at 1M, single calls);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
 # closed over and as a jit argument, `attend_compile_time.py --kernels real`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
@@ -100,6 +103,12 @@ case $part in
       --skip-parts --no-trace --split 0 --patterns Grid "Grid(frame)"; \
       timeout 270 python3 tools/pattern_parts_profile.py --out "$OUT/$part/2d" --seq-len 1048576 --skip-triton \
       --skip-parts --no-trace --split 0 --patterns "Grid(frame)" --boundary 2d --text 1000 --question 64 ;;
+  frame-first) XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/sparse/test_patterns_gpu.py -k "frame_known" 2>&1 | tail -3; \
+      timeout 330 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
+      --split 0 --skip-parts --no-trace --reps 7 --batch-s 0.15 --pattern-attend --patterns Grid "Grid(frame)" ;;
+  frame-first1m) timeout 540 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 1048576 \
+      --skip-triton --skip-parts --no-trace --split 0 --pattern-attend --patterns Grid ;;
   compile-real) timeout 300 python3 tools/attend_compile_time.py --kernels real --seq-len 131072 \
       --patterns Grid "Grid(frame)" ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \

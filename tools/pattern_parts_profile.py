@@ -28,7 +28,9 @@ a call) three single calls of one function differed by up to 15% within a run (2
 0.15`` gave steady rows there (``tools/issue16_targets.sh patterns``). At 1M single calls (about 1 s) suffice.
 
 ``--boundary k|q|2d`` wraps each pattern in `KBoundary` / `QBoundary` / `TwoDBoundary` over a text prefix, video and
-``--question`` text tokens after it (`boundary_input`).
+``--question`` text tokens after it (`boundary_input`). ``--pattern-attend`` also times each pattern's own ``attend``
+(its online estimation included) with the input's frame size known: Grid with searched strides then runs Grid(frame)'s
+layout where every head finds the frame stride (`Grid.frame_first`), timed beside ``frame_first=False``.
 
 Writes ``pattern_parts_profile.json`` and a plot of each pattern's ratio per form (``.png``) into ``--out``.
 """
@@ -36,6 +38,7 @@ Writes ``pattern_parts_profile.json`` and a plot of each pattern's ratio per for
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -57,7 +60,7 @@ from mmjax.drivers.bench import trace_summary  # noqa: E402
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
 from mmjax.sparse.layouts import KernelOptions, attend, block_parts, map_parts  # noqa: E402
 from mmjax.sparse.modality import Modality  # noqa: E402
-from mmjax.sparse.patterns import AShape, KBoundary, QBoundary, TwoDBoundary  # noqa: E402
+from mmjax.sparse.patterns import AShape, Grid, KBoundary, QBoundary, TwoDBoundary  # noqa: E402
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
 from mmjax.timing import device_name, time_fn  # noqa: E402
 from pallas_kernels import BlockLayout, block_sparse_attention  # noqa: E402
@@ -73,6 +76,7 @@ from pallas_kernels.block_sparse.mosaic_options import (  # noqa: E402
 )
 
 HEADS, KV_HEADS, D = 28, 4, 128
+FRAME_TOKENS = 256  # `video_qkv`'s 16 x 16 frames
 matplotlib.use("Agg")
 
 
@@ -186,6 +190,9 @@ def main(argv=None) -> int:
                    help="each pattern inside a boundary wrapper (`boundary_input`) over --text text tokens, then video")
     p.add_argument("--text", type=int, default=1024, help="text tokens before the video with --boundary")
     p.add_argument("--question", type=int, default=0, help="text tokens after the video with --boundary")
+    p.add_argument("--pattern-attend", action="store_true",
+                   help="also time the pattern's own attend (estimation, layout and attention in one jit) with the "
+                        "input's frame size known; for Grid with searched strides also with frame_first=False")
     p.add_argument("--mask-ab", action="store_true",
                    help="also time attend with the position mask on every entry (no `visible_entries` skip)")
     args = p.parse_args(argv)
@@ -224,6 +231,8 @@ def main(argv=None) -> int:
 
 
 FORMS = (("attend_ms_default", "default"), ("attend_ms_triton", "Triton"),
+         ("pattern_attend_ms", "pattern attend (frame known)"),
+         ("pattern_attend_ms_frame_first_off", "pattern attend, frame_first=False"),
          ("attend_ms_without_q_block_range", "without q_block_range"),
          ("attend_ms_masking_every_entry", "position mask on every entry"))
 
@@ -264,7 +273,7 @@ def boundary_input(wrap: str, text: int, s: int, question: int = 0):
     kinds[0, :text] = 0
     if question:
         kinds[0, s - question:] = 0
-    mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=256)
+    mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=FRAME_TOKENS)
     other = AShape(sink=128, local=1024)
     wrapper = {"k": KBoundary, "q": lambda p: QBoundary({"video": p}, default=other),
                "2d": lambda p: TwoDBoundary({("video", "video"): p}, default=other)}[wrap]
@@ -276,6 +285,29 @@ def without_ranges(layout):
     `RowSplit`'s parts stay one layout per row kind; until 2026-11-29 this took the first part of a `RowSplit`
     alone)."""
     return map_parts(layout, lambda part: part.replace(q_block_range=None))
+
+
+def pattern_attend_rows(name, pat, q, k, v, t_cudnn, args, modality, row) -> None:
+    """``--pattern-attend``: ``pat.attend`` (estimation + layout + attention, one jit) with a modality that knows the
+    input's frame size (`FRAME_TOKENS`; ``modality`` itself under ``--boundary``) as ``pattern_attend_ms``; for Grid
+    with searched strides also with ``frame_first=False`` (the searched layout always) as
+    ``pattern_attend_ms_frame_first_off``. Ratios on the layout's density, as the other rows."""
+    if modality is None:
+        modality = Modality.from_token_types(np.ones((1, k.shape[1]), np.int32), names=("text", "video"),
+                                             frame_tokens=FRAME_TOKENS)
+    forms = [("", pat)]
+    if isinstance(pat, Grid) and pat.stride == "search":
+        forms.append(("_frame_first_off", dataclasses.replace(pat, frame_first=False)))
+    for suffix, p in forms:
+        run = jax.jit(lambda q, k, v, p=p: p.attend(q, k, v, modality=modality)).lower(q, k, v).compile()
+        t = timed(lambda run=run: run(q, k, v), args)
+        row[f"pattern_attend_ms{suffix}"] = t
+        row[f"pattern_attend_temp_gib{suffix}"] = run.memory_analysis().temp_size_in_bytes / 2**30
+        row[f"of_cudnn_tflops_pattern_attend{suffix}"] = row["density"] * t_cudnn / t
+        print(f"{name}: pattern attend{suffix.replace('_', ' ')} {t:.2f} ms = {row['density'] * t_cudnn / t:.2f} of "
+              f"cuDNN's TFLOP/s, temporaries {row[f'pattern_attend_temp_gib{suffix}']:.2f} GiB", flush=True)
+        del run
+        jax.clear_caches()
 
 
 def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
@@ -293,6 +325,8 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
         row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
         print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
               f"cuDNN's TFLOP/s, temporaries {row[f'attend_temp_gib_{key}']:.2f} GiB", flush=True)
+    if args.pattern_attend:
+        pattern_attend_rows(name, pat, q, k, v, t_cudnn, args, modality, row)
     if args.mask_ab:  # the position mask on every entry (before `mosaic_gpu.visible_entries`)
         plain_launch = mosaic_gpu.launch
         mosaic_gpu.launch = functools.partial(plain_launch, skip_visible_masks=False)

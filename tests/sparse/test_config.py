@@ -35,7 +35,8 @@ def test_round_trip_through_file(tmp_path):
     assert data["schema_version"] == 2 and data["num_layers"] == 2 and data["num_heads"] == 4
     assert data["layers"][0][2] == {"pattern": "Grid", "params": {
         "stride": "search", "use_hline": False, "use_vline": True, "use_slash": True, "max_stride": 1024,
-        "local": 32, "phases": 1, "sink": 0, "last_q": 16, "stride_space": [48, 64], "block_q": 32, "block_k": 16}}
+        "local": 32, "phases": 1, "sink": 0, "last_q": 16, "stride_space": [48, 64], "block_q": 32, "block_k": 16,
+        "frame_first": True}}
     back = SparseConfig.load(path)
     assert back == cfg and back.layers[0][2].stride_space == (48, 64)
     assert SparseConfig.from_json(back.to_json()) == cfg

@@ -337,3 +337,57 @@ def test_lines_promise_strided_rows_where_each_block_is_one_phase():
     ref, _ = masked_dense_attention(q, k, v, Grid(stride=16, local=9, last_q=16, **SMALL).build_layout(
         q, k).to_dense_mask())
     assert rel_err(out, ref) < 1e-5
+
+
+def _attend_spy(monkeypatch):
+    """Record, when it runs on the device, which layout `Grid.attend` attends: the lines part's ``kv_perm`` heads
+    (1: one key order for every head, the frame stride's; N: the searched strides' key order per head)."""
+    from mmjax.sparse.patterns import grid as grid_module
+
+    ran = []
+
+    def spy(q, k, v, layout, options):
+        heads = block_parts(layout)[1].kv_perm.shape[1]
+        jax.debug.callback(lambda: ran.append(heads))
+        return attend(q, k, v, layout, options)
+
+    monkeypatch.setattr(grid_module, "attend", spy)
+    return ran
+
+
+@pytest.mark.parametrize("frame,branch", [(28, 1), (56, 4)])
+def test_searched_grid_attends_the_frame_layout_where_every_head_finds_the_frame(monkeypatch, frame, branch):
+    """Every head of `_inputs` finds the frame stride 28: with the modality's frame size 28 `Grid.attend` runs
+    Grid(frame)'s layout (one key order) and gives its result bit for bit; with a frame size no head finds (56,
+    a candidate) it runs the searched layout and gives the result of ``frame_first=False``."""
+    q, k, v, _ = _inputs()
+    mod = Modality.from_token_types(np.full((1, SPEC.seq_len), 2, np.int32), frame_tokens=frame)
+    opts = KernelOptions(implementation="reference")
+    kw = dict(local=20, last_q=16, stride_space=(14, 28, 56), **SMALL)
+    searched = Grid(**kw)
+    assert searched.frame_guess(k.shape[1], mod) == frame
+    np.testing.assert_array_equal(np.asarray(searched.estimate(q, k)[0]), 28)
+    ran = _attend_spy(monkeypatch)
+    out, lse = jax.jit(lambda q, k, v: searched.attend(q, k, v, modality=mod, options=opts))(q, k, v)
+    assert ran == [branch]
+    monkeypatch.undo()
+    want = Grid(stride="frame", **kw) if frame == 28 else Grid(frame_first=False, **kw)
+    ref, ref_lse = want.attend(q, k, v, modality=mod, options=opts)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+    mask = want.build_layout(q, k, modality=mod).to_dense_mask()
+    assert rel_err(out, masked_dense_attention(q, k, v, mask)[0]) < 1e-5
+
+
+def test_frame_guess_needs_a_searched_stride_a_frame_size_among_the_candidates_and_frame_first():
+    s = SPEC.seq_len
+    mod = Modality.from_token_types(np.full((1, s), 2, np.int32), frame_tokens=28)
+    kw = dict(local=20, last_q=16, stride_space=(14, 28, 56), **SMALL)
+    assert Grid(**kw).frame_guess(s, mod) == 28
+    assert Grid(**kw).frame_guess(s, None) is None
+    assert Grid(**kw).frame_guess(s, Modality.from_token_types(np.full((1, s), 2, np.int32))) is None
+    assert Grid(**dict(kw, stride_space=(14, 56))).frame_guess(s, mod) is None
+    assert Grid(**dict(kw, frame_first=False)).frame_guess(s, mod) is None
+    assert Grid(**dict(kw, stride="frame")).frame_guess(s, mod) is None
+    with pytest.raises(ValueError, match="^frame_first: expected a bool"):
+        Grid(frame_first=1)

@@ -69,3 +69,27 @@ def test_frame_grid_inside_a_boundary_matches_the_reference(qkv, wrap):
     fin = np.isfinite(np.asarray(ref_lse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=2e-3, atol=2e-3)
+
+
+@needs_gpu
+@pytest.mark.parametrize("seed,every_head_finds_the_frame", [(3, False), (4, True)])
+def test_searched_grid_with_the_frame_known_matches_the_reference(seed, every_head_finds_the_frame):
+    """Grid with searched strides, the frame size (256) known: `Grid.attend` runs Grid(frame)'s layout where every
+    head finds 256 (seed 4; one key order, strided rows) and the searched layout where one does not (seed 3, a head
+    finds 128), on the default kernels, against `attend` on the reference of that layout."""
+    q, k, v = video_qkv(jax.random.PRNGKey(seed), S, heads=8, kv_heads=2, head_dim=128)
+    mod = Modality.from_token_types(np.ones((1, S), np.int32), names=("text", "video"), frame_tokens=256)
+    g = gpu_patterns()["Grid"]
+    assert g.frame_guess(S, mod) == 256
+    found = np.asarray(jax.jit(g.estimate)(q, k)[0])
+    assert bool((found == 256).all()) == every_head_finds_the_frame
+    out, lse = jax.jit(lambda q, k, v: g.attend(q, k, v, modality=mod))(q, k, v)
+    expected = Grid(stride=256, last_q=64) if every_head_finds_the_frame else g
+    layout = jax.jit(expected.build_layout)(q, k)
+    ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
+        q, k, v, layout)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_err(out, ref) < 2e-2
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=2e-3, atol=2e-3)

@@ -71,7 +71,7 @@ import numpy as np
 from mmjax.sparse import placement as plc
 from mmjax.sparse.block_lists import bisect_right, query_block_bounds, ranges_to_lists
 from mmjax.sparse.estimate import last_q_scores
-from mmjax.sparse.layouts import LayoutSet
+from mmjax.sparse.layouts import KernelOptions, LayoutSet, attend
 from mmjax.sparse.patterns.base import Pattern
 from mmjax.sparse.patterns.static import placed_ashape
 from pallas_kernels import BlockLayout
@@ -152,7 +152,9 @@ class Grid(Pattern):
     stride: "search" | "frame" | an int; max_stride: largest searched stride;
     stride_space: searched candidates (None: `DEFAULT_STRIDES`); phases: line phases per
     head; local: main diagonal band in tokens (0: none); sink: first keys always kept;
-    last_q: estimation rows.
+    last_q: estimation rows. frame_first: with ``stride="search"`` and the video's frame size known
+    (`Modality.frame_tokens`, one of the searched candidates), `attend` runs Grid(frame)'s layout when every head's
+    searched stride is the frame's (`frame_guess`); False: always the searched layout.
     """
 
     stride: int | str = "search"
@@ -167,6 +169,7 @@ class Grid(Pattern):
     stride_space: tuple[int, ...] | None = None
     block_q: int = 128
     block_k: int = 64
+    frame_first: bool = True
 
     def validate(self) -> None:
         if isinstance(self.stride, bool) or not (
@@ -176,7 +179,7 @@ class Grid(Pattern):
                 not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in self.stride_space)):
             raise ValueError(f"stride_space: expected None or a non-empty tuple of ints >= 1; received "
                              f"{self.stride_space!r}")
-        for name in ("use_hline", "use_vline", "use_slash"):
+        for name in ("use_hline", "use_vline", "use_slash", "frame_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool; received {getattr(self, name)!r}")
         check_int("max_stride", self.max_stride, 1)
@@ -275,6 +278,34 @@ class Grid(Pattern):
         stride, phase, _ = self.estimate(q, k, modality=modality)
         return self.layout_from_index(stride, phase, q.shape[1], k.shape[1],
                                       bounds=self.stride_bounds(k.shape[1], modality))
+
+    def frame_guess(self, s: int, modality=None) -> int | None:
+        """The static stride `attend` tries first at S = s: the video's frame size (`Modality.frame_tokens`) for
+        ``stride="search"`` with ``frame_first`` when it is one of the searched candidates; else None."""
+        frame = getattr(modality, "frame_tokens", None)
+        if self.stride != "search" or not self.frame_first or frame is None:
+            return None
+        return int(frame) if int(frame) in self.candidate_strides(s) else None
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, modality=None,
+               options: KernelOptions = KernelOptions()) -> tuple[jax.Array, jax.Array]:
+        """out ``[B, T, N, D]``, lse ``[B, N, T]``. With a `frame_guess` F, a ``lax.cond`` on the searched strides:
+        where every head found F, the layout of ``stride=F`` (what Grid(frame) builds: one key order for all heads,
+        rows stepping by F when F divides T into whole query blocks per phase, lists and the rows part sized for
+        F, so no per-head copy of k / v, no gathered q or put-back output); else the searched layout. The pairs
+        are Grid's at the stride each head found either way (`layout_from_index`); both branches compile."""
+        t, s = q.shape[1], k.shape[1]
+        guess = self.frame_guess(s, modality)
+        if guess is None:
+            return super().attend(q, k, v, modality=modality, options=options)
+        stride, phase, _ = self.estimate(q, k, modality=modality)
+
+        def run(bounds):
+            return lambda q, k, v, stride, phase: attend(
+                q, k, v, self.layout_from_index(stride, phase, t, s, bounds=bounds), options)
+
+        return jax.lax.cond(jnp.all(stride == guess), run((guess, guess)), run(self.stride_bounds(s)),
+                            q, k, v, stride, phase)
 
     def _band(self, t: int, s: int) -> BlockLayout:
         bk = self.block_k
