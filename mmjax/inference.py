@@ -40,7 +40,7 @@ from mmjax import video_upload
 from mmjax.progress import progress_bar
 from mmjax.sparse.config import SparseConfig
 from mmjax.sparse.patterns import Dense
-from models.attention import resolve_attention
+from models.attention import LayerAttention, resolve_attention
 from models.causal_lm import model as causal_lm
 from models.kv_cache import KVCache
 from models.llava_onevision import model as llava_ov
@@ -69,9 +69,9 @@ class PrefillOutput:
     attention_mask: jax.Array
 
 
-# model class -> the module that runs it: prepare_inputs, visual_inputs, prefill_language_model, prompt_embeddings,
-# prefill_chunk, final_logits, init_cache, decode_step (same names and arguments in every module); the targets of
-# speculative decoding also have cached_forward
+# model class -> the module that runs it: prepare_inputs, frame_tokens, visual_inputs, prefill_language_model,
+# prompt_embeddings, prefill_chunk, final_logits, init_cache, decode_step (same names and arguments in every module);
+# the targets of speculative decoding also have cached_forward
 RUNNERS = ((qwen_vl.Qwen2_5_VL, qwen_vl), (llava_ov.LlavaOnevision, llava_ov), (causal_lm.CausalLM, causal_lm))
 
 
@@ -117,6 +117,7 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
     if "input_ids" not in inputs:
         raise ValueError("inputs: expected an 'input_ids' entry")
     p = run.prepare_inputs(model.config, **{k: inputs[k] for k in PROCESSOR_KEYS if k in inputs})
+    attention = with_frame_tokens(attention, run.frame_tokens(model.config, p))
     b, t = p.input_ids.shape
     max_length = t + 256 if max_length is None else int(max_length)
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool)
@@ -165,6 +166,14 @@ def prefill(model, inputs: Mapping[str, Any], attention: Any = "dense", *, hidde
                                                      mlp_chunk, chunk_tokens, kv_dtype, progress, mesh)
     return PrefillOutput(logits, cache, {i: hidden[j] for j, i in enumerate(hidden_layers)}, p.token_types,
                          p.rope_deltas, p.input_ids, p.position_ids, p.attention_mask)
+
+
+def with_frame_tokens(attention: Any, frame_tokens: int | None) -> Any:
+    """A `SparseConfig` as the attention of every layer told the video's tokens per frame (Grid heads: the stride
+    of ``stride="frame"``, the one `Grid.frame_first` tries); any other attention, or no frame size, unchanged."""
+    if frame_tokens is None or not isinstance(attention, SparseConfig):
+        return attention
+    return LayerAttention(uniform=attention.uniform_attention(frame_tokens=frame_tokens))
 
 
 def _chunk_attention(model, attention):

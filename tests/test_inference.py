@@ -1,13 +1,15 @@
 """prefill / decode_step: cache consistency, padding, attention injection, hidden states; scanned sparse
 configs, chunked prefill, fp8 KV cache, working memory independent of depth."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import mmjax
-from mmjax.inference import decode_step, prefill
+from mmjax.inference import PROCESSOR_KEYS, decode_step, prefill
 from mmjax.patterns import AShape, Dense, Grid, VerticalSlash
 from models.attention import dense_attention, resolve_attention
 from models.qwen2_5_vl import Qwen2_5_VL, forward
@@ -202,6 +204,31 @@ def test_scanned_sparse_prefill_equals_per_layer_path(setup):
     np.testing.assert_allclose(np.asarray(scanned.cache.v), np.asarray(unrolled.cache.v), atol=1e-5)
     dense = prefill(model, inputs)
     assert np.abs(np.asarray(scanned.logits) - np.asarray(dense.logits)).max() > 1e-4  # the patterns act
+
+
+def test_prefill_gives_grid_heads_the_video_frame_size(setup):
+    """The video's tokens per frame (4 x 8 patches merged 2 x 2: 8) reach the patterns: Grid(stride="frame") heads
+    run at stride 8 (the result of Grid(stride=8)); a hook without the frame size cannot run them (it says so)."""
+    cfg, model, _ = setup
+    inputs = _long_prompt(cfg)
+    p = qwen_vl.prepare_inputs(cfg, **{k: inputs[k] for k in PROCESSOR_KEYS if k in inputs})
+    c, kw = cfg.text, dict(local=16, last_q=8, block_q=16, block_k=16)
+
+    def config(pattern):
+        return mmjax.SparseConfig.uniform(pattern, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+                                          options=mmjax.patterns.KernelOptions(implementation="reference"))
+
+    assert qwen_vl.frame_tokens(cfg, p) == 8
+    assert qwen_vl.frame_tokens(cfg, dataclasses.replace(p, video_grids=((2, 4, 8), (2, 4, 4)))) is None  # differ
+    assert qwen_vl.frame_tokens(cfg, dataclasses.replace(p, video_grids=())) is None
+    with pytest.raises(ValueError, match="^frame_tokens: expected None or an int >= 1"):
+        config(Grid(**kw)).uniform_attention(frame_tokens=0)
+    frame = prefill(model, inputs, attention=config(Grid(stride="frame", **kw)))
+    fixed = prefill(model, inputs, attention=config(Grid(stride=8, **kw)))
+    np.testing.assert_array_equal(np.asarray(frame.logits), np.asarray(fixed.logits))
+    assert np.abs(np.asarray(frame.logits) - np.asarray(prefill(model, inputs).logits)).max() > 1e-4
+    with pytest.raises(ValueError, match="needs the tokens per frame"):
+        prefill(model, inputs, attention=PerLayerOnly(config(Grid(stride="frame", **kw))))
 
 
 def _static_config(cfg):

@@ -291,10 +291,24 @@ def pattern_attend_rows(name, pat, q, k, v, t_cudnn, args, modality, row) -> Non
     """``--pattern-attend``: ``pat.attend`` (estimation + layout + attention, one jit) with a modality that knows the
     input's frame size (`FRAME_TOKENS`; ``modality`` itself under ``--boundary``) as ``pattern_attend_ms``; for Grid
     with searched strides also with ``frame_first=False`` (the searched layout always) as
-    ``pattern_attend_ms_frame_first_off``. Ratios on the layout's density, as the other rows."""
+    ``pattern_attend_ms_frame_first_off``. Ratios on the layout's density, as the other rows. Also the time of
+    ``build_layout`` (``build_layout_ms``, estimation included) and for Grid of ``estimate`` alone (``estimate_ms``),
+    the strides the heads find (``found_strides``: stride -> heads) and whether `Grid.attend` takes the frame's
+    branch (``frame_branch``)."""
     if modality is None:
         modality = Modality.from_token_types(np.ones((1, k.shape[1]), np.int32), names=("text", "video"),
                                              frame_tokens=FRAME_TOKENS)
+    est = jax.jit(lambda q, k: pat.estimate(q, k, modality=modality)) if isinstance(pat, Grid) else None
+    if est is not None:  # the strides the heads find, and the estimation's own time
+        found = np.asarray(est(q, k)[0])
+        row["found_strides"] = {int(x): int(c) for x, c in zip(*np.unique(found, return_counts=True))}
+        row["frame_branch"] = pat.frame_guess(k.shape[1], modality) is not None and bool((found == FRAME_TOKENS).all())
+        row["estimate_ms"] = timed(lambda: est(q, k), args)
+    build = jax.jit(lambda q, k: pat.build_layout(q, k, modality=modality))
+    row["build_layout_ms"] = timed(lambda: build(q, k), args)
+    print(f"{name}: strides found {row.get('found_strides')}, frame branch {row.get('frame_branch')}, estimate "
+          f"{row.get('estimate_ms', float('nan')):.2f} ms, build_layout (estimate included) "
+          f"{row['build_layout_ms']:.2f} ms", flush=True)
     forms = [("", pat)]
     if isinstance(pat, Grid) and pat.stride == "search":
         forms.append(("_frame_first_off", dataclasses.replace(pat, frame_first=False)))

@@ -331,13 +331,14 @@ class SparseConfig:
             raise ValueError(f"{os.fspath(path)}: {e}") from e
 
     # ---------------------------------------------------------- model hooks
-    def uniform_attention(self) -> SparseModelAttention:
+    def uniform_attention(self, frame_tokens: int | None = None) -> SparseModelAttention:
         """The attention of every decoder layer, for layers under ``lax.scan`` (the traced layer
-        index picks the layer's plan; see `mmjax.sparse.model_attention`)."""
-        return SparseModelAttention(self.layers, self.options)
+        index picks the layer's plan; see `mmjax.sparse.model_attention`). frame_tokens: the video's tokens per
+        frame, if known (`SparseModelAttention.frame_tokens`)."""
+        return SparseModelAttention(self.layers, self.options, frame_tokens=frame_tokens)
 
-    def layer_attention(self, layer_idx: int) -> SparseModelAttention:
+    def layer_attention(self, layer_idx: int, frame_tokens: int | None = None) -> SparseModelAttention:
         """attn_fn of decoder layer ``layer_idx`` alone (the per-layer ``models.attention`` hook)."""
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx: expected an int in [0, {self.num_layers}); received {layer_idx!r}")
-        return SparseModelAttention(self.layers, self.options, only_layer=layer_idx)
+        return SparseModelAttention(self.layers, self.options, only_layer=layer_idx, frame_tokens=frame_tokens)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from mmjax.sparse.attention import attend_heads
 from mmjax.sparse.layouts import KernelOptions
+from mmjax.sparse.modality import as_modality
 from mmjax.sparse.patterns.base import Pattern
 from models.attention import dense_attention
 
@@ -56,12 +57,20 @@ class SparseModelAttention:
     in layer l). ``layer`` indexes ``layers`` (a Python int or a traced int32); ``only_layer`` pins
     it (the per-layer hook of one layer). ``head_axis``: inside ``jax.shard_map`` over these mesh
     axes, q / k / v hold this device's contiguous slice of whole GQA groups (the
-    ``axis_index(head_axis)``-th), which run the patterns of their global heads."""
+    ``axis_index(head_axis)``-th), which run the patterns of their global heads. ``frame_tokens``: the video's
+    tokens per frame (static; `mmjax.prefill` takes it from the video's grid), given to the patterns with the
+    token types (`Modality.frame_tokens`: Grid's ``stride="frame"`` and `Grid.frame_first`)."""
 
     layers: tuple[tuple[Pattern, ...], ...]
     options: KernelOptions = KernelOptions()
     only_layer: int | None = None
     head_axis: str | tuple[str, ...] | None = None
+    frame_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.frame_tokens is not None and (not isinstance(self.frame_tokens, int)
+                                              or isinstance(self.frame_tokens, bool) or self.frame_tokens < 1):
+            raise ValueError(f"frame_tokens: expected None or an int >= 1; received {self.frame_tokens!r}")
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, layer=0, q_positions: jax.Array,
                  kv_valid: jax.Array, modality: jax.Array | None = None) -> jax.Array:
@@ -86,6 +95,8 @@ class SparseModelAttention:
         if t > s:
             return dense(q, k, v)
         suffix = jnp.all(kv_valid) & jnp.all(q_positions == (s - t) + jnp.arange(t, dtype=q_positions.dtype)[None])
+        if modality is not None and self.frame_tokens is not None:
+            modality = dataclasses.replace(as_modality(modality, q, k), frame_tokens=self.frame_tokens)
         return self._by_group(q, k, v, plans, row, modality, suffix, dense)
 
     def _by_group(self, q, k, v, plans, row, modality, suffix, dense):

@@ -77,6 +77,12 @@ def prepare_inputs(config: CausalLMConfig, *, input_ids, attention_mask=None, po
                           jnp.asarray(deltas, jnp.int32))
 
 
+def frame_tokens(config: CausalLMConfig, p: PreparedInputs) -> None:
+    """Tokens per video frame: None (a text LM has no video)."""
+    del config, p
+    return None
+
+
 def visual_inputs(model: CausalLM, p: PreparedInputs, frames_per_chunk: int | None = None):
     """(image features, video features): (None, None), a text model has none."""
     return None, None

@@ -230,6 +230,12 @@ def video_features(model: LlavaOnevision, videos: jax.Array, chunk: int | None =
     return with_newlines(model, x.reshape(n, -1, x.shape[-1]))
 
 
+def frame_tokens(config: LlavaOnevisionConfig, p: PreparedInputs) -> int | None:
+    """Tokens per video frame in the LLM's stream (``ceil(grid / 2)**2`` pooled features, the frames of a video
+    contiguous, one newline after its last); None without videos."""
+    return None if p.pixel_values_videos is None else anyres.pooled_side(config.vision.grid) ** 2
+
+
 def visual_inputs(model: LlavaOnevision, p: PreparedInputs, frames_per_chunk: int | None = None):
     """(image features or None, video features or None), each [n_tokens, H]. ``frames_per_chunk``: tiles /
     frames through the tower at a time (None: all at once)."""

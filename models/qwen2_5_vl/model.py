@@ -102,6 +102,15 @@ def prepare_inputs(config: Qwen2_5_VLConfig, *, input_ids, attention_mask=None, 
                           image_grids, video_grids)
 
 
+def frame_tokens(config: Qwen2_5_VLConfig, p: PreparedInputs) -> int | None:
+    """Tokens per video frame (temporal patch) in the LLM's stream: ``h * w / spatial_merge_size**2`` of the videos'
+    (t, h, w) patch grids when every video has the same; None without videos or when their sizes differ (the
+    stride of Grid heads with ``stride="frame"``, and the one `Grid.frame_first` tries)."""
+    m2 = config.vision.spatial_merge_size ** 2
+    sizes = {h * w // m2 for _, h, w in p.video_grids}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 @functools.partial(jax.jit, static_argnames=("grids", "frames_per_chunk"), compiler_options=vision_lib.XLA_OPTIONS)
 def vision_features(model: Qwen2_5_VL, pixels: jax.Array, grids: tuple, frames_per_chunk: int | None = None):
     """Merged visual features of packed images or videos: [sum(t*h*w)/m**2, H] in the model dtype."""

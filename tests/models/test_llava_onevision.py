@@ -87,6 +87,19 @@ def test_features_and_logits_fp32(case):
     assert np.abs(text - d["text_logits"]).max() <= 2e-4
 
 
+def test_frame_tokens_count_each_frames_features():
+    """`frame_tokens` (the stride Grid heads get from `mmjax.prefill`): each video's features are its frames'
+    ``frame_tokens`` features each, then one newline; None without a video."""
+    inputs, _ = load_case("ov")
+    model = model_of("ov")
+    p = lo.prepare_inputs(model.config, **inputs)
+    _, vid = visual_inputs(model, p)
+    n, f = inputs["pixel_values_videos"].shape[:2]
+    assert vid.shape[0] == n * (f * lo.model.frame_tokens(model.config, p) + 1)
+    no_video = lo.prepare_inputs(model.config, input_ids=inputs["input_ids"][:, :4])
+    assert lo.model.frame_tokens(model.config, no_video) is None
+
+
 def test_anyres_max_shrink_of_a_tiled_image():
     _, d = load_case("ov_pool")  # anyres_max_1: the 8 x 5 unpadded feature grid is shrunk bilinearly to 6 x 3
     model = model_of("ov_pool")
