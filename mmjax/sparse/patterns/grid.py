@@ -16,7 +16,9 @@ Stride (``stride``): ``"search"`` estimates it online from the attention of the 
 ``last_q`` queries over the candidates ``stride_space`` up to ``max_stride`` (1024 in the
 paper); ``"frame"`` takes the tokens per frame of the video from `Modality.frame_tokens`
 (from ``video_grid_thw``); an int fixes it. The phases P are then the phases of that stride
-with the most column mass in the last rows.
+with the most column mass in the last rows. A searched stride with the frame size known (``frame_first``,
+`Grid.attend`) attends on the frame stride's layout where every head finds that stride: one key order for all
+heads and rows in place (`BlockLayout.q_row_stride`), which per-head strides cannot promise statically.
 
 ## The stride permutation
 
