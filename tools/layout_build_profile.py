@@ -1,0 +1,75 @@
+"""Where a pattern's own ``attend`` spends the time outside the kernels: Grid's online estimation and layout build on a
+GPU, step by step, on `bench patterns`' video-like input (28 / 4 heads, D = 128, bf16).
+
+    PYTHONPATH=.:tools python3 tools/layout_build_profile.py --seq-len 131072 --out DIR
+
+For Grid with searched strides and Grid(stride=256) (the input's frame size), each step alone under its own jit
+(median of ``--reps`` samples of calls queued for ``--batch-s`` seconds, `mmjax.timing.time_fn`): ``last_q_scores``
+(the last 64 queries against every key: vertical and slash mass), ``estimate`` (that and the stride / phase choice),
+``build_layout`` (estimate included) and ``layout_from_index`` (the layout from a given stride / phase), and the two
+stable argsorts it makes (rows per head, keys). Writes ``layout_build_profile.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jsonl_log import write_atomic  # noqa: E402
+from pattern_parts_profile import inputs  # noqa: E402
+
+from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
+from mmjax.sparse.estimate import last_q_scores  # noqa: E402
+from mmjax.timing import device_name, time_fn  # noqa: E402
+
+
+def steps(g, q, k) -> dict:
+    """{step: (jitted function, args)} for Grid ``g``."""
+    s, t = k.shape[1], q.shape[1]
+    stride, phase, _ = jax.jit(g.estimate)(q, k)
+    bounds = g.stride_bounds(s)
+    codes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) % 256, (1, q.shape[2], t))
+    return {
+        "last_q_scores": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q)), (q, k)),
+        "estimate": (jax.jit(g.estimate), (q, k)),
+        "build_layout": (jax.jit(g.build_layout), (q, k)),
+        "layout_from_index": (jax.jit(lambda st, ph: g.layout_from_index(st, ph, t, s, bounds=bounds)),
+                              (stride, phase)),
+        "argsort_rows_per_head": (jax.jit(lambda c: jnp.argsort(c, axis=-1, stable=True)), (codes,)),
+        "argsort_keys": (jax.jit(lambda c: jnp.argsort(c, axis=-1, stable=True)), (codes[:, :1],)),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seq-len", type=int, default=131072)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--batch-s", type=float, default=0.1)
+    a = p.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    q, k, _ = inputs(a.seq_len)
+    pats = {"Grid": gpu_patterns()["Grid"], "Grid(frame)": frame_grid_patterns()["Grid(frame)"]}
+    result = {"meta": {"device": device_name(), "jax": jax.__version__, "seq_len": a.seq_len}, "patterns": {}}
+    for name, g in pats.items():
+        row = {}
+        for step, (fn, args) in steps(g, q, k).items():
+            row[step] = time_fn(lambda fn=fn, args=args: fn(*args), reps=a.reps, min_batch_s=a.batch_s)["ms"]
+            print(f"{device_name()} S={a.seq_len} {name}: {step} {row[step]:.3f} ms", flush=True)
+        result["patterns"][name] = row
+        jax.clear_caches()
+    path = os.path.join(a.out, "layout_build_profile.json")
+    write_atomic(path, lambda f: json.dump(result, f, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
