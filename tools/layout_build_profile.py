@@ -7,7 +7,7 @@ For Grid with searched strides and Grid(stride=256) (the input's frame size), ea
 (median of ``--reps`` samples of calls queued for ``--batch-s`` seconds, `mmjax.timing.time_fn`): ``last_q_scores``
 (the last 64 queries against every key: vertical and slash mass), ``estimate`` (that and the stride / phase choice),
 ``build_layout`` (estimate included) and ``layout_from_index`` (the layout from a given stride / phase), and the two
-stable argsorts it makes (rows per head, keys). Writes ``layout_build_profile.json`` into ``--out``.
+stable argsorts it makes (rows per head, keys); and the strides the heads find. Writes ``layout_build_profile.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +60,9 @@ def main(argv=None) -> int:
     pats = {"Grid": gpu_patterns()["Grid"], "Grid(frame)": frame_grid_patterns()["Grid(frame)"]}
     result = {"meta": {"device": device_name(), "jax": jax.__version__, "seq_len": a.seq_len}, "patterns": {}}
     for name, g in pats.items():
-        row = {}
+        found = np.asarray(jax.jit(g.estimate)(q, k)[0])
+        row = {"found_strides": {int(x): int(c) for x, c in zip(*np.unique(found, return_counts=True))}}
+        print(f"{device_name()} S={a.seq_len} {name}: strides found {row['found_strides']}", flush=True)
         for step, (fn, args) in steps(g, q, k).items():
             row[step] = time_fn(lambda fn=fn, args=args: fn(*args), reps=a.reps, min_batch_s=a.batch_s)["ms"]
             print(f"{device_name()} S={a.seq_len} {name}: {step} {row[step]:.3f} ms", flush=True)
