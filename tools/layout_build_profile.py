@@ -7,7 +7,8 @@ For Grid with searched strides and Grid(stride=256) (the input's frame size), ea
 (median of ``--reps`` samples of calls queued for ``--batch-s`` seconds, `mmjax.timing.time_fn`): ``last_q_scores``
 (the last 64 queries against every key: vertical and slash mass), ``estimate`` (that and the stride / phase choice),
 ``build_layout`` (estimate included) and ``layout_from_index`` (the layout from a given stride / phase), and the two
-stable argsorts it makes (rows per head, keys); and the strides the heads find. Writes ``layout_build_profile.json`` into ``--out``.
+stable argsorts it makes (rows per head, keys); and the strides the heads find. Writes ``layout_build_profile.json``
+into ``--out``.
 """
 
 from __future__ import annotations
