@@ -294,8 +294,10 @@ class Grid(Pattern):
         """out ``[B, T, N, D]``, lse ``[B, N, T]``. With a `frame_guess` F, a ``lax.cond`` on the searched strides:
         where every head found F, the layout of ``stride=F`` (what Grid(frame) builds: one key order for all heads,
         rows stepping by F when F divides T into whole query blocks per phase, lists and the rows part sized for
-        F, so no per-head copy of k / v, no gathered q or put-back output); else the searched layout. The pairs
-        are Grid's at the stride each head found either way (`layout_from_index`); both branches compile."""
+        F, so no per-head copy of k / v, no gathered q or put-back output); else the searched layout. Either
+        branch is `layout_from_index` at the strides the heads found (the searched bounds may list blocks the frame's do
+        not: where they allow a block more than `MAX_CAUSAL_GROUPS` query groups, short sequences, its slash keys are
+        one range); both branches compile. Inside a boundary wrapper (`build_placed`) the searched layout always."""
         t, s = q.shape[1], k.shape[1]
         guess = self.frame_guess(s, modality)
         if guess is None:
