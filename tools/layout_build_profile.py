@@ -5,10 +5,11 @@ GPU, step by step, on `bench patterns`' video-like input (28 / 4 heads, D = 128,
 
 For Grid with searched strides and Grid(stride=256) (the input's frame size), each step alone under its own jit
 (median of ``--reps`` samples of calls queued for ``--batch-s`` seconds, `mmjax.timing.time_fn`): ``last_q_scores``
-(the last 64 queries against every key: vertical and slash mass), ``estimate`` (that and the stride / phase choice),
-``build_layout`` (estimate included) and ``layout_from_index`` (the layout from a given stride / phase), and the two
-stable argsorts it makes (rows per head, keys); and the strides the heads find. Writes ``layout_build_profile.json``
-into ``--out``.
+(the last 64 queries against every key: vertical and slash mass; by default the query heads of one key / value head
+scored together while they fit `estimate.STEP_BYTES`, and one head a step as before 2026-12-07), ``estimate`` (that
+and the stride / phase choice), ``build_layout`` (estimate included) and ``layout_from_index`` (the layout from a
+given stride / phase), and the two stable argsorts it makes (rows per head, keys); and the strides the heads find.
+Writes ``layout_build_profile.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def steps(g, q, k) -> dict:
     codes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) % 256, (1, q.shape[2], t))
     return {
         "last_q_scores": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q)), (q, k)),
+        "last_q_scores_one_head_a_step": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, step_heads=1)),
+                                          (q, k)),
         "estimate": (jax.jit(g.estimate), (q, k)),
         "build_layout": (jax.jit(g.build_layout), (q, k)),
         "layout_from_index": (jax.jit(lambda st, ph: g.layout_from_index(st, ph, t, s, bounds=bounds)),

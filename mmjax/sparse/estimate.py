@@ -4,8 +4,8 @@ A = softmax(Q[-last_q:] K^T * scale + causal mask) per head is reduced to
 * vertical scores: column sums of A, ``[B, N, S]``;
 * slash scores: sums along diagonals, ``slash[d] = sum_r A[r, pos_r - d]`` for the offset
   d = query position - key position, ``[B, N, S]``.
-Both are normalised to sum to 1 per head. A is last_q x S and lives for one head at a time
-(`lax.map` over heads), so no S x S buffer is ever formed.
+Both are normalised to sum to 1 per head. A is last_q x S and lives for a few heads of one key / value head at a
+time (`lax.map` over steps of `heads_per_step` heads, within `STEP_BYTES`), so no S x S buffer is ever formed.
 
 Non-finite scores (the rule every estimating pattern shares, like MOMO's block top-k): an
 estimation row whose query holds a NaN or an inf adds nothing (its own attention will be NaN
@@ -24,10 +24,21 @@ import jax.numpy as jnp
 
 from pallas_kernels.checks import check_sm_scale
 
+# float32 scores [B, heads, last_q, S] of one step of `last_q_scores` (several query heads of one key / value head at
+# once while they fit: all 7 of a group at 128k, one at a time from 512k with 64 rows)
+STEP_BYTES = 256 << 20
 
-@functools.partial(jax.jit, static_argnames=("last_q", "sm_scale"))
+
+def heads_per_step(b: int, last_q: int, s: int, groups: int, budget: int = STEP_BYTES) -> int:
+    """The most query heads of one GQA group (a divisor of ``groups``) whose float32 scores ``[B, heads, last_q, S]``
+    fit ``budget`` bytes; at least 1."""
+    fit = max(1, budget // (4 * b * last_q * s))
+    return max(h for h in range(1, groups + 1) if groups % h == 0 and h <= fit)
+
+
+@functools.partial(jax.jit, static_argnames=("last_q", "sm_scale", "step_heads"))
 def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | None = None,
-                  rows: jax.Array | None = None, k_valid: jax.Array | None = None
+                  rows: jax.Array | None = None, k_valid: jax.Array | None = None, step_heads: int | None = None
                   ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k ``[B,S,K,D]`` -> (vertical, slash), each float32 ``[B,N,S]``.
 
@@ -36,6 +47,8 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     vertical is indexed by key position, slash by offset d = query position - key position;
     causality is on original positions. Rows seeing no valid key add nothing. Non-finite
     inputs: see the module docstring (vertical +inf at keys with a non-finite logit).
+    step_heads: query heads of one key / value head scored together (a divisor of N / K; None: `heads_per_step`, the
+    most whose scores fit `STEP_BYTES`): one read of the key head and one matmul for them.
     """
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
@@ -46,9 +59,16 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     elif tuple(rows.shape) != (b, last_q):
         raise ValueError(f"rows: expected shape [{b}, {last_q}] ([B, last_q]); received {list(rows.shape)}")
     groups = n // kh
+    hs = heads_per_step(b, last_q, s, groups) if step_heads is None else step_heads
+    if not isinstance(hs, int) or hs < 1 or groups % hs:
+        raise ValueError(f"step_heads: expected None or a divisor of N / K = {groups}; received {step_heads!r}")
+    chunks = groups // hs
     scale = check_sm_scale(sm_scale, d)
     q_last = jnp.take_along_axis(q, rows[:, :, None, None], axis=1)  # [B, L, N, D]
     q_ok = jnp.all(jnp.isfinite(q_last), axis=-1)  # [B, L, N]: rows with a finite query
+    # step i = (key head i // chunks, its chunk i % chunks of hs query heads): heads i * hs + j, j < hs
+    q_steps = q_last.reshape(b, last_q, kh * chunks, hs, d)
+    ok_steps = q_ok.reshape(b, last_q, kh * chunks, hs)
     q_pos = rows + (s - t)  # original positions of the estimation rows, [B, L]
     k_pos = jnp.arange(s)
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, L, S]
@@ -56,22 +76,22 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
         allowed = allowed & k_valid[:, None, :]
     diag_idx = q_pos[:, :, None] - k_pos[None, None, :]  # [B, L, S]: key index for offset d = column
 
-    def one_head(h):
-        qh = jax.lax.dynamic_index_in_dim(q_last, h, axis=2, keepdims=False)  # [B, L, D]
-        kk = jax.lax.dynamic_index_in_dim(k, h // groups, axis=2, keepdims=False)  # [B, S, D]
-        logits = jnp.einsum("bld,bsd->bls", qh, kk, preferred_element_type=jnp.float32) * scale
-        row_ok = jax.lax.dynamic_index_in_dim(q_ok, h, axis=2, keepdims=False)[:, :, None]  # [B, L, 1]
-        seen = allowed & row_ok
+    def one_step(i):
+        qh = jax.lax.dynamic_index_in_dim(q_steps, i, axis=2, keepdims=False)  # [B, L, hs, D]
+        kk = jax.lax.dynamic_index_in_dim(k, i // chunks, axis=2, keepdims=False)  # [B, S, D]
+        logits = jnp.einsum("blhd,bsd->bhls", qh, kk, preferred_element_type=jnp.float32) * scale
+        row_ok = jnp.swapaxes(jax.lax.dynamic_index_in_dim(ok_steps, i, axis=2, keepdims=False), 1, 2)  # [B, hs, L]
+        seen = allowed[:, None] & row_ok[..., None]  # [B, hs, L, S]
         bad = seen & ~jnp.isfinite(logits)  # a finite query meets a non-finite key
         logits = jnp.where(seen & ~bad, logits, -jnp.inf)
         m = logits.max(-1, keepdims=True)
         e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-        a = e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30)  # [B, L, S]; 0 for empty rows
-        vertical = jnp.where(bad.any(1), jnp.inf, a.sum(1))
+        a = e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30)  # [B, hs, L, S]; 0 for empty rows
+        vertical = jnp.where(bad.any(2), jnp.inf, a.sum(2))
         # slash[d] = sum_r a[r, pos_r - d]; indices < 0 are outside the sequence.
-        gathered = jnp.take_along_axis(a, jnp.clip(diag_idx, 0, s - 1), axis=-1)
-        slash = jnp.where(diag_idx >= 0, gathered, 0.0).sum(1)
-        return vertical / last_q, slash / last_q
+        gathered = jnp.take_along_axis(a, jnp.clip(diag_idx, 0, s - 1)[:, None], axis=-1)
+        slash = jnp.where(diag_idx[:, None] >= 0, gathered, 0.0).sum(2)
+        return vertical / last_q, slash / last_q  # [B, hs, S]
 
-    vertical, slash = jax.lax.map(one_head, jnp.arange(n))  # [N, B, S]
-    return jnp.einsum("nbs->bns", vertical), jnp.einsum("nbs->bns", slash)
+    vertical, slash = jax.lax.map(one_step, jnp.arange(kh * chunks))  # [steps, B, hs, S]
+    return (jnp.einsum("ibhs->bihs", vertical).reshape(b, n, s), jnp.einsum("ibhs->bihs", slash).reshape(b, n, s))
