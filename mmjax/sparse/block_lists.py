@@ -27,23 +27,25 @@ def ranges_to_lists(groups: list[tuple[jax.Array, jax.Array, int]], num_kv_block
     """Union of inclusive block ranges per row -> ascending, distinct block lists.
 
     groups: ``(lo, hi, max_width)`` with lo, hi int32 ``[..., R]`` (one group's ranges are
-    at most ``max_width`` blocks wide, static; a range with hi < lo is empty; ranges may
-    overlap). Ids are clipped to ``[0, num_kv_blocks)``, so a group is never wider than
+    at most ``max_width`` blocks wide, static: a wider one keeps its first ``max_width`` blocks; a range with hi < lo
+    is empty; ranges may overlap). Ids are clipped to ``[0, num_kv_blocks)``, so a group is never wider than
     ``num_kv_blocks`` whatever its bound. Returns (blocks int32 ``[..., L]`` with L = sum of
-    R * min(max_width, num_kv_blocks), count ``[...]``).
+    R * min(max_width, num_kv_blocks), zero past the count; count ``[...]``).
+
+    The ranges (not their blocks) are sorted by their first block, then written out by `ascending_ranges_to_lists`:
+    a sort over the R ranges of a row instead of two over its L candidate blocks (Grid's lines at 1M with searched
+    strides: 5 ranges against 1,285 blocks a query block).
     """
-    big = jnp.int32(np.iinfo(np.int32).max)
-    flats = []
+    los, his, total = [], [], 0
     for lo, hi, max_width in groups:
         width = max(1, min(int(max_width), num_kv_blocks))
-        cand = jnp.maximum(lo, 0)[..., None] + jnp.arange(width, dtype=jnp.int32)  # [..., R, W]
-        valid = (cand <= hi[..., None]) & (cand >= 0) & (cand < num_kv_blocks)
-        flats.append(jnp.where(valid, cand, big).reshape(lo.shape[:-1] + (-1,)))
-    flat = jnp.sort(jnp.concatenate(flats, -1), axis=-1)
-    dup = jnp.concatenate([jnp.zeros_like(flat[..., :1], bool), flat[..., 1:] == flat[..., :-1]], -1)
-    flat = jnp.sort(jnp.where(dup, big, flat), axis=-1)
-    count = (flat != big).sum(-1).astype(jnp.int32)
-    return jnp.where(flat == big, 0, flat).astype(jnp.int32), count
+        lo = jnp.maximum(lo, 0).astype(jnp.int32)
+        los.append(lo)
+        his.append(jnp.minimum(jnp.minimum(hi, lo + (width - 1)), num_kv_blocks - 1).astype(jnp.int32))
+        total += lo.shape[-1] * width
+    lo, hi = jnp.concatenate(los, -1), jnp.concatenate(his, -1)
+    lo, hi = jax.lax.sort((lo, hi), dimension=lo.ndim - 1, num_keys=1)
+    return ascending_ranges_to_lists(lo, hi, total)
 
 
 def ascending_ranges_to_lists(lo: jax.Array, hi: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
