@@ -22,6 +22,12 @@ def query_block_bounds(q_len: int, kv_len: int, block_q: int) -> tuple[jax.Array
     return jnp.asarray(start, jnp.int32), jnp.asarray(end, jnp.int32)
 
 
+# At most this many ranges a row: sort the ranges and write them out (`ascending_ranges_to_lists`, which compares each
+# of the L entries with every range end, L x R); more (Vertical-Slash's anchors, SF-strided's slashes): sort the L
+# candidate blocks themselves (twice, L log L), cheaper there.
+SORTED_RANGES_UP_TO = 16
+
+
 def ranges_to_lists(groups: list[tuple[jax.Array, jax.Array, int]], num_kv_blocks: int
                     ) -> tuple[jax.Array, jax.Array]:
     """Union of inclusive block ranges per row -> ascending, distinct block lists.
@@ -32,20 +38,32 @@ def ranges_to_lists(groups: list[tuple[jax.Array, jax.Array, int]], num_kv_block
     ``num_kv_blocks`` whatever its bound. Returns (blocks int32 ``[..., L]`` with L = sum of
     R * min(max_width, num_kv_blocks), zero past the count; count ``[...]``).
 
-    The ranges (not their blocks) are sorted by their first block, then written out by `ascending_ranges_to_lists`:
-    a sort over the R ranges of a row instead of two over its L candidate blocks (Grid's lines at 1M with searched
-    strides: 5 ranges against 1,285 blocks a query block).
+    With at most `SORTED_RANGES_UP_TO` ranges a row (Grid's lines: 5, against 1,285 candidate blocks a query block at
+    1M with searched strides) the ranges are sorted by their first block and written out; with more, the candidate
+    blocks are sorted (the same lists either way).
     """
-    los, his, total = [], [], 0
+    clipped, total = [], 0
     for lo, hi, max_width in groups:
         width = max(1, min(int(max_width), num_kv_blocks))
         lo = jnp.maximum(lo, 0).astype(jnp.int32)
-        los.append(lo)
-        his.append(jnp.minimum(jnp.minimum(hi, lo + (width - 1)), num_kv_blocks - 1).astype(jnp.int32))
+        clipped.append((lo, jnp.minimum(jnp.minimum(hi, lo + (width - 1)), num_kv_blocks - 1).astype(jnp.int32),
+                        width))
         total += lo.shape[-1] * width
-    lo, hi = jnp.concatenate(los, -1), jnp.concatenate(his, -1)
-    lo, hi = jax.lax.sort((lo, hi), dimension=lo.ndim - 1, num_keys=1)
-    return ascending_ranges_to_lists(lo, hi, total)
+    if sum(lo.shape[-1] for lo, _, _ in clipped) <= SORTED_RANGES_UP_TO:
+        lo = jnp.concatenate([lo for lo, _, _ in clipped], -1)
+        hi = jnp.concatenate([hi for _, hi, _ in clipped], -1)
+        lo, hi = jax.lax.sort((lo, hi), dimension=lo.ndim - 1, num_keys=1)
+        return ascending_ranges_to_lists(lo, hi, total)
+    big = jnp.int32(np.iinfo(np.int32).max)
+    flats = []
+    for lo, hi, width in clipped:
+        cand = lo[..., None] + jnp.arange(width, dtype=jnp.int32)  # [..., R, W]
+        flats.append(jnp.where(cand <= hi[..., None], cand, big).reshape(lo.shape[:-1] + (-1,)))
+    flat = jnp.sort(jnp.concatenate(flats, -1), axis=-1)
+    dup = jnp.concatenate([jnp.zeros_like(flat[..., :1], bool), flat[..., 1:] == flat[..., :-1]], -1)
+    flat = jnp.sort(jnp.where(dup, big, flat), axis=-1)
+    count = (flat != big).sum(-1).astype(jnp.int32)
+    return jnp.where(flat == big, 0, flat).astype(jnp.int32), count
 
 
 def ascending_ranges_to_lists(lo: jax.Array, hi: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
