@@ -95,3 +95,26 @@ def test_child_keeps_partial_rows_and_names_failures(monkeypatch):
     ("mine", "qwen3-30b-a3b", None, "mine")])
 def test_result_name_keeps_models_apart(name, preset, model, want):
     assert bench.result_name(name, preset, model) == want
+
+
+def test_compile_time_compiles_what_prefill_runs_with_the_frame_size():
+    """The compile-time column compiles the prefill program with the attention `mmjax.prefill` gives it: Grid heads
+    with ``stride="frame"`` get the video's frame size (without it they raise)."""
+    import jax
+    import jax.numpy as jnp
+
+    import mmjax
+    from mmjax.inference import PROCESSOR_KEYS
+    from mmjax.patterns import Grid
+    from models.qwen2_5_vl import Qwen2_5_VL
+    from tests.models.helpers import small_config, video_prompt
+
+    cfg = small_config()
+    model = Qwen2_5_VL(cfg, dtype=jnp.float32, key=jax.random.key(7))
+    inputs = video_prompt(cfg, frames=8, rng=np.random.default_rng(1), grid_hw=(4, 8))
+    inputs = {k: inputs[k] for k in PROCESSOR_KEYS if k in inputs}
+    config = mmjax.SparseConfig.uniform(Grid(stride="frame", local=16, last_q=8, block_q=16, block_k=16),
+                                        num_layers=cfg.text.num_hidden_layers,
+                                        num_heads=cfg.text.num_attention_heads,
+                                        options=mmjax.patterns.KernelOptions(implementation="reference"))
+    assert bench._compile_seconds(model, inputs, config, {}) > 0

@@ -50,7 +50,7 @@ from mmjax.drivers.args import ArgumentParser, add_result_args, positive_float, 
 from mmjax.drivers.bench import trace_summary
 from mmjax.drivers.bench.report import print_table, write_result
 from mmjax.files import slug
-from mmjax.inference import PROCESSOR_KEYS, runner
+from mmjax.inference import PROCESSOR_KEYS, runner, with_frame_tokens
 from mmjax.parallel import devices_mesh, shard_model
 from mmjax.parallel import vision as parallel_vision
 from mmjax.patterns import AShape, Grid, Momo, VerticalSlash
@@ -206,7 +206,8 @@ def with_matmul(model, matmul: str):
 
 
 def _compile_seconds(model, inputs, attention, kwargs) -> float:
-    """Compile time of the programs a prefill runs (vision tower for a VLM, decoder), ahead of time."""
+    """Compile time of the programs a prefill runs (vision tower for a VLM, decoder, with the attention `mmjax.prefill`
+    gives it: a sparse config told the video's frame size), ahead of time."""
     run = runner(model)
     p = run.prepare_inputs(model.config, **inputs)
     t0 = time.perf_counter()
@@ -222,7 +223,8 @@ def _compile_seconds(model, inputs, attention, kwargs) -> float:
         feats = jax.ShapeDtypeStruct((n_feats, model.config.text.hidden_size), jnp.bfloat16)
     run.prefill_language_model.lower(
         model, p.input_ids, None, feats, p.position_ids, p.attention_mask, p.token_types, p.rope_deltas,
-        attention=resolve_attention(attention), max_length=p.input_ids.shape[1] + 256,
+        attention=resolve_attention(with_frame_tokens(attention, run.frame_tokens(model.config, p))),
+        max_length=p.input_ids.shape[1] + 256,
         mlp_chunk=kwargs.get("mlp_chunk"), kv_dtype=kwargs.get("kv_dtype")).compile()
     return time.perf_counter() - t0
 
