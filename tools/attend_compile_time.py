@@ -8,9 +8,9 @@ item orders, list sorts. On an sm90 GPU ``--kernels real`` compiles the kernels 
     PYTHONPATH=.:tools python3 tools/attend_compile_time.py --seq-len 131072 --patterns "Grid(frame)" Grid
 
 `bench patterns`' video-like input (28 / 4 heads, D = 128, bf16). Prints one line per pattern and form: seconds to
-lower and to compile. ``--pattern-attend`` adds the pattern's own ``attend`` with the input's frame size (256) known:
-for Grid with searched strides both branches of `Grid.frame_first`'s ``lax.cond`` compile, timed beside
-``frame_first=False``.
+lower and to compile. ``--pattern-attend`` adds the pattern's own ``attend`` with the input's frame size known
+(`pattern_parts_profile.video_modality`): for Grid with searched strides both branches of `Grid.frame_first`'s
+``lax.cond`` compile, timed beside ``frame_first=False``.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from boundary_compile_time import compile_seconds
+from pattern_parts_profile import video_modality
 
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns
 from mmjax.sparse import KernelOptions
 from mmjax.sparse.layouts import attend
-from mmjax.sparse.modality import Modality
 from mmjax.sparse.patterns import Grid
 from mmjax.sparse.synthetic import video_qkv
 from pallas_kernels.block_sparse import mosaic_gpu
@@ -59,7 +58,7 @@ def main(argv=None) -> int:
     q, k, v = video_qkv(jax.random.PRNGKey(s), s, heads=28, kv_heads=4, head_dim=128)
     pats = dict(gpu_patterns(), **frame_grid_patterns())
     opts = KernelOptions(implementation="mosaic_gpu")
-    frame_mod = Modality.from_token_types(np.ones((1, s), np.int32), names=("text", "video"), frame_tokens=256)
+    frame_mod = video_modality(s)
     for name in a.patterns:
         layout = jax.jit(lambda q, k, pat=pats[name]: pat.build_layout(q, k))(q, k)
         forms = (("layout closed-over", lambda q, k, v, lay=layout: attend(q, k, v, lay, opts), (q, k, v)),

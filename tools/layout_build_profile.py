@@ -21,24 +21,22 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jsonl_log import write_atomic  # noqa: E402
-from pattern_parts_profile import inputs  # noqa: E402
+from pattern_parts_profile import FRAME_TOKENS, inputs, stride_counts  # noqa: E402
 
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
 from mmjax.sparse.estimate import last_q_scores  # noqa: E402
 from mmjax.timing import device_name, time_fn  # noqa: E402
 
 
-def steps(g, q, k) -> dict:
-    """{step: (jitted function, args)} for Grid ``g``."""
+def steps(g, q, k, stride, phase) -> dict:
+    """{step: (jitted function, args)} for Grid ``g`` (``stride`` / ``phase``: its estimate on q, k)."""
     s, t = k.shape[1], q.shape[1]
-    stride, phase, _ = jax.jit(g.estimate)(q, k)
     bounds = g.stride_bounds(s)
-    codes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) % 256, (1, q.shape[2], t))
+    codes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) % FRAME_TOKENS, (1, q.shape[2], t))
     return {
         "last_q_scores": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q)), (q, k)),
         "last_q_scores_one_head_a_step": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, step_heads=1)),
@@ -64,10 +62,10 @@ def main(argv=None) -> int:
     pats = {"Grid": gpu_patterns()["Grid"], "Grid(frame)": frame_grid_patterns()["Grid(frame)"]}
     result = {"meta": {"device": device_name(), "jax": jax.__version__, "seq_len": a.seq_len}, "patterns": {}}
     for name, g in pats.items():
-        found = np.asarray(jax.jit(g.estimate)(q, k)[0])
-        row = {"found_strides": {int(x): int(c) for x, c in zip(*np.unique(found, return_counts=True))}}
+        stride, phase, _ = jax.jit(g.estimate)(q, k)
+        row = {"found_strides": stride_counts(stride)}
         print(f"{device_name()} S={a.seq_len} {name}: strides found {row['found_strides']}", flush=True)
-        for step, (fn, args) in steps(g, q, k).items():
+        for step, (fn, args) in steps(g, q, k, stride, phase).items():
             row[step] = time_fn(lambda fn=fn, args=args: fn(*args), reps=a.reps, min_batch_s=a.batch_s)["ms"]
             print(f"{device_name()} S={a.seq_len} {name}: {step} {row[step]:.3f} ms", flush=True)
         result["patterns"][name] = row

@@ -76,7 +76,7 @@ from pallas_kernels.block_sparse.mosaic_options import (  # noqa: E402
 )
 
 HEADS, KV_HEADS, D = 28, 4, 128
-FRAME_TOKENS = 256  # `video_qkv`'s 16 x 16 frames
+FRAME_TOKENS = frame_grid_patterns()["Grid(frame)"].stride  # `video_qkv`'s 16 x 16 frames
 matplotlib.use("Agg")
 
 
@@ -113,6 +113,17 @@ def inputs(s: int):
     del parts
     gc.collect()
     return out
+
+
+def video_modality(s: int) -> Modality:
+    """The input's `Modality`: ``s`` video tokens, the frame size (`FRAME_TOKENS`) known, as `mmjax.prefill` gives it
+    to the patterns of a video."""
+    return Modality.from_token_types(np.ones((1, s), np.int32), names=("text", "video"), frame_tokens=FRAME_TOKENS)
+
+
+def stride_counts(stride) -> dict[int, int]:
+    """Grid's found strides int ``[B, N]`` -> {stride: heads that found it}."""
+    return {int(x): int(c) for x, c in zip(*np.unique(np.asarray(stride), return_counts=True))}
 
 
 def part_stats(p: BlockLayout) -> dict:
@@ -295,14 +306,13 @@ def pattern_attend_rows(name, pat, q, k, v, t_cudnn, args, modality, row) -> Non
     ``build_layout`` (``build_layout_ms``, estimation included) and for Grid of ``estimate`` alone (``estimate_ms``),
     the strides the heads find (``found_strides``: stride -> heads) and whether `Grid.attend` takes the frame's
     branch (``frame_branch``)."""
-    if modality is None:
-        modality = Modality.from_token_types(np.ones((1, k.shape[1]), np.int32), names=("text", "video"),
-                                             frame_tokens=FRAME_TOKENS)
+    modality = video_modality(k.shape[1]) if modality is None else modality
     est = jax.jit(lambda q, k: pat.estimate(q, k, modality=modality)) if isinstance(pat, Grid) else None
     if est is not None:  # the strides the heads find, and the estimation's own time
-        found = np.asarray(est(q, k)[0])
-        row["found_strides"] = {int(x): int(c) for x, c in zip(*np.unique(found, return_counts=True))}
-        row["frame_branch"] = pat.frame_guess(k.shape[1], modality) is not None and bool((found == FRAME_TOKENS).all())
+        found = est(q, k)[0]
+        row["found_strides"] = stride_counts(found)
+        row["frame_branch"] = (pat.frame_guess(k.shape[1], modality) is not None
+                               and set(row["found_strides"]) == {FRAME_TOKENS})
         row["estimate_ms"] = timed(lambda: est(q, k), args)
     build = jax.jit(lambda q, k: pat.build_layout(q, k, modality=modality))
     row["build_layout_ms"] = timed(lambda: build(q, k), args)

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.checks import check_sm_scale
+from pallas_kernels.checks import check_int, check_sm_scale
 
 # float32 scores [B, heads, last_q, S] of one step of `last_q_scores` (several query heads of one key / value head at
 # once while they fit: all 7 of a group at 128k, one at a time from 512k with 64 rows)
@@ -31,7 +31,10 @@ STEP_BYTES = 256 << 20
 
 def heads_per_step(b: int, last_q: int, s: int, groups: int, budget: int = STEP_BYTES) -> int:
     """The most query heads of one GQA group (a divisor of ``groups``) whose float32 scores ``[B, heads, last_q, S]``
-    fit ``budget`` bytes; at least 1."""
+    fit ``budget`` bytes; at least 1. All arguments are ints >= 1."""
+    for name, value in (("b", b), ("last_q", last_q), ("s", s), ("groups", groups)):
+        check_int(name, value, 1)
+    check_int("budget", budget, 1, 1 << 62)
     fit = max(1, budget // (4 * b * last_q * s))
     return max(h for h in range(1, groups + 1) if groups % h == 0 and h <= fit)
 

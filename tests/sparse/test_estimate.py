@@ -59,3 +59,8 @@ def test_heads_per_step_takes_the_most_heads_that_fit():
     assert heads_per_step(1, 64, 1 << 18, 8) == 4
     assert heads_per_step(1, 64, 1 << 18, 8, budget=4 * 64 * (1 << 18) * 2) == 2
     assert 4 * 64 * 131072 * 7 <= STEP_BYTES
+
+
+def test_heads_per_step_names_a_bad_argument():
+    with pytest.raises(ValueError, match=r"^groups: expected an int >= 1; received 0"):
+        heads_per_step(1, 64, 1024, 0)
