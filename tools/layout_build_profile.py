@@ -9,7 +9,7 @@ For Grid with searched strides and Grid(stride=256) (the input's frame size), ea
 scored together while they fit `estimate.STEP_BYTES`, and one head a step as before 2026-12-07), ``estimate`` (that
 and the stride / phase choice), ``build_layout`` (estimate included) and ``layout_from_index`` (the layout from a
 given stride / phase), and the two stable argsorts it makes (rows per head, keys); and the strides the heads find.
-Writes ``layout_build_profile.json`` into ``--out``.
+Writes ``layout_build_profile.json`` and a plot of it (``.png``) into ``--out``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +33,8 @@ from pattern_parts_profile import FRAME_TOKENS, inputs, stride_counts  # noqa: E
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
 from mmjax.sparse.estimate import last_q_scores  # noqa: E402
 from mmjax.timing import device_name, time_fn  # noqa: E402
+
+matplotlib.use("Agg")
 
 
 def steps(g, q, k, stride, phase) -> dict:
@@ -72,8 +77,30 @@ def main(argv=None) -> int:
         jax.clear_caches()
     path = os.path.join(a.out, "layout_build_profile.json")
     write_atomic(path, lambda f: json.dump(result, f, indent=1))
-    print(f"wrote {path}")
+    fig = figure(result)
+    write_atomic(os.path.join(a.out, "layout_build_profile.png"), lambda f: fig.savefig(f, format="png", dpi=120),
+                 binary=True)
+    print(f"wrote {path} and its plot")
     return 0
+
+
+def figure(result: dict):
+    """Horizontal bars: each step's ms, one bar per pattern."""
+    names = list(result["patterns"])
+    step_names = [k for k in result["patterns"][names[0]] if k != "found_strides"]
+    fig, ax = plt.subplots(figsize=(7.5, 0.5 + 0.45 * len(step_names) * len(names)))
+    height = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.barh(np.arange(len(step_names)) + i * height, [result["patterns"][name][st] for st in step_names], height,
+                label=name)
+    ax.set_yticks(np.arange(len(step_names)) + height * (len(names) - 1) / 2, step_names)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (median)")
+    meta = result["meta"]
+    ax.set_title(f"{meta['device']}, S = {meta['seq_len']:,}\nGrid's estimation and layout build", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 if __name__ == "__main__":
