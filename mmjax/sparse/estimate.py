@@ -39,6 +39,19 @@ def heads_per_step(b: int, last_q: int, s: int, groups: int, budget: int = STEP_
     return max(h for h in range(1, groups + 1) if groups % h == 0 and h <= fit)
 
 
+def diagonal_sums(a: jax.Array) -> jax.Array:
+    """a ``[..., L, S]``, row r the query at position S - L + r (the last L of S) -> ``[..., S]``: entry d the sum
+    over rows of ``a[r, S - L + r - d]`` (0 where that key index is below 0). No gather: each row padded in front by
+    L - 1 zeros, the rows laid end to end and read back with one more element a row, so row r moves r places and
+    every diagonal of ``a`` becomes a column; then a column sum, reversed."""
+    lq, s = a.shape[-2:]
+    lead = [(0, 0)] * (a.ndim - 2)
+    width = s + lq - 1
+    flat = jnp.pad(a, lead + [(0, 0), (lq - 1, 0)]).reshape(a.shape[:-2] + (lq * width,))
+    skewed = jnp.pad(flat, lead + [(0, lq)]).reshape(a.shape[:-2] + (lq, width + 1))[..., :s]
+    return skewed.sum(-2)[..., ::-1]
+
+
 @functools.partial(jax.jit, static_argnames=("last_q", "sm_scale", "step_heads"))
 def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | None = None,
                   rows: jax.Array | None = None, k_valid: jax.Array | None = None, step_heads: int | None = None
@@ -57,6 +70,7 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     s, kh = k.shape[1], k.shape[2]
     if not 1 <= last_q <= t:
         raise ValueError(f"last_q: expected 1 <= last_q <= T={t}; received {last_q}")
+    consecutive = rows is None  # the last queries: slash sums along diagonals without a gather (`diagonal_sums`)
     if rows is None:
         rows = jnp.broadcast_to(jnp.arange(t - last_q, t, dtype=jnp.int32), (b, last_q))
     elif tuple(rows.shape) != (b, last_q):
@@ -92,8 +106,11 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
         a = e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30)  # [B, hs, L, S]; 0 for empty rows
         vertical = jnp.where(bad.any(2), jnp.inf, a.sum(2))
         # slash[d] = sum_r a[r, pos_r - d]; indices < 0 are outside the sequence.
-        gathered = jnp.take_along_axis(a, jnp.clip(diag_idx, 0, s - 1)[:, None], axis=-1)
-        slash = jnp.where(diag_idx[:, None] >= 0, gathered, 0.0).sum(2)
+        if consecutive:
+            slash = diagonal_sums(a)
+        else:
+            gathered = jnp.take_along_axis(a, jnp.clip(diag_idx, 0, s - 1)[:, None], axis=-1)
+            slash = jnp.where(diag_idx[:, None] >= 0, gathered, 0.0).sum(2)
         return vertical / last_q, slash / last_q  # [B, hs, S]
 
     vertical, slash = jax.lax.map(one_step, jnp.arange(kh * chunks))  # [steps, B, hs, S]

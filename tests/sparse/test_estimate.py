@@ -5,7 +5,7 @@ rows and invalid keys; and `heads_per_step`'s budget."""
 import numpy as np
 import pytest
 
-from mmjax.sparse.estimate import STEP_BYTES, heads_per_step, last_q_scores
+from mmjax.sparse.estimate import STEP_BYTES, diagonal_sums, heads_per_step, last_q_scores
 from tests.pallas_kernels.helpers import random_qkv
 
 
@@ -43,6 +43,25 @@ def test_last_q_scores_match_their_definition(step_heads, form):
     want_v, want_s = _scores(q, k, 6, **kw)
     np.testing.assert_allclose(np.asarray(vertical), want_v, atol=2e-6)
     np.testing.assert_allclose(np.asarray(slash), want_s, atol=2e-6)
+
+
+@pytest.mark.parametrize("lq, s", [(1, 9), (5, 5), (6, 40), (16, 23)])
+def test_diagonal_sums_match_their_definition(lq, s):
+    a = np.random.default_rng(lq * s).standard_normal((2, 3, lq, s)).astype(np.float32)
+    want = np.zeros((2, 3, s))
+    for r in range(lq):
+        for d in range(s):
+            if s - lq + r - d >= 0:
+                want[..., d] += a[..., r, s - lq + r - d]
+    np.testing.assert_allclose(np.asarray(diagonal_sums(a)), want, atol=1e-5)
+
+
+def test_the_last_rows_named_give_what_the_default_gives():
+    """rows=None sums diagonals without a gather (`diagonal_sums`); the same rows named go through the gather."""
+    q, k, _ = random_qkv(6, 1, 24, 56, 4, 2, 16)
+    rows = np.arange(24 - 8, 24, dtype=np.int32)[None]
+    for got, want in zip(last_q_scores(q, k, last_q=8), last_q_scores(q, k, last_q=8, rows=rows), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
 
 
 @pytest.mark.parametrize("step_heads", [0, 3, 5])
