@@ -29,7 +29,8 @@
 # `frame-first` (the GPU tests of Grid with searched strides and the frame size known, then Grid and Grid(frame) at
 # 128k, each layout's attend and each pattern's own attend, Grid's with `frame_first` on and off, 7 samples) and
 # `frame-first1m` (Grid's at 1M, single calls); `build` (Grid's estimation and layout build step by step at 128k and
-# 1M, `layout_build_profile.py`, last_q_scores one head a step beside the default);
+# 1M, `layout_build_profile.py`, last_q_scores one head a step and through a gather beside the default, and a
+# profiler trace of the steps by kernel);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
 # closed over and as a jit argument, `attend_compile_time.py --kernels real`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
@@ -111,7 +112,7 @@ case $part in
   frame-first1m) timeout 540 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 1048576 \
       --skip-triton --skip-parts --no-trace --split 0 --pattern-attend --patterns Grid ;;
   build) for len in 131072 1048576; do
-      timeout 200 python3 tools/layout_build_profile.py --out "$OUT/$part/$len" --seq-len $len --reps 3 || exit 1
+      timeout 240 python3 tools/layout_build_profile.py --out "$OUT/$part/$len" --seq-len $len --reps 3 --trace || exit 1
     done ;;
   compile-real) timeout 300 python3 tools/attend_compile_time.py --kernels real --seq-len 131072 \
       --patterns Grid "Grid(frame)" ;;

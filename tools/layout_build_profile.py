@@ -6,10 +6,14 @@ GPU, step by step, on `bench patterns`' video-like input (28 / 4 heads, D = 128,
 For Grid with searched strides and Grid(stride=256) (the input's frame size), each step alone under its own jit
 (median of ``--reps`` samples of calls queued for ``--batch-s`` seconds, `mmjax.timing.time_fn`): ``last_q_scores``
 (the last 64 queries against every key: vertical and slash mass; by default the query heads of one key / value head
-scored together while they fit `estimate.STEP_BYTES`, and one head a step as before 2026-12-07), ``estimate`` (that
+scored together while they fit `estimate.STEP_BYTES`, and one head a step; each also with the same rows named, the
+slash sums then through a gather instead of `estimate.diagonal_sums`), ``estimate`` (that
 and the stride / phase choice), ``build_layout`` (estimate included) and ``layout_from_index`` (the layout from a
 given stride / phase), and the two stable argsorts it makes (rows per head, keys); and the strides the heads find.
-Writes ``layout_build_profile.json`` and a plot of it (``.png``) into ``--out``.
+``--trace``: also a `jax.profiler` trace of three calls of each of ``last_q_scores`` (both step sizes) and
+``layout_from_index``, summed by GPU kernel (`mmjax.drivers.bench.trace_summary`): each one's kernels by device time
+per call, the 25 longest kept in the JSON (``trace``), ten printed. Writes ``layout_build_profile.json`` and a plot of
+it (``.png``) into ``--out``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jsonl_log import write_atomic  # noqa: E402
 from pattern_parts_profile import FRAME_TOKENS, inputs, stride_counts  # noqa: E402
 
+from mmjax.drivers.bench import trace_summary  # noqa: E402
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
 from mmjax.sparse.estimate import last_q_scores  # noqa: E402
 from mmjax.timing import device_name, time_fn  # noqa: E402
@@ -42,10 +48,15 @@ def steps(g, q, k, stride, phase) -> dict:
     s, t = k.shape[1], q.shape[1]
     bounds = g.stride_bounds(s)
     codes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) % FRAME_TOKENS, (1, q.shape[2], t))
+    rows = jnp.broadcast_to(jnp.arange(t - g.last_q, t, dtype=jnp.int32), (q.shape[0], g.last_q))
     return {
         "last_q_scores": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q)), (q, k)),
         "last_q_scores_one_head_a_step": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, step_heads=1)),
                                           (q, k)),
+        # the same rows named: the slash sums go through a gather (`estimate.last_q_scores`' form for chosen rows)
+        "last_q_scores_rows_named": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, rows=rows)), (q, k)),
+        "last_q_scores_rows_named_one_head_a_step": (
+            jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, rows=rows, step_heads=1)), (q, k)),
         "estimate": (jax.jit(g.estimate), (q, k)),
         "build_layout": (jax.jit(g.build_layout), (q, k)),
         "layout_from_index": (jax.jit(lambda st, ph: g.layout_from_index(st, ph, t, s, bounds=bounds)),
@@ -55,12 +66,31 @@ def steps(g, q, k, stride, phase) -> dict:
     }
 
 
+TRACED = ("last_q_scores", "last_q_scores_one_head_a_step", "layout_from_index")
+
+
+def kernel_times(fn, calls: int = 3, top: int = 25) -> list:
+    """[[kernel, ms per call, launches per call], ...] of ``fn``'s GPU kernels, longest first, from a profiler trace
+    of ``calls`` calls (after one untraced call)."""
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            out = [fn() for _ in range(calls)]
+            jax.block_until_ready(out)
+        devices = trace_summary.summarize_dir(log_dir, top=top)["devices"]
+    gpu = [d for proc, d in devices.items() if "GPU" in proc]
+    if not gpu:
+        raise RuntimeError(f"the trace holds no GPU kernels (processes: {sorted(devices)})")
+    return [[name, 1e3 * s / calls, n / calls] for name, s, n in gpu[0]["top"]]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--batch-s", type=float, default=0.1)
+    p.add_argument("--trace", action="store_true", help="per-kernel device time of three steps (profiler trace)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     q, k, _ = inputs(a.seq_len)
@@ -73,6 +103,13 @@ def main(argv=None) -> int:
         for step, (fn, args) in steps(g, q, k, stride, phase).items():
             row[step] = time_fn(lambda fn=fn, args=args: fn(*args), reps=a.reps, min_batch_s=a.batch_s)["ms"]
             print(f"{device_name()} S={a.seq_len} {name}: {step} {row[step]:.3f} ms", flush=True)
+        if a.trace:
+            row["trace"] = {}
+            for step in TRACED:
+                fn, args = steps(g, q, k, stride, phase)[step]
+                row["trace"][step] = kernel_times(lambda fn=fn, args=args: fn(*args))
+                for kernel, ms, calls in row["trace"][step][:10]:
+                    print(f"  {name} {step}: {ms:8.3f} ms {calls:5.1f} x  {kernel[:110]}", flush=True)
         result["patterns"][name] = row
         jax.clear_caches()
     path = os.path.join(a.out, "layout_build_profile.json")
@@ -87,7 +124,7 @@ def main(argv=None) -> int:
 def figure(result: dict):
     """Horizontal bars: each step's ms, one bar per pattern."""
     names = list(result["patterns"])
-    step_names = [k for k in result["patterns"][names[0]] if k != "found_strides"]
+    step_names = [k for k in result["patterns"][names[0]] if k not in ("found_strides", "trace")]
     fig, ax = plt.subplots(figsize=(7.5, 0.5 + 0.45 * len(step_names) * len(names)))
     height = 0.8 / len(names)
     for i, name in enumerate(names):
