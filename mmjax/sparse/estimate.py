@@ -5,7 +5,8 @@ A = softmax(Q[-last_q:] K^T * scale + causal mask) per head is reduced to
 * slash scores: sums along diagonals, ``slash[d] = sum_r A[r, pos_r - d]`` for the offset
   d = query position - key position, ``[B, N, S]``.
 Both are normalised to sum to 1 per head. A is last_q x S and lives for a few heads of one key / value head at a
-time (`lax.map` over steps of `heads_per_step` heads, within `STEP_BYTES`), so no S x S buffer is ever formed.
+time (`lax.map` over the key / value heads, each sliced out once, and within one over steps of `heads_per_step`
+of its query heads, within `STEP_BYTES`), so no S x S buffer is ever formed.
 
 Non-finite scores (the rule every estimating pattern shares, like MOMO's block top-k): an
 estimation row whose query holds a NaN or an inf adds nothing (its own attention will be NaN
@@ -83,9 +84,10 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     scale = check_sm_scale(sm_scale, d)
     q_last = jnp.take_along_axis(q, rows[:, :, None, None], axis=1)  # [B, L, N, D]
     q_ok = jnp.all(jnp.isfinite(q_last), axis=-1)  # [B, L, N]: rows with a finite query
-    # step i = (key head i // chunks, its chunk i % chunks of hs query heads): heads i * hs + j, j < hs
-    q_steps = q_last.reshape(b, last_q, kh * chunks, hs, d)
-    ok_steps = q_ok.reshape(b, last_q, kh * chunks, hs)
+    # [B, K, chunks, hs, L, D]: each step's query heads in front of their rows, so that its logits come out of one
+    # matmul as [B, hs * L, S], already in the [B, hs, L, S] order the reductions read (no transpose of the scores)
+    q_steps = jnp.moveaxis(q_last.reshape(b, last_q, kh, chunks, hs, d), 1, 4)
+    ok_steps = jnp.moveaxis(q_ok.reshape(b, last_q, kh, chunks, hs), 1, 4)  # [B, K, chunks, hs, L]
     q_pos = rows + (s - t)  # original positions of the estimation rows, [B, L]
     k_pos = jnp.arange(s)
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, L, S]
@@ -93,12 +95,11 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
         allowed = allowed & k_valid[:, None, :]
     diag_idx = q_pos[:, :, None] - k_pos[None, None, :]  # [B, L, S]: key index for offset d = column
 
-    def one_step(i):
-        qh = jax.lax.dynamic_index_in_dim(q_steps, i, axis=2, keepdims=False)  # [B, L, hs, D]
-        kk = jax.lax.dynamic_index_in_dim(k, i // chunks, axis=2, keepdims=False)  # [B, S, D]
-        logits = jnp.einsum("blhd,bsd->bhls", qh, kk, preferred_element_type=jnp.float32) * scale
-        row_ok = jnp.swapaxes(jax.lax.dynamic_index_in_dim(ok_steps, i, axis=2, keepdims=False), 1, 2)  # [B, hs, L]
-        seen = allowed[:, None] & row_ok[..., None]  # [B, hs, L, S]
+    def one_step(qh, ok, kk):
+        """qh ``[B, hs, L, D]``, ok ``[B, hs, L]``, kk ``[B, S, D]`` -> (vertical, slash) ``[B, hs, S]``."""
+        logits = jnp.einsum("bmd,bsd->bms", qh.reshape(b, hs * last_q, d), kk,
+                            preferred_element_type=jnp.float32).reshape(b, hs, last_q, s) * scale
+        seen = allowed[:, None] & ok[..., None]  # [B, hs, L, S]
         bad = seen & ~jnp.isfinite(logits)  # a finite query meets a non-finite key
         logits = jnp.where(seen & ~bad, logits, -jnp.inf)
         m = logits.max(-1, keepdims=True)
@@ -113,5 +114,13 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
             slash = jnp.where(diag_idx[:, None] >= 0, gathered, 0.0).sum(2)
         return vertical / last_q, slash / last_q  # [B, hs, S]
 
-    vertical, slash = jax.lax.map(one_step, jnp.arange(kh * chunks))  # [steps, B, hs, S]
-    return (jnp.einsum("ibhs->bihs", vertical).reshape(b, n, s), jnp.einsum("ibhs->bihs", slash).reshape(b, n, s))
+    def one_key_head(j):  # its key head sliced out once, then its query heads hs at a time
+        kk = jax.lax.dynamic_index_in_dim(k, j, axis=2, keepdims=False)  # [B, S, D]
+        qj = jax.lax.dynamic_index_in_dim(q_steps, j, axis=1, keepdims=False)  # [B, chunks, hs, L, D]
+        okj = jax.lax.dynamic_index_in_dim(ok_steps, j, axis=1, keepdims=False)
+        return jax.lax.map(lambda c: one_step(jax.lax.dynamic_index_in_dim(qj, c, axis=1, keepdims=False),
+                                              jax.lax.dynamic_index_in_dim(okj, c, axis=1, keepdims=False), kk),
+                           jnp.arange(chunks))  # [chunks, B, hs, S]
+
+    vertical, slash = jax.lax.map(one_key_head, jnp.arange(kh))  # [K, chunks, B, hs, S]
+    return (jnp.einsum("jcbhs->bjchs", vertical).reshape(b, n, s), jnp.einsum("jcbhs->bjchs", slash).reshape(b, n, s))
