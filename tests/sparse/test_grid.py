@@ -15,7 +15,7 @@ from mmjax.sparse.metrics import block_mass_matrix, oracle_recall
 from mmjax.sparse.modality import Modality, frame_tokens_from_grid_thw
 from mmjax.sparse.pattern_search.space import GRID_FLAGS
 from mmjax.sparse.patterns import AShape, Grid, KBoundary, QBoundary, TwoDBoundary
-from mmjax.sparse.patterns.grid import key_groups, phase_groups
+from mmjax.sparse.patterns.grid import key_groups, phase_groups, phase_major_keys, phase_major_rows
 from mmjax.sparse.synthetic import VIDEO_FAMILIES, GridVideo, grid_video_qkv
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import (
@@ -391,3 +391,31 @@ def test_frame_guess_needs_a_searched_stride_a_frame_size_among_the_candidates_a
     assert Grid(**dict(kw, stride="frame")).frame_guess(s, mod) is None
     with pytest.raises(ValueError, match="^frame_first: expected a bool"):
         Grid(frame_first=1)
+
+
+@pytest.mark.parametrize("stride, frames, off, phases", [(1, 3, 0, 1), (4, 3, 5, 1), (7, 2, 3, 2), (8, 4, 17, 3),
+                                                         (16, 2, 0, 2)])
+def test_phase_major_orders_are_the_stable_argsorts_of_the_groups(stride, frames, off, phases):
+    """The closed forms `layout_from_index` uses for one stride dividing T / S give the stable argsort of
+    `phase_groups` / `key_groups` and the groups in that order, with repeated line phases among the draws."""
+    t = stride * frames
+    rng = np.random.default_rng(stride * 100 + off)
+    phase = rng.integers(0, stride, (2, 3, phases)).astype(np.int32)
+    phase[0, 0] = phase[0, 0, :1]  # one head names its first phase every time
+    groups = phase_groups(jnp.arange(t) + off, jnp.full((2, 3), stride, jnp.int32), jnp.asarray(phase))
+    order = jnp.argsort(groups, -1, stable=True)
+    rows, row_groups = phase_major_rows(t, off, stride, jnp.asarray(phase))
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(order))
+    np.testing.assert_array_equal(np.asarray(row_groups), np.asarray(jnp.take_along_axis(groups, order, -1)))
+    s = t + off - off % stride  # a multiple of the stride
+    kg = key_groups(jnp.arange(s), jnp.full((1, 1), stride, jnp.int32))
+    keys, key_order_groups = phase_major_keys(s, stride)
+    np.testing.assert_array_equal(np.asarray(keys), np.asarray(jnp.argsort(kg, -1, stable=True)))
+    np.testing.assert_array_equal(np.asarray(key_order_groups), np.asarray(jnp.sort(kg, -1)))
+
+
+def test_phase_major_orders_need_a_dividing_stride():
+    with pytest.raises(ValueError, match="stride"):
+        phase_major_rows(10, 0, 4, jnp.zeros((1, 1, 1), jnp.int32))
+    with pytest.raises(ValueError, match="stride"):
+        phase_major_keys(10, 4)

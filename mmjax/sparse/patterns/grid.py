@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.sparse import placement as plc
-from mmjax.sparse.block_lists import bisect_right, query_block_bounds, ranges_to_lists
+from mmjax.sparse.block_lists import SEARCH_METHOD, bisect_right, query_block_bounds, ranges_to_lists
 from mmjax.sparse.estimate import last_q_scores
 from mmjax.sparse.layouts import KernelOptions, LayoutSet, attend
 from mmjax.sparse.patterns.base import Pattern
@@ -136,14 +136,64 @@ def key_groups(pos: jax.Array, stride: jax.Array, sink: int = 0) -> jax.Array:
     return group.astype(jnp.int32)
 
 
+def phase_major_keys(s: int, stride: int) -> tuple[jax.Array, jax.Array]:
+    """The stable argsort of `key_groups` (no sink) in closed form for one static ``stride`` dividing ``s``: (kv_perm,
+    its groups ascending) int32 ``[1, 1, S]``; entry j is position ``(j mod S / stride) * stride + j div (S / stride)``
+    of group ``j div (S / stride)``."""
+    if s % stride:
+        raise ValueError(f"stride: expected a divisor of S={s}; received {stride}")
+    per = s // stride
+    j = jnp.arange(s, dtype=jnp.int32)
+    return ((j % per) * stride + j // per)[None, None], (j // per)[None, None]
+
+
+def phase_major_rows(t: int, off: int, stride: int, phase: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The stable argsort of `phase_groups` (no sink) in closed form for one static ``stride`` dividing ``t``, rows at
+    positions ``off + i``: (q_perm, its groups ascending) int32 ``[B, N, T]`` from phase int32 ``[B, N, P]``.
+
+    Every phase holds T / stride rows, so slot j of the order is row ``w`` (j's place in its group) of its group's
+    phase: the line groups first (a phase named twice holds its rows in its first group; the later one is empty), then
+    the other phases ascending, the m-th of them found by stepping m past each (distinct) line phase at or below it.
+    Elementwise over ``[B, N, T]``, with no sort (an argsort of 28 x 1M rows takes 4.7 ms on an H100)."""
+    if t % stride:
+        raise ValueError(f"stride: expected a divisor of T={t}; received {stride}")
+    n, p = t // stride, phase.shape[-1]
+    phase = phase.astype(jnp.int32)
+    first = [jnp.ones(phase.shape[:-1], bool)] + [
+        jnp.all(phase[..., i, None] != phase[..., :i], -1) for i in range(1, p)]  # [B, N] each: not named before
+    starts, line_rows = [], jnp.zeros(phase.shape[:-1], jnp.int32)
+    for f in first:
+        starts.append(line_rows)
+        line_rows = line_rows + n * f
+    j = jnp.arange(t, dtype=jnp.int32)
+    # the line group of slot j: the last group starting at or before it (an empty group starts where the next does)
+    g = sum(((j >= st[..., None]).astype(jnp.int32) for st in starts[1:]),
+            jnp.zeros(phase.shape[:-1] + (t,), jnp.int32))
+    start = jnp.take_along_axis(jnp.stack(starts, -1), g, -1)
+    line_phase = jnp.take_along_axis(phase, g, -1)
+    rest = j - line_rows[..., None]  # slots past the line groups
+    m = rest // n
+    ph_rest = m
+    sorted_ph = jnp.sort(phase, -1)
+    for i in range(p):
+        new = sorted_ph[..., i, None] if i == 0 else jnp.where(sorted_ph[..., i] != sorted_ph[..., i - 1],
+                                                               sorted_ph[..., i], stride)[..., None]
+        ph_rest = ph_rest + (ph_rest >= new)
+    in_line = rest < 0
+    ph = jnp.where(in_line, line_phase, ph_rest)
+    w = jnp.where(in_line, j - start, rest - m * n)
+    rows = (ph - off) % stride + stride * w
+    return rows.astype(jnp.int32), jnp.where(in_line, g, p + ph).astype(jnp.int32)
+
+
 def _search(code: jax.Array, v: jax.Array, side: str, *, shape: tuple[int, ...]) -> jax.Array:
     """Where codes ``v`` (broadcast to ``shape`` ``[B, N, R]``) fall in the ascending ``code`` ``[B|1, N|1, S]``:
     int32 ``shape``. A key order shared by the heads (``N|1`` = 1) is searched as it is, not copied per head."""
     v = jnp.broadcast_to(v, shape)
     if code.shape[1] == 1:
-        one = lambda x, y: jnp.searchsorted(x[0], y, side=side)
+        one = lambda x, y: jnp.searchsorted(x[0], y, side=side, method=SEARCH_METHOD)
         return jax.vmap(one)(jnp.broadcast_to(code, shape[:1] + code.shape[1:]), v).astype(jnp.int32)
-    many = jax.vmap(jax.vmap(lambda x, y: jnp.searchsorted(x, y, side=side)))
+    many = jax.vmap(jax.vmap(lambda x, y: jnp.searchsorted(x, y, side=side, method=SEARCH_METHOD)))
     return many(jnp.broadcast_to(code, shape[:2] + code.shape[2:]), v).astype(jnp.int32)
 
 
@@ -337,14 +387,22 @@ class Grid(Pattern):
                           ) -> LayoutSet | BlockLayout:
         """stride ``[B,N]``, phase ``[B,N,P]`` -> the `LayoutSet` of the module docstring.
         bounds: static (smallest, largest) stride, every stride within them (list widths; equal bounds: one key
-        order for every head, ``kv_perm`` ``[1,1,S]``)."""
+        order for every head, ``kv_perm`` ``[1,1,S]``, and with no sink the phase-major orders in closed form,
+        `phase_major_keys` / `phase_major_rows`, where the stride divides S / T; else stable argsorts)."""
         off = s - t
-        kg = key_groups(jnp.arange(s), self._key_stride(stride, bounds), self.sink)  # [1|B, 1|N, S]
-        qg = phase_groups(jnp.arange(t) + off, stride, phase, self.sink)
-        kv_perm = jnp.argsort(kg, axis=-1, stable=True).astype(jnp.int32)
-        q_perm = jnp.argsort(qg, axis=-1, stable=True).astype(jnp.int32)
-        kg_sorted = jnp.take_along_axis(kg, kv_perm, -1)
-        qg_sorted = jnp.take_along_axis(qg, q_perm, -1)
+        one = bounds[0] == bounds[1] and not self.sink
+        if one and s % bounds[0] == 0:  # one stride: the phase-major orders in closed form, no sort
+            kv_perm, kg_sorted = phase_major_keys(s, bounds[0])
+        else:
+            kg = key_groups(jnp.arange(s), self._key_stride(stride, bounds), self.sink)  # [1|B, 1|N, S]
+            kv_perm = jnp.argsort(kg, axis=-1, stable=True).astype(jnp.int32)
+            kg_sorted = jnp.take_along_axis(kg, kv_perm, -1)
+        if one and t % bounds[0] == 0:
+            q_perm, qg_sorted = phase_major_rows(t, off, bounds[0], phase)
+        else:
+            qg = phase_groups(jnp.arange(t) + off, stride, phase, self.sink)
+            q_perm = jnp.argsort(qg, axis=-1, stable=True).astype(jnp.int32)
+            qg_sorted = jnp.take_along_axis(qg, q_perm, -1)
         q_pos = q_perm + off
         return self._assemble(kv_perm, q_perm, kg_sorted, qg_sorted, q_pos, kv_perm, stride, phase, t, s, bounds,
                               band=self._band(t, s) if self.local else None, rows_keys=None,
