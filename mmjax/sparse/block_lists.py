@@ -12,11 +12,6 @@ import numpy as np
 
 from pallas_kernels.tiling import cdiv
 
-# Searches in layout builds run unrolled (`jnp.searchsorted`'s ``method``, `bisect_right`): as XLA while loops on a GPU
-# each step is a launch of its own plus copies of the loop state (Grid's layout at 128k: about 230 steps and 480 device
-# copies a build, H100 trace of 2026-12-07), in a program of otherwise few, short kernels.
-SEARCH_METHOD = "scan_unrolled"
-
 
 def query_block_bounds(q_len: int, kv_len: int, block_q: int) -> tuple[jax.Array, jax.Array]:
     """Original positions of the first and last query of each query block: int32 ``[nq]``."""
@@ -91,7 +86,12 @@ def ascending_ranges_to_lists(lo: jax.Array, hi: jax.Array, width: int) -> tuple
 def bisect_right(values: jax.Array, lo: jax.Array, hi: jax.Array, x: jax.Array) -> jax.Array:
     """First index i in ``[lo, hi)`` with ``values[..., i] > x``, else hi, where values ascend on ``[lo, hi)`` (a
     vectorised bisection, e.g. the causal end of one run of a sorted key order): values ``[B|1, N|1, L]``, lo / hi /
-    x int ``[B, N, R]`` -> int32 ``[B, N, R]``. Its log2(L) steps are unrolled (`SEARCH_METHOD`)."""
+    x int ``[B, N, R]`` -> int32 ``[B, N, R]``.
+
+    Its log2(L) steps are unrolled, each behind an optimization barrier: as an XLA while loop every step is a launch
+    plus copies of the loop state (Grid's layout at 128k: about 230 steps and 480 device copies a build, H100 trace
+    of 2026-12-07), and unrolled without the barriers XLA fuses the steps into one expression that doubles with each
+    step (a Grid layout at 32k did not compile in 10 minutes on this CPU)."""
     if values.ndim != 3 or any(a.ndim != 3 or not jnp.issubdtype(a.dtype, jnp.integer) for a in (lo, hi, x)):
         raise ValueError(f"values, lo, hi, x: expected values [B|1, N|1, L] and int arrays [B, N, R]; received "
                          f"{[list(a.shape) for a in (values, lo, hi, x)]}")
@@ -104,5 +104,7 @@ def bisect_right(values: jax.Array, lo: jax.Array, hi: jax.Array, x: jax.Array) 
         open_ = a < b
         return jnp.where(open_ & right, mid + 1, a), jnp.where(open_ & ~right, mid, b)
 
-    lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)
-    return jax.lax.fori_loop(0, max(1, int(values.shape[-1]).bit_length()), step, (lo, hi), unroll=True)[0]
+    bounds = (lo.astype(jnp.int32), hi.astype(jnp.int32))
+    for i in range(max(1, int(values.shape[-1]).bit_length())):
+        bounds = jax.lax.optimization_barrier(step(i, bounds))
+    return bounds[0]

@@ -44,7 +44,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mmjax.sparse.block_lists import SEARCH_METHOD
 from pallas_kernels import BlockLayout
 from pallas_kernels.tiling import cdiv, inverse_permutation
 
@@ -154,8 +153,7 @@ def _search(sorted_: jax.Array, values: jax.Array, side: str) -> jax.Array:
     lead = jnp.broadcast_shapes(sorted_.shape[:2], values.shape[:2])
     a = jnp.broadcast_to(sorted_, lead + sorted_.shape[2:])
     v = jnp.broadcast_to(values, lead + values.shape[2:])
-    fn = lambda x, y: jnp.searchsorted(x, y.ravel(), side=side, method=SEARCH_METHOD).reshape(y.shape).astype(
-        jnp.int32)
+    fn = lambda x, y: jnp.searchsorted(x, y.ravel(), side=side).reshape(y.shape).astype(jnp.int32)
     return jax.vmap(jax.vmap(fn))(a, v)
 
 

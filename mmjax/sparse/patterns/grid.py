@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.sparse import placement as plc
-from mmjax.sparse.block_lists import SEARCH_METHOD, bisect_right, query_block_bounds, ranges_to_lists
+from mmjax.sparse.block_lists import bisect_right, query_block_bounds, ranges_to_lists
 from mmjax.sparse.estimate import last_q_scores
 from mmjax.sparse.layouts import KernelOptions, LayoutSet, attend
 from mmjax.sparse.patterns.base import Pattern
@@ -166,11 +166,14 @@ def phase_major_rows(t: int, off: int, stride: int, phase: jax.Array) -> tuple[j
         starts.append(line_rows)
         line_rows = line_rows + n * f
     j = jnp.arange(t, dtype=jnp.int32)
-    # the line group of slot j: the last group starting at or before it (an empty group starts where the next does)
-    g = sum(((j >= st[..., None]).astype(jnp.int32) for st in starts[1:]),
-            jnp.zeros(phase.shape[:-1] + (t,), jnp.int32))
-    start = jnp.take_along_axis(jnp.stack(starts, -1), g, -1)
-    line_phase = jnp.take_along_axis(phase, g, -1)
+    # the line group of slot j: the last group starting at or before it (an empty group starts where the next does);
+    # its start and phase by selects, not gathers (with one line phase they are constants XLA would fold, slowly)
+    g, start, line_phase = jnp.int32(0), jnp.int32(0), phase[..., :1]
+    for i in range(1, p):
+        later = j >= starts[i][..., None]  # [B, N, T]
+        g = jnp.where(later, i, g)
+        start = jnp.where(later, starts[i][..., None], start)
+        line_phase = jnp.where(later, phase[..., i, None], line_phase)
     rest = j - line_rows[..., None]  # slots past the line groups
     m = rest // n
     ph_rest = m
@@ -186,15 +189,22 @@ def phase_major_rows(t: int, off: int, stride: int, phase: jax.Array) -> tuple[j
     return rows.astype(jnp.int32), jnp.where(in_line, g, p + ph).astype(jnp.int32)
 
 
-def _search(code: jax.Array, v: jax.Array, side: str, *, shape: tuple[int, ...]) -> jax.Array:
-    """Where codes ``v`` (broadcast to ``shape`` ``[B, N, R]``) fall in the ascending ``code`` ``[B|1, N|1, S]``:
-    int32 ``shape``. A key order shared by the heads (``N|1`` = 1) is searched as it is, not copied per head."""
-    v = jnp.broadcast_to(v, shape)
-    if code.shape[1] == 1:
-        one = lambda x, y: jnp.searchsorted(x[0], y, side=side, method=SEARCH_METHOD)
-        return jax.vmap(one)(jnp.broadcast_to(code, shape[:1] + code.shape[1:]), v).astype(jnp.int32)
-    many = jax.vmap(jax.vmap(lambda x, y: jnp.searchsorted(x, y, side=side, method=SEARCH_METHOD)))
-    return many(jnp.broadcast_to(code, shape[:2] + code.shape[2:]), v).astype(jnp.int32)
+def _search(code: jax.Array, values: list, *, shape: tuple[int, ...]) -> list[jax.Array]:
+    """Where each of the int codes ``values`` (each broadcast to ``shape`` ``[B, N, R]``) first appears in the
+    ascending int ``code`` ``[B|1, N|1, S]`` (`jnp.searchsorted`'s "left": the first index with a code >= it;
+    the "right" of c is the "left" of c + 1): a list of int32 ``shape``, all from one `bisect_many` over the whole
+    order. A key order shared by the heads (``N|1`` = 1) is searched as it is, not copied per head."""
+    whole = (jnp.zeros(shape, jnp.int32), jnp.full(shape, code.shape[-1], jnp.int32))
+    return bisect_many(code, [whole + (jnp.asarray(v, jnp.int32) - 1,) for v in values], shape)
+
+
+def bisect_many(values: jax.Array, queries: list, shape: tuple[int, ...]) -> list[jax.Array]:
+    """`bisect_right` of several (lo, hi, x) queries (each broadcast to ``shape`` ``[B, N, R]``) in one bisection,
+    side by side along the last axis: one set of unrolled steps for all of them. Returns a list of int32 ``shape``."""
+    if not queries:
+        return []
+    cat = [jnp.concatenate([jnp.broadcast_to(q[i], shape).astype(jnp.int32) for q in queries], -1) for i in range(3)]
+    return jnp.split(bisect_right(values, *cat), len(queries), -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,32 +470,40 @@ class Grid(Pattern):
             (front + i, front + phase[..., i, None], per_group) for i in range(self.phases)]
         groups = []
         for base in seg_base:
-            # each line group's keys [lo, end), searched once for its vertical line and its slash span
-            found = [(search(base + c, "left"), search(base + c, "right")) for _, c, _ in lines]
-            # vertical lines (and the sink keys): each line group's causal prefix
-            for i, ((lo, end), (_, _, width)) in enumerate(zip(found, lines, strict=True)):
-                if i < front or self.use_vline:
-                    groups.append((lo, bisect_right(k_pos, lo, end, reach) - 1, width))
-            if not self.use_slash:
-                continue
-            # slash lines: the keys of the phases of the block's rows, each phase up to the last position its rows
-            # see (the kernel masks on positions, causal with the gap)
-            spans = [(g, lo, end, width) for (g, _, width), (lo, end) in zip(lines, found, strict=True)]
-            a, b = jnp.maximum(g_lo, p_lines), g_hi
-            if n_rest <= self.MAX_CAUSAL_GROUPS:
-                # the rows past the line phases: group a + j holds phase a + j - p_lines
-                for j in range(n_rest):
-                    c = base + front + a + j - p_lines
-                    spans.append((a + j, search(c, "left"), search(c, "right"), per_group))
-            else:
-                # their groups [a, b] hold phases a - p_lines .. b - p_lines (and the line phases between them): one
-                # key range
-                lo = search(base + front + a - p_lines, "left")
-                hi = search(base + front + b - p_lines, "right") - 1
-                groups.append((lo, jnp.where(b >= a, hi, lo - 1), rest_keys))
-            for g, lo, end, width in spans:
-                has, seen = group_reach(jnp.broadcast_to(g, g_lo.shape))
-                groups.append((lo, jnp.where(has, bisect_right(k_pos, lo, end, seen) - 1, lo - 1), width))
+            # every search of the segment in one bisection: each line group's keys [lo, end) (its code's first key
+            # and the next code's), for its vertical line and its slash span, and the rest of the slash codes
+            codes = [base + c for _, c, _ in lines]
+            rest = []
+            if self.use_slash:
+                a, b = jnp.maximum(g_lo, p_lines), g_hi
+                if n_rest <= self.MAX_CAUSAL_GROUPS:  # rows past the line phases: group a + j, phase a + j - p_lines
+                    rest = [base + front + a + j - p_lines for j in range(n_rest)]
+                    rest = rest + [c + 1 for c in rest]
+                else:  # their groups [a, b] hold phases a - p_lines .. b - p_lines (and the line phases between)
+                    rest = [base + front + a - p_lines, base + front + b - p_lines + 1]
+            first = search(codes + [c + 1 for c in codes] + rest)
+            found = list(zip(first[:len(codes)], first[len(codes):2 * len(codes)], strict=True))
+            rest = first[2 * len(codes):]
+            # vertical lines (and the sink keys): each line group's causal prefix; slash lines: the keys of the phases
+            # of the block's rows, each phase up to the last position its rows see (the kernel masks on positions,
+            # causal with the gap); all their ends in one bisection
+            ends = [(lo, end, reach, width, None) for i, ((lo, end), (_, _, width)) in
+                    enumerate(zip(found, lines, strict=True)) if i < front or self.use_vline]
+            merged = []  # past MAX_CAUSAL_GROUPS: the phases of [a, b] as one key range
+            if self.use_slash:
+                spans = [(g, lo, end, width) for (g, _, width), (lo, end) in zip(lines, found, strict=True)]
+                if n_rest <= self.MAX_CAUSAL_GROUPS:
+                    spans += [(a + j, rest[j], rest[n_rest + j], per_group) for j in range(n_rest)]
+                else:
+                    merged = [(rest[0], jnp.where(b >= a, rest[1] - 1, rest[0] - 1), rest_keys)]
+                for g, lo, end, width in spans:
+                    has, seen = group_reach(jnp.broadcast_to(g, g_lo.shape))
+                    ends.append((lo, end, seen, width, has))
+            cut = bisect_many(k_pos, [(lo, end, x) for lo, end, x, _, _ in ends], g_lo.shape)
+            last = [(lo, c - 1 if has is None else jnp.where(has, c - 1, lo - 1), width)
+                    for (lo, _, _, width, has), c in zip(ends, cut, strict=True)]
+            n_vertical = len(ends) - (len(spans) if self.use_slash else 0)
+            groups += last[:n_vertical] + merged + last[n_vertical:]
         cand = [((lo // bk)[..., None], jnp.where(hi >= lo, hi // bk, lo // bk - 1)[..., None], cdiv(width, bk) + 1)
                 for lo, hi, width in groups]
         if cand:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.sparse import placement as plc
-from mmjax.sparse.block_lists import SEARCH_METHOD, ascending_ranges_to_lists, query_block_bounds, ranges_to_lists
+from mmjax.sparse.block_lists import ascending_ranges_to_lists, query_block_bounds, ranges_to_lists
 from mmjax.sparse.layouts import LayoutSet
 from mmjax.sparse.patterns.base import Pattern
 from pallas_kernels import BlockLayout
@@ -203,7 +203,7 @@ class SFFixed(Pattern):
             cols = np.zeros((1,), np.int32)
             ccount = jnp.zeros_like(lo)
         else:  # every summary column left of the row's first listed block
-            ccount = jnp.searchsorted(jnp.asarray(cols), lo * bk, side="left", method=SEARCH_METHOD).astype(jnp.int32)
+            ccount = jnp.searchsorted(jnp.asarray(cols), lo * bk, side="left").astype(jnp.int32)
         return _layout(blocks, count, self, t, s, kv_columns=jnp.asarray(cols)[None, None, None],
                        kv_column_count=ccount[None, None])
 

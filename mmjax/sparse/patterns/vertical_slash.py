@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.sparse import placement as plc
-from mmjax.sparse.block_lists import SEARCH_METHOD, ranges_to_lists
+from mmjax.sparse.block_lists import ranges_to_lists
 from mmjax.sparse.estimate import last_q_scores
 from mmjax.sparse.patterns.base import Pattern
 from pallas_kernels import BlockLayout
@@ -365,7 +365,7 @@ class VerticalSlash(Pattern):
         big = jnp.int32(2 ** 30)
         listed = jnp.where(jnp.arange(blocks.shape[-1]) < count[..., None], blocks, big)
         cb = jnp.broadcast_to(col_idx[..., None, :] // bk, col_ok.shape)
-        pos = jax.vmap(jax.vmap(jax.vmap(lambda a, v: jnp.searchsorted(a, v, method=SEARCH_METHOD))))(
+        pos = jax.vmap(jax.vmap(jax.vmap(lambda a, v: jnp.searchsorted(a, v))))(
             jnp.broadcast_to(listed, col_ok.shape[:3] + listed.shape[-1:]), cb)
         found = jnp.take_along_axis(jnp.broadcast_to(listed, col_ok.shape[:3] + listed.shape[-1:]),
                                     jnp.minimum(pos, listed.shape[-1] - 1), -1) == cb
