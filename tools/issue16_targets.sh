@@ -29,8 +29,8 @@
 # `frame-first` (the GPU tests of Grid with searched strides and the frame size known, then Grid and Grid(frame) at
 # 128k, each layout's attend and each pattern's own attend, Grid's with `frame_first` on and off, 7 samples) and
 # `frame-first1m` (Grid's at 1M, single calls); `build` (Grid's estimation and layout build step by step at 128k and
-# 1M, `layout_build_profile.py`, last_q_scores one head a step and through a gather beside the default, and a
-# profiler trace of the steps by kernel);
+# 1M, `layout_build_profile.py`, last_q_scores with a group's heads together and through a gather beside the default,
+# and a profiler trace of the steps by kernel);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
 # closed over and as a jit argument, `attend_compile_time.py --kernels real`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.

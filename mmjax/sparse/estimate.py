@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.checks import check_int, check_sm_scale
 
-# float32 scores [B, heads, last_q, S] of one step of `last_q_scores` (several query heads of one key / value head at
-# once while they fit: all 7 of a group at 128k, one at a time from 512k with 64 rows)
+# float32 scores [B, heads, last_q, S] of one step of `last_q_scores` with ``step_heads=None`` (several query heads of
+# one key / value head at once while they fit: all 7 of a group at 128k, one at a time from 512k with 64 rows)
 STEP_BYTES = 256 << 20
 
 
@@ -55,7 +55,7 @@ def diagonal_sums(a: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("last_q", "sm_scale", "step_heads"))
 def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | None = None,
-                  rows: jax.Array | None = None, k_valid: jax.Array | None = None, step_heads: int | None = None
+                  rows: jax.Array | None = None, k_valid: jax.Array | None = None, step_heads: int | None = 1
                   ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k ``[B,S,K,D]`` -> (vertical, slash), each float32 ``[B,N,S]``.
 
@@ -65,7 +65,9 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     causality is on original positions. Rows seeing no valid key add nothing. Non-finite
     inputs: see the module docstring (vertical +inf at keys with a non-finite logit).
     step_heads: query heads of one key / value head scored together (a divisor of N / K; None: `heads_per_step`, the
-    most whose scores fit `STEP_BYTES`): one read of the key head and one matmul for them.
+    most whose scores fit `STEP_BYTES`): one matmul for them. Default 1: on an H100 (2026-12-07, 28 / 4 heads, 128k)
+    one head a step took 3.60 ms against 4.53 with the 7 of a group (XLA transposes their scores); the key head is
+    sliced out once per key head either way.
     """
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
