@@ -5,8 +5,8 @@ A = softmax(Q[-last_q:] K^T * scale + causal mask) per head is reduced to
 * slash scores: sums along diagonals, ``slash[d] = sum_r A[r, pos_r - d]`` for the offset
   d = query position - key position, ``[B, N, S]``.
 Both are normalised to sum to 1 per head. A is last_q x S and lives for a few heads of one key / value head at a
-time (`lax.map` over the key / value heads, each sliced out once, and within one over steps of `heads_per_step`
-of its query heads, within `STEP_BYTES`), so no S x S buffer is ever formed.
+time (`lax.map` over the key / value heads, each sliced out once, and within one over its query heads, one a step by
+default or as many as fit `STEP_BYTES`), so no S x S buffer is ever formed.
 
 Non-finite scores (the rule every estimating pattern shares, like MOMO's block top-k): an
 estimation row whose query holds a NaN or an inf adds nothing (its own attention will be NaN
@@ -95,7 +95,8 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, L, S]
     if k_valid is not None:
         allowed = allowed & k_valid[:, None, :]
-    diag_idx = q_pos[:, :, None] - k_pos[None, None, :]  # [B, L, S]: key index for offset d = column
+    if not consecutive:
+        diag_idx = q_pos[:, :, None] - k_pos[None, None, :]  # [B, L, S]: key index for offset d = column
 
     def one_step(qh, ok, kk):
         """qh ``[B, hs, L, D]``, ok ``[B, hs, L]``, kk ``[B, S, D]`` -> (vertical, slash) ``[B, hs, S]``."""
