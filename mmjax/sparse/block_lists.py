@@ -108,3 +108,12 @@ def bisect_right(values: jax.Array, lo: jax.Array, hi: jax.Array, x: jax.Array) 
     for i in range(max(1, int(values.shape[-1]).bit_length())):
         bounds = jax.lax.optimization_barrier(step(i, bounds))
     return bounds[0]
+
+
+def bisect_many(values: jax.Array, queries: list, shape: tuple[int, ...]) -> list[jax.Array]:
+    """`bisect_right` of several (lo, hi, x) queries (each broadcast to ``shape`` ``[B, N, R]``) in one bisection,
+    side by side along the last axis: one set of unrolled steps for all of them. Returns a list of int32 ``shape``."""
+    if not queries:
+        return []
+    cat = [jnp.concatenate([jnp.broadcast_to(q[i], shape).astype(jnp.int32) for q in queries], -1) for i in range(3)]
+    return jnp.split(bisect_right(values, *cat), len(queries), -1)

@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.sparse import placement as plc
-from mmjax.sparse.block_lists import bisect_right, query_block_bounds, ranges_to_lists
+from mmjax.sparse.block_lists import bisect_many, query_block_bounds, ranges_to_lists
 from mmjax.sparse.estimate import last_q_scores
 from mmjax.sparse.layouts import KernelOptions, LayoutSet, attend
 from mmjax.sparse.patterns.base import Pattern
@@ -140,7 +140,7 @@ def phase_major_keys(s: int, stride: int) -> tuple[jax.Array, jax.Array]:
     """The stable argsort of `key_groups` (no sink) in closed form for one static ``stride`` dividing ``s``: (kv_perm,
     its groups ascending) int32 ``[1, 1, S]``; entry j is position ``(j mod S / stride) * stride + j div (S / stride)``
     of group ``j div (S / stride)``."""
-    if s % stride:
+    if stride < 1 or s % stride:
         raise ValueError(f"stride: expected a divisor of S={s}; received {stride}")
     per = s // stride
     j = jnp.arange(s, dtype=jnp.int32)
@@ -155,8 +155,10 @@ def phase_major_rows(t: int, off: int, stride: int, phase: jax.Array) -> tuple[j
     phase: the line groups first (a phase named twice holds its rows in its first group; the later one is empty), then
     the other phases ascending, the m-th of them found by stepping m past each (distinct) line phase at or below it.
     Elementwise over ``[B, N, T]``, with no sort (an argsort of 28 x 1M rows takes 4.7 ms on an H100)."""
-    if t % stride:
+    if stride < 1 or t % stride:
         raise ValueError(f"stride: expected a divisor of T={t}; received {stride}")
+    if jnp.ndim(phase) != 3 or not jnp.issubdtype(phase.dtype, jnp.integer):
+        raise ValueError(f"phase: expected int [B, N, P]; received {jnp.shape(phase)} {phase.dtype}")
     n, p = t // stride, phase.shape[-1]
     phase = phase.astype(jnp.int32)
     first = [jnp.ones(phase.shape[:-1], bool)] + [
@@ -196,15 +198,6 @@ def _search(code: jax.Array, values: list, *, shape: tuple[int, ...]) -> list[ja
     order. A key order shared by the heads (``N|1`` = 1) is searched as it is, not copied per head."""
     whole = (jnp.zeros(shape, jnp.int32), jnp.full(shape, code.shape[-1], jnp.int32))
     return bisect_many(code, [whole + (jnp.asarray(v, jnp.int32) - 1,) for v in values], shape)
-
-
-def bisect_many(values: jax.Array, queries: list, shape: tuple[int, ...]) -> list[jax.Array]:
-    """`bisect_right` of several (lo, hi, x) queries (each broadcast to ``shape`` ``[B, N, R]``) in one bisection,
-    side by side along the last axis: one set of unrolled steps for all of them. Returns a list of int32 ``shape``."""
-    if not queries:
-        return []
-    cat = [jnp.concatenate([jnp.broadcast_to(q[i], shape).astype(jnp.int32) for q in queries], -1) for i in range(3)]
-    return jnp.split(bisect_right(values, *cat), len(queries), -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,6 +482,7 @@ class Grid(Pattern):
             # causal with the gap); all their ends in one bisection
             ends = [(lo, end, reach, width, None) for i, ((lo, end), (_, _, width)) in
                     enumerate(zip(found, lines, strict=True)) if i < front or self.use_vline]
+            n_vertical = len(ends)
             merged = []  # past MAX_CAUSAL_GROUPS: the phases of [a, b] as one key range
             if self.use_slash:
                 spans = [(g, lo, end, width) for (g, _, width), (lo, end) in zip(lines, found, strict=True)]
@@ -502,7 +496,6 @@ class Grid(Pattern):
             cut = bisect_many(k_pos, [(lo, end, x) for lo, end, x, _, _ in ends], g_lo.shape)
             last = [(lo, c - 1 if has is None else jnp.where(has, c - 1, lo - 1), width)
                     for (lo, _, _, width, has), c in zip(ends, cut, strict=True)]
-            n_vertical = len(ends) - (len(spans) if self.use_slash else 0)
             groups += last[:n_vertical] + merged + last[n_vertical:]
         cand = [((lo // bk)[..., None], jnp.where(hi >= lo, hi // bk, lo // bk - 1)[..., None], cdiv(width, bk) + 1)
                 for lo, hi, width in groups]
