@@ -31,6 +31,8 @@
 # `frame-first1m` (Grid's at 1M, single calls); `build` (Grid's estimation and layout build step by step at 128k and
 # 1M, `layout_build_profile.py`, last_q_scores with a group's heads together and through a gather beside the default,
 # and a profiler trace of the steps by kernel);
+# `scores` (the fused last-rows scoring kernel's GPU tests and the pattern GPU tests, then the kernel against its XLA
+# reference at 128k and 1M, `last_q_scores_bench.py`, then `build` at both lengths);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
 # closed over and as a jit argument, `attend_compile_time.py --kernels real`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
@@ -114,6 +116,12 @@ case $part in
   build) for len in 131072 1048576; do
       timeout 240 python3 tools/layout_build_profile.py --out "$OUT/$part/$len" --seq-len $len --reps 3 --trace || exit 1
     done ;;
+  scores) XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/pallas_kernels/last_q_scores tests/sparse/test_patterns_gpu.py 2>&1 | tail -4; \
+      timeout 150 python3 tools/last_q_scores_bench.py --out "$OUT/$part" --lens 131072 1048576; \
+      for len in 131072 1048576; do
+        timeout 170 python3 tools/layout_build_profile.py --out "$OUT/$part/$len" --seq-len $len --reps 3 --trace
+      done ;;
   compile-real) timeout 300 python3 tools/attend_compile_time.py --kernels real --seq-len 131072 \
       --patterns Grid "Grid(frame)" ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \

@@ -5,13 +5,13 @@ GPU, step by step, on `bench patterns`' video-like input (28 / 4 heads, D = 128,
 
 For Grid with searched strides and Grid(stride=256) (the input's frame size), each step alone under its own jit
 (median of ``--reps`` samples of calls queued for ``--batch-s`` seconds, `mmjax.timing.time_fn`): ``last_q_scores``
-(the last 64 queries against every key: vertical and slash mass; by default one query head a step, and with the heads
-of one key / value head scored together while they fit `estimate.STEP_BYTES` (``step_heads=None``; the default and
-one head a step were the other way round in the result files of 2026-12-07); each also with the same rows named, the
-slash sums then through a gather instead of `estimate.diagonal_sums`), ``estimate`` (that
-and the stride / phase choice), ``build_layout`` (estimate included) and ``layout_from_index`` (the layout from a
-given stride / phase), and the two stable argsorts it makes (rows per head, keys); and the strides the heads find.
-``--trace``: also a `jax.profiler` trace of three calls of each of ``last_q_scores`` (both step sizes) and
+(the last 64 queries against every key: vertical and slash mass; the default implementation, the fused Triton kernel
+on a GPU), ``last_q_scores_reference`` (XLA, one query head a step; ``_heads_per_step``: the heads of one key / value
+head together while they fit `reference.STEP_BYTES`; ``_rows_named``: the same rows named, which goes through the
+reference's gather for chosen rows), ``estimate`` (the scores and the stride / phase choice), ``build_layout``
+(estimate included) and ``layout_from_index`` (the layout from a given stride / phase), and the two stable argsorts it
+makes (rows per head, keys); and the strides the heads find.
+``--trace``: also a `jax.profiler` trace of three calls of each of ``last_q_scores`` (kernel and reference) and
 ``layout_from_index``, summed by GPU kernel (`mmjax.drivers.bench.trace_summary`): each one's kernels by device time
 per call, the 25 longest kept in the JSON (``trace``), ten printed. Writes ``layout_build_profile.json`` and a plot of
 it (``.png``) into ``--out``.
@@ -38,8 +38,8 @@ from pattern_parts_profile import FRAME_TOKENS, inputs, stride_counts  # noqa: E
 
 from mmjax.drivers.bench import trace_summary  # noqa: E402
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
-from mmjax.sparse.estimate import last_q_scores  # noqa: E402
 from mmjax.timing import device_name, time_fn  # noqa: E402
+from pallas_kernels.last_q_scores import last_q_scores  # noqa: E402
 
 matplotlib.use("Agg")
 
@@ -52,12 +52,12 @@ def steps(g, q, k, stride, phase) -> dict:
     rows = jnp.broadcast_to(jnp.arange(t - g.last_q, t, dtype=jnp.int32), (q.shape[0], g.last_q))
     return {
         "last_q_scores": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q)), (q, k)),
-        "last_q_scores_heads_per_step": (
-            jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, step_heads=None)), (q, k)),
-        # the same rows named: the slash sums go through a gather (`estimate.last_q_scores`' form for chosen rows)
+        "last_q_scores_reference": (
+            jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, implementation="reference")), (q, k)),
+        "last_q_scores_reference_heads_per_step": (jax.jit(lambda q, k: last_q_scores(
+            q, k, last_q=g.last_q, step_heads=None, implementation="reference")), (q, k)),
+        # the same rows named: the reference, its slash sums through a gather (its form for chosen rows)
         "last_q_scores_rows_named": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, rows=rows)), (q, k)),
-        "last_q_scores_rows_named_heads_per_step": (
-            jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, rows=rows, step_heads=None)), (q, k)),
         "estimate": (jax.jit(g.estimate), (q, k)),
         "build_layout": (jax.jit(g.build_layout), (q, k)),
         "layout_from_index": (jax.jit(lambda st, ph: g.layout_from_index(st, ph, t, s, bounds=bounds)),
@@ -67,7 +67,7 @@ def steps(g, q, k, stride, phase) -> dict:
     }
 
 
-TRACED = ("last_q_scores", "last_q_scores_heads_per_step", "layout_from_index")
+TRACED = ("last_q_scores", "last_q_scores_reference", "layout_from_index")
 
 
 def kernel_times(fn, calls: int = 3, top: int = 25) -> list:

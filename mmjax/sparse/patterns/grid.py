@@ -72,12 +72,12 @@ import numpy as np
 
 from mmjax.sparse import placement as plc
 from mmjax.sparse.block_lists import bisect_many, query_block_bounds, ranges_to_lists
-from mmjax.sparse.estimate import last_q_scores
 from mmjax.sparse.layouts import KernelOptions, LayoutSet, attend
 from mmjax.sparse.patterns.base import Pattern
 from mmjax.sparse.patterns.static import placed_ashape
 from pallas_kernels import BlockLayout
 from pallas_kernels.checks import check_int
+from pallas_kernels.last_q_scores import last_q_scores
 from pallas_kernels.tiling import cdiv
 
 # Multiples of 16 and the token counts of common square patch grids (e.g. 14 x 14 = 196),

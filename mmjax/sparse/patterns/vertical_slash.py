@@ -38,10 +38,10 @@ import jax.numpy as jnp
 
 from mmjax.sparse import placement as plc
 from mmjax.sparse.block_lists import ranges_to_lists
-from mmjax.sparse.estimate import last_q_scores
 from mmjax.sparse.patterns.base import Pattern
 from pallas_kernels import BlockLayout
 from pallas_kernels.checks import check_int
+from pallas_kernels.last_q_scores import last_q_scores
 from pallas_kernels.tiling import cdiv
 
 

@@ -1,19 +1,13 @@
-"""Online index estimation from the last queries (MMInference / MInference style).
+"""`last_q_scores` in plain JAX (XLA): the reference of the Triton kernel, and the path for chosen rows.
 
-A = softmax(Q[-last_q:] K^T * scale + causal mask) per head is reduced to
+A = softmax(Q[rows] K^T * scale + causal mask) per head is reduced to
 * vertical scores: column sums of A, ``[B, N, S]``;
 * slash scores: sums along diagonals, ``slash[d] = sum_r A[r, pos_r - d]`` for the offset
   d = query position - key position, ``[B, N, S]``.
-Both are normalised to sum to 1 per head. A is last_q x S and lives for a few heads of one key / value head at a
-time (`lax.map` over the key / value heads, each sliced out once, and within one over its query heads, one a step by
-default or as many as fit `STEP_BYTES`), so no S x S buffer is ever formed.
-
-Non-finite scores (the rule every estimating pattern shares, like MOMO's block top-k): an
-estimation row whose query holds a NaN or an inf adds nothing (its own attention will be NaN
-anyway); a non-finite logit of any other row makes its key's vertical score +inf, which ranks
-it first (level with a pattern's own forced keys, lower position first, within its budget such
-as Vertical-Slash's vertical_size), so the key is kept and the kernel propagates the NaN to
-exactly the rows that see it. Finite logits are normalised among themselves; no score is ever NaN.
+A is last_q x S and lives for a few heads of one key / value head at a time (`lax.map` over the key / value heads,
+each sliced out once, and within one over its query heads, one a step by default or as many as fit `STEP_BYTES`),
+so no S x S buffer is ever formed; it is written to memory and read back by each reduction, which the kernel avoids.
+Non-finite inputs: see `pallas_kernels.last_q_scores.api`.
 """
 
 from __future__ import annotations
@@ -23,10 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.checks import check_int, check_sm_scale
+from pallas_kernels.checks import check_int
 
-# float32 scores [B, heads, last_q, S] of one step of `last_q_scores` with ``step_heads=None`` (several query heads of
-# one key / value head at once while they fit: all 7 of a group at 128k, one at a time from 512k with 64 rows)
+# float32 scores [B, heads, last_q, S] of one step of `last_q_scores_reference` with ``step_heads=None`` (several
+# query heads of one key / value head at once while they fit: all 7 of a group at 128k, one at a time from 512k with
+# 64 rows)
 STEP_BYTES = 256 << 20
 
 
@@ -54,16 +49,11 @@ def diagonal_sums(a: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("last_q", "sm_scale", "step_heads"))
-def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | None = None,
-                  rows: jax.Array | None = None, k_valid: jax.Array | None = None, step_heads: int | None = 1
-                  ) -> tuple[jax.Array, jax.Array]:
-    """q ``[B,T,N,D]``, k ``[B,S,K,D]`` -> (vertical, slash), each float32 ``[B,N,S]``.
+def last_q_scores_reference(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float, rows: jax.Array | None = None,
+                            k_valid: jax.Array | None = None, step_heads: int | None = 1
+                            ) -> tuple[jax.Array, jax.Array]:
+    """Shapes and meaning as in `pallas_kernels.last_q_scores.api.last_q_scores`; inputs assumed validated.
 
-    rows: int32 ``[B, last_q]`` original query indices of the estimation rows (default: the
-    last ``last_q`` queries); k_valid: bool ``[B, S]`` keys taking part (default all).
-    vertical is indexed by key position, slash by offset d = query position - key position;
-    causality is on original positions. Rows seeing no valid key add nothing. Non-finite
-    inputs: see the module docstring (vertical +inf at keys with a non-finite logit).
     step_heads: query heads of one key / value head scored together (a divisor of N / K; None: `heads_per_step`, the
     most whose scores fit `STEP_BYTES`): one matmul for them. Default 1: on an H100 (2026-12-07, 28 / 4 heads, 128k)
     one head a step took 3.60 ms against 4.53 with the 7 of a group (XLA transposes their scores); the key head is
@@ -71,19 +61,12 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     """
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
-    if not 1 <= last_q <= t:
-        raise ValueError(f"last_q: expected 1 <= last_q <= T={t}; received {last_q}")
     consecutive = rows is None  # the last queries: slash sums along diagonals without a gather (`diagonal_sums`)
     if rows is None:
         rows = jnp.broadcast_to(jnp.arange(t - last_q, t, dtype=jnp.int32), (b, last_q))
-    elif tuple(rows.shape) != (b, last_q):
-        raise ValueError(f"rows: expected shape [{b}, {last_q}] ([B, last_q]); received {list(rows.shape)}")
     groups = n // kh
     hs = heads_per_step(b, last_q, s, groups) if step_heads is None else step_heads
-    if not isinstance(hs, int) or hs < 1 or groups % hs:
-        raise ValueError(f"step_heads: expected None or a divisor of N / K = {groups}; received {step_heads!r}")
     chunks = groups // hs
-    scale = check_sm_scale(sm_scale, d)
     q_last = jnp.take_along_axis(q, rows[:, :, None, None], axis=1)  # [B, L, N, D]
     q_ok = jnp.all(jnp.isfinite(q_last), axis=-1)  # [B, L, N]: rows with a finite query
     # [B, K, chunks, hs, L, D]: each step's query heads in front of their rows, so that its logits come out of one
@@ -101,7 +84,7 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     def one_step(qh, ok, kk):
         """qh ``[B, hs, L, D]``, ok ``[B, hs, L]``, kk ``[B, S, D]`` -> (vertical, slash) ``[B, hs, S]``."""
         logits = jnp.einsum("bmd,bsd->bms", qh.reshape(b, hs * last_q, d), kk,
-                            preferred_element_type=jnp.float32).reshape(b, hs, last_q, s) * scale
+                            preferred_element_type=jnp.float32).reshape(b, hs, last_q, s) * sm_scale
         seen = allowed[:, None] & ok[..., None]  # [B, hs, L, S]
         bad = seen & ~jnp.isfinite(logits)  # a finite query meets a non-finite key
         logits = jnp.where(seen & ~bad, logits, -jnp.inf)

@@ -1,0 +1,81 @@
+"""`last_q_scores`: validation and dispatch to an implementation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.checks import SUPPORTED_DTYPES, check_int, check_sm_scale, fmt_shape
+from pallas_kernels.last_q_scores.reference import last_q_scores_reference
+from pallas_kernels.last_q_scores.triton import last_q_scores_triton
+from pallas_kernels.platform import default_implementation
+
+IMPLEMENTATIONS = ("reference", "triton")
+
+
+def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | None = None,
+                  rows: jax.Array | None = None, k_valid: jax.Array | None = None, step_heads: int | None = 1,
+                  implementation: str | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Vertical and slash scores of the estimation rows (MMInference / MInference's online index estimation).
+
+    A = softmax(Q[rows] K^T * scale + causal mask) per head, reduced to
+    * vertical: column sums of A, indexed by key position;
+    * slash: sums along diagonals, ``slash[d] = sum_r A[r, pos_r - d]``, indexed by the offset d = query position -
+      key position;
+    each divided by ``last_q`` (a head's scores sum to 1 over rows that see some key).
+
+    Args:
+      q: ``[B, T, N, D]``; k: ``[B, S, K, D]`` (N a multiple of K, T <= S: the queries are the last T of S
+        positions); one dtype of bf16, fp16, fp32.
+      last_q: number of estimation rows, 1 <= last_q <= T.
+      rows: None (the last ``last_q`` queries) or int ``[B, last_q]`` query indices in ``[0, T)`` (chosen rows:
+        the reference only).
+      k_valid: None or bool ``[B, S]``: keys taking part (invalid keys score 0).
+      step_heads: the reference's query heads scored per step (None or a divisor of N / K; see
+        `reference.last_q_scores_reference`); the kernel ignores it.
+      implementation: "reference" (XLA), "triton" (the fused kernel, last rows only) or None: Triton on a GPU or
+        when ``interpret`` for the last rows, the reference otherwise.
+
+    Non-finite inputs: an estimation row whose query holds a NaN or an inf adds nothing (its own attention will be
+    NaN anyway); a non-finite logit of any other row makes its key's vertical score +inf, which ranks it first
+    (level with a pattern's own forced keys, lower position first, within its budget such as Vertical-Slash's
+    vertical_size), so the key is kept and the attention kernel propagates the NaN to exactly the rows that see it.
+    Finite logits are normalised among themselves; no score is ever NaN.
+
+    Returns (vertical, slash), each float32 ``[B, N, S]``.
+    """
+    for name, x in (("q", q), ("k", k)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name}: expected a 4-D array; received shape {fmt_shape(getattr(x, 'shape', ()))}")
+    b, t, n, d = q.shape
+    s = k.shape[1]
+    if k.shape[0] != b or k.shape[3] != d or n % k.shape[2] or s < t:
+        raise ValueError(f"k: expected [B={b}, S >= T={t}, K, D={d}] with N={n} a multiple of K; received "
+                         f"{fmt_shape(k.shape)}")
+    if q.dtype != k.dtype or jnp.dtype(q.dtype) not in map(jnp.dtype, SUPPORTED_DTYPES):
+        raise ValueError(f"q / k: expected one dtype of bfloat16, float16, float32; received {q.dtype} / {k.dtype}")
+    if not isinstance(last_q, int) or not 1 <= last_q <= t:
+        raise ValueError(f"last_q: expected an int with 1 <= last_q <= T={t}; received {last_q!r}")
+    if rows is not None and (tuple(getattr(rows, "shape", ())) != (b, last_q)
+                             or not jnp.issubdtype(rows.dtype, jnp.integer)):
+        raise ValueError(f"rows: expected an integer array of shape [{b}, {last_q}] ([B, last_q]); received "
+                         f"{getattr(rows, 'dtype', None)} {fmt_shape(getattr(rows, 'shape', ()))}")
+    if k_valid is not None and (tuple(getattr(k_valid, "shape", ())) != (b, s) or k_valid.dtype != jnp.bool_):
+        raise ValueError(f"k_valid: expected a bool array of shape [{b}, {s}] ([B, S]); received "
+                         f"{getattr(k_valid, 'dtype', None)} {fmt_shape(getattr(k_valid, 'shape', ()))}")
+    groups = n // k.shape[2]
+    if step_heads is not None and (not isinstance(step_heads, int) or step_heads < 1 or groups % step_heads):
+        raise ValueError(f"step_heads: expected None or a divisor of N / K = {groups}; received {step_heads!r}")
+    check_int("last_q", last_q, 1)
+    scale = check_sm_scale(sm_scale, d)
+    if implementation is None:
+        implementation = default_implementation(bool(interpret)) if rows is None else "reference"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
+    if implementation == "reference":
+        return last_q_scores_reference(q, k, last_q=last_q, sm_scale=scale, rows=rows, k_valid=k_valid,
+                                       step_heads=step_heads)
+    if rows is not None:
+        raise ValueError("rows: expected None with implementation='triton' (the kernel scores the last last_q "
+                         "queries; chosen rows go through the reference); received an array")
+    return last_q_scores_triton(q, k, last_q=last_q, sm_scale=scale, k_valid=k_valid, interpret=bool(interpret))
