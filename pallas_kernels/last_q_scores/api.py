@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.checks import SUPPORTED_DTYPES, check_int, check_sm_scale, fmt_shape
+from pallas_kernels.checks import SUPPORTED_DTYPES, check_int, check_sm_scale, concrete, fmt_shape
 from pallas_kernels.last_q_scores.reference import last_q_scores_reference
-from pallas_kernels.last_q_scores.triton import last_q_scores_triton
+from pallas_kernels.last_q_scores.triton import last_q_scores_triton, rows_fit, scores_block
 from pallas_kernels.platform import default_implementation
 
 IMPLEMENTATIONS = ("reference", "triton")
@@ -28,13 +28,15 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
       q: ``[B, T, N, D]``; k: ``[B, S, K, D]`` (N a multiple of K, T <= S: the queries are the last T of S
         positions); one dtype of bf16, fp16, fp32.
       last_q: number of estimation rows, 1 <= last_q <= T.
-      rows: None (the last ``last_q`` queries) or int ``[B, last_q]`` query indices in ``[0, T)`` (chosen rows:
-        the reference only).
+      rows: None (the last ``last_q`` queries) or int ``[B, last_q]`` query indices in ``[0, T)`` (chosen rows). The
+        kernel takes chosen rows whose indices span at most `triton.scores_block` (64 for up to 64 rows) in every
+        batch row; wider ones go through the reference (decided on the device by ``lax.cond`` when ``rows`` is
+        traced; an error with ``implementation="triton"`` when it is concrete).
       k_valid: None or bool ``[B, S]``: keys taking part (invalid keys score 0).
       step_heads: the reference's query heads scored per step (None or a divisor of N / K; see
         `reference.last_q_scores_reference`); the kernel ignores it.
-      implementation: "reference" (XLA), "triton" (the fused kernel, last rows only) or None: Triton on a GPU or
-        when ``interpret`` for the last rows, the reference otherwise.
+      implementation: "reference" (XLA), "triton" (the fused kernel) or None: Triton on a GPU or when
+        ``interpret``, the reference otherwise.
 
     Non-finite inputs: an estimation row whose query holds a NaN or an inf adds nothing (its own attention will be
     NaN anyway); a non-finite logit of any other row makes its key's vertical score +inf, which ranks it first
@@ -68,14 +70,33 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
         raise ValueError(f"step_heads: expected None or a divisor of N / K = {groups}; received {step_heads!r}")
     check_int("last_q", last_q, 1)
     scale = check_sm_scale(sm_scale, d)
+    host = None if rows is None else concrete(rows)
+    if host is not None and ((host < 0) | (host >= t)).any():
+        raise ValueError(f"rows: expected query indices in [0, T={t}); received values in "
+                         f"[{int(host.min())}, {int(host.max())}]")
+    explicit = implementation
     if implementation is None:
-        implementation = default_implementation(bool(interpret)) if rows is None else "reference"
+        implementation = default_implementation(bool(interpret))
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
-    if implementation == "reference":
+
+    def reference():
         return last_q_scores_reference(q, k, last_q=last_q, sm_scale=scale, rows=rows, k_valid=k_valid,
                                        step_heads=step_heads)
-    if rows is not None:
-        raise ValueError("rows: expected None with implementation='triton' (the kernel scores the last last_q "
-                         "queries; chosen rows go through the reference); received an array")
-    return last_q_scores_triton(q, k, last_q=last_q, sm_scale=scale, k_valid=k_valid, interpret=bool(interpret))
+
+    def kernel():
+        return last_q_scores_triton(q, k, last_q=last_q, sm_scale=scale, rows=rows, k_valid=k_valid,
+                                    interpret=bool(interpret))
+
+    if implementation == "reference" or rows is None:
+        return reference() if implementation == "reference" else kernel()
+    block = scores_block(last_q)
+    if host is not None:  # concrete rows: decided here
+        span = int((host.max(axis=1) - host.min(axis=1)).max())
+        if span <= block:
+            return kernel()
+        if explicit == "triton":
+            raise ValueError(f"rows: expected indices spanning at most {block} positions in each batch row for "
+                             f"implementation='triton' (the kernel's diagonal scratch); received a span of {span}")
+        return reference()
+    return jax.lax.cond(rows_fit(rows, block), kernel, reference)

@@ -1,4 +1,5 @@
-"""`last_q_scores` in plain JAX (XLA): the reference of the Triton kernel, and the path for chosen rows.
+"""`last_q_scores` in plain JAX (XLA): the reference of the Triton kernel, the CPU path and the path for chosen rows
+spread wider than the kernel takes.
 
 A = softmax(Q[rows] K^T * scale + causal mask) per head is reduced to
 * vertical scores: column sums of A, ``[B, N, S]``;

@@ -1,9 +1,11 @@
 """`last_q_scores` against its definition written out in NumPy (the softmax of the estimation rows over their causal,
 valid keys; column sums and sums along each offset) for the reference (every number of query heads scored per step,
 GQA, chosen rows, invalid keys) and the Triton kernel in interpret mode; the kernel against the reference on more
-shapes (ragged S, row counts that are not a power of two, several tiles per program, fp16 / bf16), with non-finite
-inputs and rows that see no key; the argument checks; `diagonal_sums` and `heads_per_step`."""
+shapes (ragged S, row counts that are not a power of two, several tiles per program, fp16 / bf16), chosen rows within
+and beyond the kernel's span, with non-finite inputs and rows that see no key; the argument checks; `diagonal_sums`
+and `heads_per_step`."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -54,7 +56,7 @@ def test_reference_matches_the_definition(step_heads, form):
     np.testing.assert_allclose(np.asarray(slash), want_s, atol=2e-6)
 
 
-@pytest.mark.parametrize("form", ["last rows", "invalid keys"])
+@pytest.mark.parametrize("form", ["last rows", "chosen rows", "invalid keys"])
 def test_kernel_matches_the_definition(form):
     q, k, _ = random_qkv(4, 2, 40, 72, 8, 2, 16)
     kw = _forms(form)
@@ -88,6 +90,25 @@ def test_kernel_matches_the_reference(b, t, s, n, kh, d, last_q, dtype, tiles):
         got = last_q_scores_triton(q, k, last_q=last_q, sm_scale=d ** -0.5, k_valid=k_valid, interpret=True,
                                    **tiles)
         _assert_same(got, want, 2e-6)
+
+
+def test_chosen_rows_too_spread_for_the_kernel_go_through_the_reference():
+    """Traced rows: `lax.cond` on their span (at most 64 positions for the kernel's scratch) picks the kernel or the
+    reference; both must give the definition, repeated rows included. Concrete rows too spread are an error when
+    the kernel is asked for by name."""
+    q, k, _ = random_qkv(8, 2, 200, 260, 4, 2, 16)
+    near = np.stack([np.arange(150, 158), np.array([199, 140, 170, 170, 136, 180, 190, 150])]).astype(np.int32)
+    far = near.copy()
+    far[1, 4] = 3  # a span of 196 in batch row 1
+    run = jax.jit(lambda q, k, rows: last_q_scores(q, k, last_q=8, rows=rows, implementation="triton",
+                                                   interpret=True))
+    for rows in (near, far):
+        want_v, want_s = _scores(q, k, 8, rows=rows)
+        vertical, slash = run(q, k, rows)
+        np.testing.assert_allclose(np.asarray(vertical), want_v, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(slash), want_s, atol=2e-6)
+    with pytest.raises(ValueError, match=r"^rows: expected indices spanning at most 64 positions"):
+        last_q_scores(q, k, last_q=8, rows=far, implementation="triton", interpret=True)
 
 
 def test_kernel_follows_the_non_finite_rules_and_empty_rows():
@@ -134,8 +155,7 @@ def test_the_last_rows_named_give_what_the_default_gives():
     ({"last_q": 4, "rows": np.zeros((1, 3), np.int32)}, r"^rows: expected an integer array of shape \[1, 4\]"),
     ({"last_q": 4, "k_valid": np.ones((1, 16), np.int32)}, r"^k_valid: expected a bool array of shape \[1, 16\]"),
     ({"last_q": 4, "implementation": "mosaic"}, r"^implementation: expected one of"),
-    ({"last_q": 4, "rows": np.zeros((1, 4), np.int32), "implementation": "triton"},
-     r"^rows: expected None with implementation='triton'"),
+    ({"last_q": 4, "rows": np.array([[0, 3, 16, 2]], np.int32)}, r"^rows: expected query indices in \[0, T=16\)"),
 ])
 def test_bad_arguments_are_named(kw, match):
     q, k, _ = random_qkv(4, 1, 16, 16, 4, 1, 8)

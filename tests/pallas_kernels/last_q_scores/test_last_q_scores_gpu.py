@@ -36,6 +36,20 @@ def test_kernel_matches_the_reference_on_gpu(dtype, s, last_q, tiles):
         _assert_close(got, want, 2e-3)
 
 
+def test_chosen_rows_and_valid_keys_on_gpu():
+    """As a boundary wrapper asks: the last 64 video rows before a 64-token question, the text keys invalid; and rows
+    spread too far for the kernel, which go through the reference under jit."""
+    b, t, n, kh, d = 1, 6000, 28, 4, 128
+    q, k, _ = random_qkv(5, b, t, t, n, kh, d, jnp.bfloat16)
+    valid = jnp.arange(t)[None] >= 1000
+    rng = np.random.default_rng(2)
+    for rows in (np.arange(t - 128, t - 64, dtype=np.int32)[None],
+                 np.sort(rng.choice(t, 64, replace=False)).astype(np.int32)[None]):
+        want = last_q_scores(q, k, last_q=64, rows=rows, k_valid=valid, implementation="reference")
+        got = jax.jit(lambda q, k, r: last_q_scores(q, k, last_q=64, rows=r, k_valid=valid))(q, k, rows)
+        _assert_close(got, want, 2e-3)
+
+
 def test_kernel_is_the_default_on_gpu_and_keeps_the_non_finite_rules():
     q, k, _ = random_qkv(2, 2, 512, 2048, 8, 2, 64, jnp.bfloat16)
     q = q.at[0, 500, 1, 3].set(jnp.nan)
