@@ -22,6 +22,15 @@ def write_atomic(path: str, write, binary: bool = False) -> None:
         raise
 
 
+def write_json_and_figure(out_dir: str, stem: str, result: dict, fig) -> str:
+    """``result`` as ``<out_dir>/<stem>.json`` and the matplotlib figure ``fig`` as ``<stem>.png`` beside it, each
+    written atomically; returns the JSON path."""
+    path = os.path.join(out_dir, f"{stem}.json")
+    write_atomic(path, lambda f: json.dump(result, f, indent=1))
+    write_atomic(os.path.join(out_dir, f"{stem}.png"), lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
+    return path
+
+
 def append_jsonl(path: str, row: dict) -> None:
     """Append ``row`` as one JSON line to ``path`` (created if missing), atomically."""
     old = ""

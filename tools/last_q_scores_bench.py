@@ -11,7 +11,6 @@ relative to the largest score. Prints a table, writes ``last_q_scores_bench.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from jsonl_log import write_atomic  # noqa: E402
+from jsonl_log import write_json_and_figure  # noqa: E402
 
 from mmjax.timing import device_name, time_fn  # noqa: E402
 from pallas_kernels.last_q_scores import last_q_scores  # noqa: E402
@@ -77,11 +76,7 @@ def main(argv=None) -> int:
             del got
         del q, k, want
         jax.clear_caches()
-    path = os.path.join(a.out, "last_q_scores_bench.json")
-    write_atomic(path, lambda f: json.dump(result, f, indent=1))
-    fig = figure(result)
-    write_atomic(os.path.join(a.out, "last_q_scores_bench.png"), lambda f: fig.savefig(f, format="png", dpi=120),
-                 binary=True)
+    path = write_json_and_figure(a.out, "last_q_scores_bench", result, figure(result))
     print(f"wrote {path} and its plot")
     return 0
 

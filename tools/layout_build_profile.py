@@ -20,7 +20,6 @@ it (``.png``) into ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from jsonl_log import write_atomic  # noqa: E402
+from jsonl_log import write_json_and_figure  # noqa: E402
 from pattern_parts_profile import FRAME_TOKENS, inputs, stride_counts  # noqa: E402
 
 from mmjax.drivers.bench import trace_summary  # noqa: E402
@@ -115,11 +114,7 @@ def main(argv=None) -> int:
                     print(f"  {name} {step}: {ms:8.3f} ms {calls:5.1f} x  {kernel[:110]}", flush=True)
         result["patterns"][name] = row
         jax.clear_caches()
-    path = os.path.join(a.out, "layout_build_profile.json")
-    write_atomic(path, lambda f: json.dump(result, f, indent=1))
-    fig = figure(result)
-    write_atomic(os.path.join(a.out, "layout_build_profile.png"), lambda f: fig.savefig(f, format="png", dpi=120),
-                 binary=True)
+    path = write_json_and_figure(a.out, "layout_build_profile", result, figure(result))
     print(f"wrote {path} and its plot")
     return 0
 
