@@ -66,9 +66,14 @@ def main(argv=None) -> int:
         want = jax.block_until_ready(fns["reference"](q, k))
         base = None
         for name, fn in fns.items():
-            got = fn(q, k)
-            diff = max(float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w))) for g, w in zip(got, want))
-            ms = time_fn(lambda fn=fn, q=q, k=k: fn(q, k), reps=a.reps, min_batch_s=a.batch_s)["ms"]
+            try:  # a variant that fails to compile or run is recorded, and the others are still timed
+                got = fn(q, k)
+                diff = max(float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w))) for g, w in zip(got, want))
+                ms = time_fn(lambda fn=fn, q=q, k=k: fn(q, k), reps=a.reps, min_batch_s=a.batch_s)["ms"]
+            except Exception as err:  # noqa: BLE001
+                result["rows"].append({"seq_len": s, "variant": name, "error": repr(err)[:2000]})
+                print(f"{s:>9} {name:<22} FAILED {repr(err)[:600]}", flush=True)
+                continue
             base = ms if name == "reference" else base
             row = {"seq_len": s, "variant": name, "ms": ms, "speedup": base / ms, "max_rel_diff": diff}
             result["rows"].append(row)
@@ -88,7 +93,8 @@ def figure(result: dict):
     fig, ax = plt.subplots(figsize=(7.5, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        ms = [next(r["ms"] for r in result["rows"] if r["seq_len"] == s and r["variant"] == name) for s in lens]
+        ms = [next((r.get("ms", 0.0) for r in result["rows"] if r["seq_len"] == s and r["variant"] == name), 0.0)
+              for s in lens]  # failed or missing: 0
         ax.bar(np.arange(len(lens)) + i * width, ms, width, label=name)
     ax.set_xticks(np.arange(len(lens)) + width * (len(names) - 1) / 2, [f"S = {s:,}" for s in lens])
     ax.set_yscale("log")

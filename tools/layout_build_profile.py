@@ -103,11 +103,17 @@ def main(argv=None) -> int:
         print(f"{device_name()} S={a.seq_len} {name}: strides found {row['found_strides']}", flush=True)
         plan = steps(g, q, k, stride, phase)  # compiled once: timed, then traced
         for step, (fn, args) in plan.items():
-            row[step] = time_fn(lambda fn=fn, args=args: fn(*args), reps=a.reps, min_batch_s=a.batch_s)["ms"]
+            try:  # a step that fails to compile or run is recorded, and the others are still timed
+                row[step] = time_fn(lambda fn=fn, args=args: fn(*args), reps=a.reps, min_batch_s=a.batch_s)["ms"]
+            except Exception as err:  # noqa: BLE001
+                row[step] = None
+                row.setdefault("errors", {})[step] = repr(err)[:2000]
+                print(f"{device_name()} S={a.seq_len} {name}: {step} FAILED {repr(err)[:600]}", flush=True)
+                continue
             print(f"{device_name()} S={a.seq_len} {name}: {step} {row[step]:.3f} ms", flush=True)
         if a.trace:
             row["trace"] = {}
-            for step in TRACED:
+            for step in (st for st in TRACED if row[st] is not None):
                 fn, args = plan[step]
                 row["trace"][step] = kernel_times(lambda fn=fn, args=args: fn(*args))
                 for kernel, ms, calls in row["trace"][step][:10]:
@@ -122,12 +128,12 @@ def main(argv=None) -> int:
 def figure(result: dict):
     """Horizontal bars: each step's ms, one bar per pattern."""
     names = list(result["patterns"])
-    step_names = [k for k in result["patterns"][names[0]] if k not in ("found_strides", "trace")]
+    step_names = [k for k in result["patterns"][names[0]] if k not in ("found_strides", "trace", "errors")]
     fig, ax = plt.subplots(figsize=(7.5, 0.5 + 0.45 * len(step_names) * len(names)))
     height = 0.8 / len(names)
     for i, name in enumerate(names):
-        ax.barh(np.arange(len(step_names)) + i * height, [result["patterns"][name][st] for st in step_names], height,
-                label=name)
+        ax.barh(np.arange(len(step_names)) + i * height,
+                [result["patterns"][name][st] or 0.0 for st in step_names], height, label=name)  # failed: 0
     ax.set_yticks(np.arange(len(step_names)) + height * (len(names) - 1) / 2, step_names)
     ax.invert_yaxis()
     ax.set_xlabel("ms (median)")
