@@ -40,10 +40,10 @@ def variants() -> dict:
     return {
         "reference": jax.jit(lambda q, k: last_q_scores(q, k, last_q=LAST_Q, implementation="reference")),
         "triton": kernel(),
-        "triton 8 warps": kernel(num_warps=8),
+        "triton 4 / core": kernel(lanes=19, chunks=19),
+        "triton 16 / core": kernel(lanes=76, chunks=76),
+        "triton 32 / core": kernel(lanes=152, chunks=152),
         "triton 128-key tiles": kernel(block_k=128, num_warps=8),
-        "triton 256-key stats": kernel(stats_block=256, num_warps=8),
-        "triton 2x programs": kernel(lanes=38, chunks=38),
     }
 
 

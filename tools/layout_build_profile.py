@@ -5,7 +5,7 @@ GPU, step by step, on `bench patterns`' video-like input (28 / 4 heads, D = 128,
 
 For Grid with searched strides and Grid(stride=256) (the input's frame size), each step alone under its own jit
 (median of ``--reps`` samples of calls queued for ``--batch-s`` seconds, `mmjax.timing.time_fn`): ``last_q_scores``
-(the last 64 queries against every key: vertical and slash mass; the fused Triton kernel),
+(the last 64 queries against every key: vertical and slash mass; the default, the fused Triton kernel on a GPU),
 ``last_q_scores_reference`` (XLA, one query head a step; ``_heads_per_step``: the heads of one key / value head
 together while they fit `reference.STEP_BYTES`; ``_rows_named``: the same rows named, which goes through the
 reference's gather for chosen rows), ``estimate`` (the scores and the stride / phase choice, default implementation),
@@ -50,8 +50,7 @@ def steps(g, q, k, stride, phase) -> dict:
     codes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) % FRAME_TOKENS, (1, q.shape[2], t))
     rows = jnp.broadcast_to(jnp.arange(t - g.last_q, t, dtype=jnp.int32), (q.shape[0], g.last_q))
     return {
-        "last_q_scores": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, implementation="triton")),
-                          (q, k)),
+        "last_q_scores": (jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q)), (q, k)),
         "last_q_scores_reference": (
             jax.jit(lambda q, k: last_q_scores(q, k, last_q=g.last_q, implementation="reference")), (q, k)),
         "last_q_scores_reference_heads_per_step": (jax.jit(lambda q, k: last_q_scores(

@@ -11,10 +11,9 @@ from pallas_kernels.last_q_scores.triton import last_q_scores_triton, rows_fit, 
 from pallas_kernels.platform import default_implementation
 
 IMPLEMENTATIONS = ("reference", "triton")
-# What ``implementation=None`` runs on a GPU. The fused kernel is written and passes its interpret-mode tests on the
-# CPU, but no GPU could be started on 2026-12-07 to compile and time it there, so the default stays the XLA form
-# until `tools/issue16_targets.sh scores` has run.
-DEFAULT_GPU_IMPLEMENTATION = "reference"
+# What ``implementation=None`` runs on a GPU: the fused kernel, 1.9-2.2x faster than the XLA form on an H100
+# (2026-12-07, 28 / 4 heads, 64 rows: 3.49 -> 1.62 ms at 128k, 26.0 -> 12.6 ms at 1M, `last-q-scores-kernel_*`).
+DEFAULT_GPU_IMPLEMENTATION = "triton"
 
 
 def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | None = None,
