@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.checks import SUPPORTED_DTYPES, check_int, check_sm_scale, concrete, fmt_shape
+from pallas_kernels.checks import SUPPORTED_DTYPES, check_sm_scale, concrete, fmt_shape
 from pallas_kernels.last_q_scores.reference import last_q_scores_reference
 from pallas_kernels.last_q_scores.triton import last_q_scores_triton, rows_fit, scores_block
 from pallas_kernels.platform import default_implementation
@@ -59,7 +59,7 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
                          f"{fmt_shape(k.shape)}")
     if q.dtype != k.dtype or jnp.dtype(q.dtype) not in map(jnp.dtype, SUPPORTED_DTYPES):
         raise ValueError(f"q / k: expected one dtype of bfloat16, float16, float32; received {q.dtype} / {k.dtype}")
-    if not isinstance(last_q, int) or not 1 <= last_q <= t:
+    if not isinstance(last_q, int) or isinstance(last_q, bool) or not 1 <= last_q <= t:
         raise ValueError(f"last_q: expected an int with 1 <= last_q <= T={t}; received {last_q!r}")
     if rows is not None and (tuple(getattr(rows, "shape", ())) != (b, last_q)
                              or not jnp.issubdtype(rows.dtype, jnp.integer)):
@@ -71,13 +71,12 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
     groups = n // k.shape[2]
     if step_heads is not None and (not isinstance(step_heads, int) or step_heads < 1 or groups % step_heads):
         raise ValueError(f"step_heads: expected None or a divisor of N / K = {groups}; received {step_heads!r}")
-    check_int("last_q", last_q, 1)
     scale = check_sm_scale(sm_scale, d)
     host = None if rows is None else concrete(rows)
     if host is not None and ((host < 0) | (host >= t)).any():
         raise ValueError(f"rows: expected query indices in [0, T={t}); received values in "
                          f"[{int(host.min())}, {int(host.max())}]")
-    explicit = implementation
+    named = implementation  # None: chosen rows the kernel cannot take fall back instead of raising
     if implementation is None:
         implementation = default_implementation(bool(interpret))
         if implementation == "triton" and not interpret:
@@ -100,7 +99,7 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
         span = int((host.max(axis=1) - host.min(axis=1)).max())
         if span <= block:
             return kernel()
-        if explicit == "triton":
+        if named == "triton":
             raise ValueError(f"rows: expected indices spanning at most {block} positions in each batch row for "
                              f"implementation='triton' (the kernel's diagonal scratch); received a span of {span}")
         return reference()

@@ -152,6 +152,7 @@ def test_the_last_rows_named_give_what_the_default_gives():
 @pytest.mark.parametrize("kw, match", [
     ({"last_q": 0}, r"^last_q: expected an int with 1 <= last_q <= T=16"),
     ({"last_q": 17}, r"^last_q: expected an int with 1 <= last_q <= T=16"),
+    ({"last_q": True}, r"^last_q: expected an int with 1 <= last_q <= T=16"),
     ({"last_q": 4, "rows": np.zeros((1, 3), np.int32)}, r"^rows: expected an integer array of shape \[1, 4\]"),
     ({"last_q": 4, "k_valid": np.ones((1, 16), np.int32)}, r"^k_valid: expected a bool array of shape \[1, 16\]"),
     ({"last_q": 4, "implementation": "mosaic"}, r"^implementation: expected one of"),
