@@ -51,6 +51,20 @@ def unmasked_flag_tile(s: jax.Array, q_flag: jax.Array, k_flag: jax.Array) -> tu
     return s, q_flag + jnp.sum(k_flag)
 
 
+def max_sum_update(m_prev: jax.Array, l_prev: jax.Array, s: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Fold a tile of scores into a row tile's running maximum and sum of exp2 (no output accumulator).
+
+    m_prev / l_prev float32 ``[R]``, s ``[R, bk]`` float32 base-2 scores, masked pairs -inf. Returns (m_new, l_new,
+    alpha ``[R]``: the factor the earlier sum was scaled by, p ``[R, bk]``: the tile's exp2(s - m_new)); a row that
+    has seen no key keeps m = -inf, l = 0."""
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_prev - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    return m_new, l_prev * alpha + jnp.sum(p, axis=1), alpha, p
+
+
 def softmax_update(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, poison: jax.Array,
                    v: jax.Array):
     """Fold one key tile into the running (max, sum, accumulator) of a row tile.
@@ -61,13 +75,9 @@ def softmax_update(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, 
     Rows that have seen no key keep m = -inf, l = 0, acc = 0. Returns the new carry.
     """
     m_prev, l_prev, acc = carry
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m_prev - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
-    l_new = l_prev * alpha + jnp.sum(p, axis=1) + poison
+    m_new, l_new, alpha, p = max_sum_update(m_prev, l_prev, s)
     acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
-    return m_new, l_new, acc
+    return m_new, l_new + poison, acc
 
 
 def softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, v: jax.Array,

@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.online_softmax import max_sum_update
 from pallas_kernels.platform import num_cores
 from pallas_kernels.tiling import LOG2E, cdiv, next_pow2, pad_to, round_up
 
@@ -63,10 +64,7 @@ def _stats_kernel(q_ref, k_ref, pos_ref, *refs, scale: float, block: int, tiles_
         s = pltriton.dot(q, k_ref[pl.ds(start, block), :], trans_b=True) * (scale * LOG2E)  # [Lp, block] base 2
         seen = _seen(q_pos, start + iota_k, kv_len, valid_ref, start, block)
         s = jnp.where(seen & jnp.isfinite(s), s, -jnp.inf)  # a non-finite logit counts nothing here
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        l = l * jnp.exp2(m - m_safe) + jnp.sum(jnp.exp2(s - m_safe[:, None]), axis=1)
-        return m_new, l
+        return max_sum_update(m, l, s)[:2]
 
     init = (jnp.full((lp,), -jnp.inf, jnp.float32), jnp.zeros((lp,), jnp.float32))
     m, l = lax.fori_loop(first, jnp.minimum(first + tiles_per_chunk, num_tiles), body, init)
@@ -130,9 +128,14 @@ def _fold_diagonals(diag: jax.Array, block: int, s: int, top: jax.Array) -> jax.
     return jnp.where(col[:, None, :] >= 0, got, 0.0)
 
 
+def padded_rows(last_q: int) -> int:
+    """Lp: the estimation rows padded to a power of two >= 16 (the dot's smallest tile)."""
+    return max(16, next_pow2(last_q))
+
+
 def scores_block(last_q: int) -> int:
     """Keys per tile of the scores kernel by default, max(64, Lp): also the widest span of row positions it takes."""
-    return max(64, max(16, next_pow2(last_q)))
+    return max(64, padded_rows(last_q))
 
 
 def rows_fit(rows: jax.Array, block_k: int) -> jax.Array:
@@ -158,7 +161,7 @@ def last_q_scores_triton(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: f
     b, t, n, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
-    lp = max(16, next_pow2(last_q))
+    lp = padded_rows(last_q)
     block_k = scores_block(last_q) if block_k is None else block_k
     stats_block = max(128, lp) if stats_block is None else stats_block
     d_pad = max(16, next_pow2(d))

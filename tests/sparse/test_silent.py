@@ -8,15 +8,7 @@ import pytest
 
 import mmjax
 from mmjax import Calibration, SparseConfig
-from mmjax.sparse.patterns import (
-    AShape,
-    Dense,
-    Grid,
-    KernelOptions,
-    Momo,
-    TriShape,
-    VerticalSlash,
-)
+from mmjax.sparse.patterns import AShape, Dense, Grid, KernelOptions, Momo, TriShape, VerticalSlash
 from pallas_kernels.last_q_scores import last_q_scores
 from tests.fault_injection import interrupt_every_step
 from tests.pallas_kernels.helpers import random_qkv
