@@ -40,10 +40,11 @@ def variants() -> dict:
     return {
         "reference": jax.jit(lambda q, k: last_q_scores(q, k, last_q=LAST_Q, implementation="reference")),
         "triton": kernel(),
-        "triton 4 / core": kernel(lanes=19, chunks=19),
+        "triton 1 tile a round": kernel(round_tiles=1),
+        "triton 2 tiles a round": kernel(round_tiles=2),
+        "triton 8 tiles a round": kernel(round_tiles=8),
         "triton 16 / core": kernel(lanes=76, chunks=76),
-        "triton 32 / core": kernel(lanes=152, chunks=152),
-        "triton 128-key tiles": kernel(block_k=128, num_warps=8),
+        "triton 128-key tiles": kernel(block_k=128, num_warps=8, round_tiles=2),
     }
 
 
