@@ -43,6 +43,8 @@ def variants() -> dict:
         "triton 1 tile a round": kernel(round_tiles=1),
         "triton 2 tiles a round": kernel(round_tiles=2),
         "triton 8 tiles a round": kernel(round_tiles=8),
+        "triton heads fastest": kernel(heads_fastest=True),
+        "triton heads fastest, 8 tiles": kernel(heads_fastest=True, round_tiles=8),
         "triton 16 / core": kernel(lanes=76, chunks=76),
         "triton 128-key tiles": kernel(block_k=128, num_warps=8, round_tiles=2),
     }

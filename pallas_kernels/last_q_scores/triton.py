@@ -43,6 +43,8 @@ from pallas_kernels.tiling import LOG2E, cdiv, next_pow2, pad_to, round_up
 PROGRAMS_PER_CORE = 8
 # tiles the scores kernel stores into its scratch between two barriers (one read-back of the round's diagonals)
 ROUND_TILES = 4
+# program order of both kernels: query heads fastest (a group's heads share key tiles through L2) or not
+HEADS_FASTEST = False
 
 
 def _seen(q_pos, k_pos, kv_len: int, valid_ref, start, block: int):
@@ -54,14 +56,14 @@ def _seen(q_pos, k_pos, kv_len: int, valid_ref, start, block: int):
 
 
 def _stats_kernel(q_ref, k_ref, pos_ref, *refs, scale: float, block: int, tiles_per_chunk: int, num_tiles: int,
-                  kv_len: int, has_valid: bool):
+                  kv_len: int, has_valid: bool, lane_axis: int):
     valid_ref = refs[0] if has_valid else None
     m_ref, l_ref = refs[-2:]
     q = q_ref[...]  # [Lp, Dp]
     lp = q.shape[0]
     q_pos = pos_ref[...]
     iota_k = lax.broadcasted_iota(jnp.int32, (block,), 0)
-    first = pl.program_id(0) * tiles_per_chunk
+    first = pl.program_id(lane_axis) * tiles_per_chunk
 
     def body(t, carry):
         m, l = carry
@@ -78,7 +80,8 @@ def _stats_kernel(q_ref, k_ref, pos_ref, *refs, scale: float, block: int, tiles_
 
 
 def _scores_kernel(q_ref, k_ref, pos_ref, shift_ref, lse_ref, *refs, scale: float, block: int, round_tiles: int,
-                   lanes: int, num_rounds: int, kv_len: int, last_q: int, has_valid: bool, barrier: bool):
+                   lanes: int, num_rounds: int, kv_len: int, last_q: int, has_valid: bool, barrier: bool,
+                   lane_axis: int):
     valid_ref = refs[0] if has_valid else None
     vert_ref, diag_ref, scratch_ref = refs[-3:]
     q = q_ref[...]  # [Lp, Dp]
@@ -90,7 +93,7 @@ def _scores_kernel(q_ref, k_ref, pos_ref, shift_ref, lse_ref, *refs, scale: floa
     iota_k = lax.broadcasted_iota(jnp.int32, (block,), 0)
     row = lax.broadcasted_iota(jnp.int32, (lp, block), 0)
     shifted = lax.broadcasted_iota(jnp.int32, (lp, block), 1) + shift[:, None]  # row r moved shift_r right
-    lane = pl.program_id(0)
+    lane = pl.program_id(lane_axis)
 
     def body(i, carry):
         first = (lane + i * lanes) * span
@@ -157,11 +160,12 @@ def rows_fit(rows: jax.Array, block_k: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("last_q", "sm_scale", "interpret", "block_k", "stats_block", "lanes",
-                                             "chunks", "num_warps", "round_tiles"))
+                                             "chunks", "num_warps", "round_tiles", "heads_fastest"))
 def last_q_scores_triton(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float, rows: jax.Array | None = None,
                          k_valid: jax.Array | None = None, interpret: bool = False, block_k: int | None = None,
                          stats_block: int | None = None, lanes: int | None = None, chunks: int | None = None,
-                         num_warps: int = 4, round_tiles: int = ROUND_TILES) -> tuple[jax.Array, jax.Array]:
+                         num_warps: int = 4, round_tiles: int = ROUND_TILES,
+                         heads_fastest: bool = HEADS_FASTEST) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k ``[B,S,K,D]`` -> (vertical, slash) float32 ``[B,N,S]`` of the last ``last_q`` queries, or
     of chosen ``rows`` int ``[B, last_q]`` whose positions span at most ``block_k`` (`rows_fit`; wider spans give
     wrong slash sums, so the api checks first); inputs assumed validated (`pallas_kernels.last_q_scores.api`).
@@ -169,7 +173,9 @@ def last_q_scores_triton(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: f
     block_k: keys per tile of the scores kernel (a power of two >= Lp; default `scores_block`); round_tiles: tiles
     of it per scratch round (`ROUND_TILES`); stats_block: keys per tile of the statistics kernel (default max(128,
     Lp)); lanes / chunks: programs per head of the scores / statistics kernel (default: about `PROGRAMS_PER_CORE`
-    programs per core over all heads, at most one per round / chunk).
+    programs per core over all heads, at most one per round / chunk); heads_fastest: both grids run the query heads
+    fastest, so the heads of one key / value head read the same key tiles at about the same time (from L2), else
+    each head's chunks / lanes fastest (`HEADS_FASTEST`).
     """
     if not isinstance(round_tiles, int) or round_tiles < 1:
         raise ValueError(f"round_tiles: expected an int >= 1 (tiles per scratch round); received {round_tiles!r}")
@@ -205,18 +211,25 @@ def last_q_scores_triton(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: f
     k_in = pad_to(pad_to(k, 3, d_pad), 1, s_pad)
     extra = [] if k_valid is None else [pad_to(k_valid.astype(jnp.int32), 1, s_pad)]
 
-    q_spec = pl.BlockSpec((None, None, lp, d_pad), lambda x, h, z: (z, h, 0, 0))
-    k_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda x, h, z: (z, 0, h // groups, 0))
-    row_spec = pl.BlockSpec((None, None, lp), lambda x, h, z: (z, h, 0))
-    shift_spec = pl.BlockSpec((None, lp), lambda x, h, z: (z, 0))
-    valid_specs = [] if k_valid is None else [pl.BlockSpec((None, s_pad), lambda x, h, z: (z, 0))]
-    common = dict(scale=sm_scale, kv_len=s, has_valid=k_valid is not None)
+    def spec(shape, index):
+        """A BlockSpec whose index map takes (lane or chunk, head, batch) whichever way the grid runs."""
+        return pl.BlockSpec(shape, (lambda h, x, z: index(x, h, z)) if heads_fastest else index)
 
-    part_spec = pl.BlockSpec((None, None, None, lp), lambda c, h, z: (z, h, c, 0))
+    def grid(lanes_or_chunks):
+        return (n, lanes_or_chunks, b) if heads_fastest else (lanes_or_chunks, n, b)
+
+    q_spec = spec((None, None, lp, d_pad), lambda x, h, z: (z, h, 0, 0))
+    k_spec = spec((None, s_pad, None, d_pad), lambda x, h, z: (z, 0, h // groups, 0))
+    row_spec = spec((None, None, lp), lambda x, h, z: (z, h, 0))
+    shift_spec = spec((None, lp), lambda x, h, z: (z, 0))
+    valid_specs = [] if k_valid is None else [spec((None, s_pad), lambda x, h, z: (z, 0))]
+    common = dict(scale=sm_scale, kv_len=s, has_valid=k_valid is not None, lane_axis=1 if heads_fastest else 0)
+
+    part_spec = spec((None, None, None, lp), lambda c, h, z: (z, h, c, 0))
     m, l = pl.pallas_call(
         functools.partial(_stats_kernel, block=stats_block, tiles_per_chunk=per_chunk, num_tiles=stats_tiles,
                           **common),
-        grid=(chunks, n, b),
+        grid=grid(chunks),
         in_specs=[q_spec, k_spec, row_spec] + valid_specs,
         out_specs=[part_spec, part_spec],
         out_shape=[jax.ShapeDtypeStruct((b, n, chunks, lp), jnp.float32)] * 2,
@@ -229,11 +242,11 @@ def last_q_scores_triton(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: f
     vert, diag, _ = pl.pallas_call(
         functools.partial(_scores_kernel, block=block_k, round_tiles=round_tiles, lanes=lanes, num_rounds=rounds,
                           last_q=last_q, barrier=not interpret, **common),
-        grid=(lanes, n, b),
+        grid=grid(lanes),
         in_specs=[q_spec, k_spec, row_spec, shift_spec, row_spec] + valid_specs,
-        out_specs=[pl.BlockSpec((None, None, s_pad), lambda x, h, z: (z, h, 0)),
-                   pl.BlockSpec((None, None, rounds * (span + block_k)), lambda x, h, z: (z, h, 0)),
-                   pl.BlockSpec((None, None, None, lp, span + block_k), lambda x, h, z: (z, h, x, 0, 0))],
+        out_specs=[spec((None, None, s_pad), lambda x, h, z: (z, h, 0)),
+                   spec((None, None, rounds * (span + block_k)), lambda x, h, z: (z, h, 0)),
+                   spec((None, None, None, lp, span + block_k), lambda x, h, z: (z, h, x, 0, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, n, s_pad), jnp.float32),
                    jax.ShapeDtypeStruct((b, n, rounds * (span + block_k)), jnp.float32),
                    jax.ShapeDtypeStruct((b, n, lanes, lp, span + block_k), jnp.float32)],  # scratch, dropped
