@@ -118,9 +118,9 @@ case $part in
     done ;;
   scores) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
       tests/pallas_kernels/last_q_scores tests/sparse/test_patterns_gpu.py 2>&1 | tail -4; \
-      timeout 130 python3 tools/last_q_scores_bench.py --out "$OUT/$part" --lens 131072 1048576; \
+      timeout 180 python3 tools/last_q_scores_bench.py --out "$OUT/$part" --lens 131072 1048576; \
       for len in 131072 1048576; do
-        timeout 150 python3 tools/layout_build_profile.py --out "$OUT/$part/$len" --seq-len $len --reps 3 --trace
+        timeout 130 python3 tools/layout_build_profile.py --out "$OUT/$part/$len" --seq-len $len --reps 3 --trace
       done ;;
   compile-real) timeout 300 python3 tools/attend_compile_time.py --kernels real --seq-len 131072 \
       --patterns Grid "Grid(frame)" ;;
