@@ -45,7 +45,7 @@ def variants() -> dict:
         "triton 8 tiles a round": kernel(round_tiles=8),
         "triton heads fastest": kernel(heads_fastest=True),
         "triton heads fastest, 8 tiles": kernel(heads_fastest=True, round_tiles=8),
-        "triton 16 / core": kernel(lanes=76, chunks=76),
+        "triton 8 warps": kernel(num_warps=8),
         "triton 128-key tiles": kernel(block_k=128, num_warps=8, round_tiles=2),
     }
 
