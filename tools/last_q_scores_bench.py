@@ -46,6 +46,7 @@ def variants() -> dict:
         "triton heads fastest": kernel(heads_fastest=True),
         "triton heads fastest, 8 tiles": kernel(heads_fastest=True, round_tiles=8),
         "triton 8 warps": kernel(num_warps=8),
+        "triton 4 / core": kernel(lanes=19, chunks=19),
         "triton 128-key tiles": kernel(block_k=128, num_warps=8, round_tiles=2),
     }
 
