@@ -40,14 +40,10 @@ def variants() -> dict:
     return {
         "reference": jax.jit(lambda q, k: last_q_scores(q, k, last_q=LAST_Q, implementation="reference")),
         "triton": kernel(),
-        "triton 1 tile a round": kernel(round_tiles=1),
-        "triton 2 tiles a round": kernel(round_tiles=2),
-        "triton 8 tiles a round": kernel(round_tiles=8),
         "triton heads fastest": kernel(heads_fastest=True),
-        "triton heads fastest, 8 tiles": kernel(heads_fastest=True, round_tiles=8),
         "triton 8 warps": kernel(num_warps=8),
-        "triton 4 / core": kernel(lanes=19, chunks=19),
-        "triton 128-key tiles": kernel(block_k=128, num_warps=8, round_tiles=2),
+        "triton heads fastest, 8 warps": kernel(heads_fastest=True, num_warps=8),
+        "triton 2 tiles a round": kernel(round_tiles=2),
     }
 
 

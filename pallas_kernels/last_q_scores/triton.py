@@ -16,7 +16,7 @@ key). Two kernels walk the keys in tiles:
    columns into the round's ``(round_tiles + 1) block_k`` partial diagonal sums. Neighbouring rounds' partials
    overlap by ``block_k`` columns and are folded in XLA. The rows' positions must therefore span at most
    ``block_k`` (`rows_fit`): the last L rows always do (L - 1 <= block_k). Rounds of several tiles pay the two
-   barriers and the scratch's round trip once per round.
+   barriers and the scratch's round trip once per round (`ROUND_TILES`: one, the fastest measured).
 
 So the float32 ``[L, S]`` probabilities of a head are never written out: HBM traffic is two reads of k plus the
 ``[B, N, S]`` outputs, against the reference's matrix written once and read by each of its reductions. Masking,
@@ -41,8 +41,11 @@ from pallas_kernels.tiling import LOG2E, cdiv, next_pow2, pad_to, round_up
 # programs per streaming multiprocessor each kernel's grid aims at (key chunks / lanes per head follow from it). On
 # an H100 (2026-12-07, 28 / 4 heads, 64 rows) 8 took 1.62 / 12.6 ms at 128k / 1M against 1.88 / 14.8 with 4.
 PROGRAMS_PER_CORE = 8
-# tiles the scores kernel stores into its scratch between two barriers (one read-back of the round's diagonals)
-ROUND_TILES = 4
+# tiles the scores kernel stores into its scratch between two barriers (one read-back of the round's diagonals). More
+# were slower on an H100 (2026-12-07, same shapes, `last-q-scores-rounds_*`): 1 / 2 / 4 tiles 1.64 / 2.04 / 3.51 ms at
+# 128k and 12.3 / 16.1 / 27.8 ms at 1M (Triton's pipeliner stages every tile's keys in shared memory: 8 tiles asked
+# for 288 KiB), so a round is one tile.
+ROUND_TILES = 1
 # program order of both kernels: query heads fastest (a group's heads share key tiles through L2) or not
 HEADS_FASTEST = False
 

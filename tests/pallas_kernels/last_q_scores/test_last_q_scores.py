@@ -79,7 +79,7 @@ def _assert_same(got, want, atol):
 @pytest.mark.parametrize("b,t,s,n,kh,d,last_q,dtype,tiles", [
     (1, 100, 300, 8, 2, 24, 64, jnp.float32, {}),  # ragged S, padded D, 64 rows
     (2, 50, 50, 4, 4, 16, 20, jnp.float32, {}),  # T = S, 20 rows padded to 32, no GQA
-    (1, 64, 517, 6, 3, 32, 16, jnp.bfloat16, {"lanes": 2, "chunks": 3, "round_tiles": 1}),  # a tile a round
+    (1, 64, 517, 6, 3, 32, 16, jnp.bfloat16, {"lanes": 2, "chunks": 3, "round_tiles": 2}),  # 2-tile rounds
     # several rounds a program, heads fastest
     (1, 40, 900, 4, 2, 16, 40, jnp.bfloat16, {"lanes": 2, "round_tiles": 3, "heads_fastest": True}),
     (1, 33, 200, 4, 1, 16, 33, jnp.float16, {"block_k": 128, "stats_block": 64}),  # every query a row
