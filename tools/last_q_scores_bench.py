@@ -40,10 +40,9 @@ def variants() -> dict:
     return {
         "reference": jax.jit(lambda q, k: last_q_scores(q, k, last_q=LAST_Q, implementation="reference")),
         "triton": kernel(),
-        "triton heads fastest": kernel(heads_fastest=True),
+        "triton 4 / core": kernel(lanes=19, chunks=19),
         "triton 8 warps": kernel(num_warps=8),
-        "triton heads fastest, 8 warps": kernel(heads_fastest=True, num_warps=8),
-        "triton 2 tiles a round": kernel(round_tiles=2),
+        "triton 128-key tiles": kernel(block_k=128, num_warps=8),
     }
 
 

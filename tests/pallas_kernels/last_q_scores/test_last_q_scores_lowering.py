@@ -28,8 +28,8 @@ def _lower(s, last_q, dtype, *, rows=False, valid=False, **kw):
 @pytest.mark.parametrize("s,last_q,dtype,kw", [
     (131072, 64, jnp.bfloat16, {}),  # the patterns' rows at 128k
     (5000, 40, jnp.float16, {"lanes": 3}),  # ragged S
-    (7000, 64, jnp.bfloat16, {"round_tiles": 3, "heads_fastest": True}),  # a round of 3 tiles, heads fastest
-    (3000, 128, jnp.bfloat16, {"round_tiles": 2}),  # 128 rows: 128-key tiles
+    (3000, 128, jnp.bfloat16, {}),  # 128 rows: 128-key tiles
+    (7000, 64, jnp.bfloat16, {"block_k": 128, "num_warps": 8}),  # 128-key tiles for 64 rows, 8 warps
 ])
 def test_kernel_lowers_for_h100(s, last_q, dtype, kw):
     _lower(s, last_q, dtype, **kw)
