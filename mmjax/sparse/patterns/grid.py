@@ -78,6 +78,7 @@ from mmjax.sparse.patterns.static import placed_ashape
 from pallas_kernels import BlockLayout
 from pallas_kernels.checks import check_int
 from pallas_kernels.last_q_scores import last_q_scores
+from pallas_kernels.phase_mass.reference import phase_mass
 from pallas_kernels.tiling import cdiv
 
 # Multiples of 16 and the token counts of common square patch grids (e.g. 14 x 14 = 196),
@@ -86,14 +87,6 @@ DEFAULT_STRIDES = tuple(sorted(set(range(64, 1025, 16)) | {81, 100, 144, 196, 22
                                                            484, 576, 676, 784, 900}))
 STRIDE_SOURCES = ("search", "frame")
 LIFT_TOLERANCE = 0.6  # a divisor s / m of the true stride keeps ~1/m <= 1/2 of its lift
-
-
-def phase_mass(vertical: jax.Array, stride: int) -> jax.Array:
-    """vertical ``[B,N,S]`` -> mass per phase ``[B,N,stride]`` (positions j with j % stride = p)."""
-    s = vertical.shape[-1]
-    pad = (-s) % stride
-    v = jnp.pad(vertical, ((0, 0), (0, 0), (0, pad)))
-    return v.reshape(v.shape[:2] + (-1, stride)).sum(-2)
 
 
 def multiple_mass(slash: jax.Array, stride: int) -> jax.Array:

@@ -1,0 +1,50 @@
+"""`phase_masses`: validation and dispatch to an implementation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.checks import fmt_shape
+from pallas_kernels.phase_mass.reference import phase_masses_reference
+from pallas_kernels.phase_mass.triton import phase_masses_triton
+from pallas_kernels.platform import default_implementation
+
+IMPLEMENTATIONS = ("reference", "triton")
+# What ``implementation=None`` runs on a GPU: the reference until the kernel is timed against it there.
+DEFAULT_GPU_IMPLEMENTATION = "reference"
+
+
+def phase_masses(vertical: jax.Array, strides, *, implementation: str | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """The mass of ``vertical`` per phase for each of several strides (Grid's stride search).
+
+    Args:
+      vertical: float32 ``[B, N, S]``, scores per key position (e.g. `last_q_scores`' vertical scores).
+      strides: a non-empty sequence of ints in ``[1, S]``.
+      implementation: "reference" (XLA), "triton" (one kernel per power-of-two width) or None: the reference, or
+        Triton when ``interpret`` (`DEFAULT_GPU_IMPLEMENTATION` on a GPU).
+
+    Returns float32 ``[B, N, C, W]`` (C strides, W the largest stride rounded up to a power of two): entry
+    ``[b, n, c, p]`` is the sum of ``vertical[b, n, j]`` over the positions j with ``j % strides[c] == p`` for p below
+    ``strides[c]``, and -inf from there on (so one ``top_k`` over the last axis ranks every stride's phases).
+    """
+    if getattr(vertical, "ndim", None) != 3 or vertical.dtype != jnp.float32:
+        raise ValueError(f"vertical: expected a float32 array [B, N, S]; received {getattr(vertical, 'dtype', None)} "
+                         f"{fmt_shape(getattr(vertical, 'shape', ()))}")
+    s = vertical.shape[-1]
+    try:
+        strides = tuple(strides)
+    except TypeError:
+        strides = ()
+    if not strides or any(not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= s for x in strides):
+        raise ValueError(f"strides: expected a non-empty sequence of ints in [1, S={s}]; received {strides!r}")
+    if implementation is None:
+        implementation = default_implementation(bool(interpret))
+        if implementation == "triton" and not interpret:
+            implementation = DEFAULT_GPU_IMPLEMENTATION
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
+    if implementation == "reference":
+        return phase_masses_reference(vertical, strides)
+    return phase_masses_triton(vertical, strides, interpret=bool(interpret))
