@@ -33,6 +33,8 @@
 # and a profiler trace of the steps by kernel);
 # `scores` (the fused last-rows scoring kernel's GPU tests and the pattern GPU tests, then the kernel against its XLA
 # reference at 128k and 1M, `last_q_scores_bench.py`, then `build` at both lengths);
+# `phase-mass` (the phase-mass kernel's GPU tests, then Grid's stride search at 128k and 1M as the per-stride XLA loop,
+# one batched top_k, and the kernel, `phase_mass_bench.py`);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
 # closed over and as a jit argument, `attend_compile_time.py --kernels real`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
@@ -122,6 +124,9 @@ case $part in
       for len in 131072 1048576; do
         timeout 130 python3 tools/layout_build_profile.py --out "$OUT/$part/$len" --seq-len $len --reps 3 --trace
       done ;;
+  phase-mass) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/phase_mass 2>&1 | tail -3; \
+      timeout 200 python3 tools/phase_mass_bench.py --out "$OUT/$part" --lens 131072 1048576 ;;
   compile-real) timeout 300 python3 tools/attend_compile_time.py --kernels real --seq-len 131072 \
       --patterns Grid "Grid(frame)" ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
