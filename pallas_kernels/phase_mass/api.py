@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.checks import fmt_shape
 from pallas_kernels.phase_mass.reference import phase_masses_reference
-from pallas_kernels.phase_mass.triton import phase_masses_triton
+from pallas_kernels.phase_mass.triton import MAX_STRIDE, phase_masses_triton
 from pallas_kernels.platform import default_implementation
 
 IMPLEMENTATIONS = ("reference", "triton")
@@ -22,8 +22,9 @@ def phase_masses(vertical: jax.Array, strides, *, implementation: str | None = N
     Args:
       vertical: float32 ``[B, N, S]``, scores per key position (e.g. `last_q_scores`' vertical scores).
       strides: a non-empty sequence of ints in ``[1, S]``.
-      implementation: "reference" (XLA), "triton" (one kernel per power-of-two width) or None: the reference, or
-        Triton when ``interpret`` (`DEFAULT_GPU_IMPLEMENTATION` on a GPU).
+      implementation: "reference" (XLA), "triton" (one kernel per power-of-two width; strides up to
+        `triton.MAX_STRIDE`) or None: the reference, or Triton when ``interpret`` (`DEFAULT_GPU_IMPLEMENTATION` on a
+        GPU).
 
     Returns float32 ``[B, N, C, W]`` (C strides, W the largest stride rounded up to a power of two): entry
     ``[b, n, c, p]`` is the sum of ``vertical[b, n, j]`` over the positions j with ``j % strides[c] == p`` for p below
@@ -47,4 +48,7 @@ def phase_masses(vertical: jax.Array, strides, *, implementation: str | None = N
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
     if implementation == "reference":
         return phase_masses_reference(vertical, strides)
+    if max(strides) > MAX_STRIDE:
+        raise ValueError(f"strides: expected at most {MAX_STRIDE} for implementation='triton' (a program's "
+                         f"accumulator is [1, W]); received {max(strides)}; use implementation='reference'")
     return phase_masses_triton(vertical, strides, interpret=bool(interpret))

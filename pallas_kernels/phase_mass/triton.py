@@ -24,6 +24,7 @@ from pallas_kernels.phase_mass.reference import width
 from pallas_kernels.tiling import next_pow2
 
 TILE_ELEMENTS = 4096  # positions a program loads per step (rows_per_step = TILE_ELEMENTS / W)
+MAX_STRIDE = 8192  # the widest tile a program keeps ([1, W] float32 accumulator)
 
 
 def _kernel(strides_ref, v_ref, o_ref, *, rows_per_step: int, s: int):

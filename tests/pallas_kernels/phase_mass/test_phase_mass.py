@@ -78,6 +78,7 @@ def test_kernel_lowers_for_h100():
     (jnp.zeros((1, 2, 8)), (True,), {}, "strides: expected"),
     (jnp.zeros((1, 2, 8)), 4, {}, "strides: expected"),
     (jnp.zeros((1, 2, 8)), (4,), {"implementation": "cuda"}, "implementation: expected one of"),
+    (jnp.zeros((1, 1, 9000)), (8193,), {"implementation": "triton", "interpret": True}, "strides: expected at most"),
 ])
 def test_bad_arguments_are_named(vertical, strides, kw, match):
     with pytest.raises(ValueError, match=match):
