@@ -15,6 +15,19 @@ def default_implementation(interpret: bool = False) -> str:
     return "reference"
 
 
+def chosen_implementation(implementation: str | None, interpret: bool, choices: tuple[str, ...],
+                          gpu_default: str = "triton") -> str:
+    """``implementation`` checked against ``choices``; None: `default_implementation`, with ``gpu_default`` in place
+    of Triton on a GPU (outside interpret mode), for an op whose kernel is not (yet) the faster choice there."""
+    if implementation is None:
+        implementation = default_implementation(bool(interpret))
+        if implementation == "triton" and not interpret:
+            implementation = gpu_default
+    if implementation not in choices:
+        raise ValueError(f"implementation: expected one of {choices} or None; received {implementation!r}")
+    return implementation
+
+
 def is_sm90() -> bool:
     """The first device is a Hopper GPU (compute capability 9.x: H100 / H200)."""
     if jax.default_backend() != "gpu":

@@ -40,3 +40,27 @@ def add_plot_args(p) -> None:
     """``--plot`` (draw the ``--out`` file's rows after measuring) and ``--plot-only`` (draw, measure nothing)."""
     p.add_argument("--plot", action="store_true", help="draw the --out file's rows into a PNG beside it")
     p.add_argument("--plot-only", action="store_true", help="only draw (no measurement)")
+
+
+def grouped_ms_bars(rows: list[dict], title: str):
+    """A figure of grouped bars: the median ``ms`` of each row's ``variant``, one group per ``seq_len`` (log time
+    axis; a failed or missing variant shows as 0), titled ``title``."""
+    import matplotlib  # here, not at the top: the measuring scripts import this module on GPU machines
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    lens = sorted({r["seq_len"] for r in rows})
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ms = [next((r.get("ms", 0.0) for r in rows if r["seq_len"] == s and r["variant"] == name), 0.0)
+              for s in lens]
+        ax.bar(np.arange(len(lens)) + i * width, ms, width, label=name)
+    ax.set_xticks(np.arange(len(lens)) + width * (len(names) - 1) / 2, [f"S = {s:,}" for s in lens])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms (median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -17,12 +17,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import matplotlib
-import matplotlib.pyplot as plt
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bar_panels import grouped_ms_bars  # noqa: E402
 from jsonl_log import write_json_and_figure  # noqa: E402
 
 from mmjax.sparse.patterns.grid import DEFAULT_STRIDES  # noqa: E402
@@ -30,8 +28,6 @@ from mmjax.timing import device_name, time_fn  # noqa: E402
 from pallas_kernels.phase_mass import phase_masses  # noqa: E402
 from pallas_kernels.phase_mass.reference import phase_mass  # noqa: E402
 from pallas_kernels.phase_mass.triton import phase_masses_triton  # noqa: E402
-
-matplotlib.use("Agg")
 
 HEADS, PHASES = 28, 2
 
@@ -92,23 +88,9 @@ def main(argv=None) -> int:
 
 def figure(result: dict):
     """Grouped bars: ms of each variant, one group per sequence length (log scale)."""
-    lens = sorted({r["seq_len"] for r in result["rows"]})
-    names = list(dict.fromkeys(r["variant"] for r in result["rows"]))
-    fig, ax = plt.subplots(figsize=(7.5, 4))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ms = [next((r.get("ms", 0.0) for r in result["rows"] if r["seq_len"] == s and r["variant"] == name), 0.0)
-              for s in lens]  # failed or missing: 0
-        ax.bar(np.arange(len(lens)) + i * width, ms, width, label=name)
-    ax.set_xticks(np.arange(len(lens)) + width * (len(names) - 1) / 2, [f"S = {s:,}" for s in lens])
-    ax.set_yscale("log")
-    ax.set_ylabel("ms (median)")
     meta = result["meta"]
-    ax.set_title(f"{meta['device']}: phase masses and top {meta['phases']} phases of {meta['strides']} strides, "
-                 f"{meta['heads']} heads", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return grouped_ms_bars(result["rows"], f"{meta['device']}: phase masses and top {meta['phases']} phases of "
+                                           f"{meta['strides']} strides, {meta['heads']} heads")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels.checks import SUPPORTED_DTYPES, check_sm_scale, concrete, fmt_shape
 from pallas_kernels.last_q_scores.reference import last_q_scores_reference
 from pallas_kernels.last_q_scores.triton import last_q_scores_triton, rows_fit, scores_block
-from pallas_kernels.platform import default_implementation
+from pallas_kernels.platform import chosen_implementation
 
 IMPLEMENTATIONS = ("reference", "triton")
 # What ``implementation=None`` runs on a GPU: the fused kernel, 1.9-2.2x faster than the XLA form on an H100
@@ -77,12 +77,7 @@ def last_q_scores(q: jax.Array, k: jax.Array, *, last_q: int, sm_scale: float | 
         raise ValueError(f"rows: expected query indices in [0, T={t}); received values in "
                          f"[{int(host.min())}, {int(host.max())}]")
     named = implementation  # None: chosen rows the kernel cannot take fall back instead of raising
-    if implementation is None:
-        implementation = default_implementation(bool(interpret))
-        if implementation == "triton" and not interpret:
-            implementation = DEFAULT_GPU_IMPLEMENTATION
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
+    implementation = chosen_implementation(implementation, interpret, IMPLEMENTATIONS, DEFAULT_GPU_IMPLEMENTATION)
 
     def reference():
         return last_q_scores_reference(q, k, last_q=last_q, sm_scale=scale, rows=rows, k_valid=k_valid,

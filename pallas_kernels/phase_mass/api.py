@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels.checks import fmt_shape
 from pallas_kernels.phase_mass.reference import phase_masses_reference
 from pallas_kernels.phase_mass.triton import MAX_STRIDE, phase_masses_triton
-from pallas_kernels.platform import default_implementation
+from pallas_kernels.platform import chosen_implementation
 
 IMPLEMENTATIONS = ("reference", "triton")
 # What ``implementation=None`` runs on a GPU: the reference until the kernel is timed against it there.
@@ -40,12 +40,7 @@ def phase_masses(vertical: jax.Array, strides, *, implementation: str | None = N
         strides = ()
     if not strides or any(not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= s for x in strides):
         raise ValueError(f"strides: expected a non-empty sequence of ints in [1, S={s}]; received {strides!r}")
-    if implementation is None:
-        implementation = default_implementation(bool(interpret))
-        if implementation == "triton" and not interpret:
-            implementation = DEFAULT_GPU_IMPLEMENTATION
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
+    implementation = chosen_implementation(implementation, interpret, IMPLEMENTATIONS, DEFAULT_GPU_IMPLEMENTATION)
     if implementation == "reference":
         return phase_masses_reference(vertical, strides)
     if max(strides) > MAX_STRIDE:
