@@ -21,8 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bar_panels import grouped_ms_bars  # noqa: E402
 from jsonl_log import write_json_and_figure  # noqa: E402
+from variant_timing import time_variants  # noqa: E402
 
-from mmjax.timing import device_name, time_fn  # noqa: E402
+from mmjax.timing import device_name  # noqa: E402
 from pallas_kernels.last_q_scores import last_q_scores  # noqa: E402
 from pallas_kernels.last_q_scores.triton import last_q_scores_triton  # noqa: E402
 
@@ -53,27 +54,18 @@ def main(argv=None) -> int:
     result = {"meta": {"device": device_name(), "jax": jax.__version__, "last_q": LAST_Q, "heads": HEADS,
                        "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}, "rows": []}
     fns = variants()
-    print(f"{'S':>9} {'variant':<22} {'ms':>9} {'x reference':>12} {'max diff / max':>15}", flush=True)
+    print(f"{'S':>9} {'variant':<24} {'ms':>9} {'x ref.':>8} {'max diff / max':>15}", flush=True)
     for s in a.lens:
         kq, kk = jax.random.split(jax.random.PRNGKey(s))
         q = jax.random.normal(kq, (1, LAST_Q, HEADS, HEAD_DIM), jnp.float32).astype(jnp.bfloat16)
         k = jax.random.normal(kk, (1, s, KV_HEADS, HEAD_DIM), jnp.float32).astype(jnp.bfloat16)
         want = jax.block_until_ready(fns["reference"](q, k))
-        base = None
-        for name, fn in fns.items():
-            try:  # a variant that fails to compile or run is recorded, and the others are still timed
-                got = fn(q, k)
-                diff = max(float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w))) for g, w in zip(got, want))
-                ms = time_fn(lambda fn=fn, q=q, k=k: fn(q, k), reps=a.reps, min_batch_s=a.batch_s)["ms"]
-            except Exception as err:  # noqa: BLE001
-                result["rows"].append({"seq_len": s, "variant": name, "error": repr(err)[:2000]})
-                print(f"{s:>9} {name:<22} FAILED {repr(err)[:600]}", flush=True)
-                continue
-            base = ms if name == "reference" else base
-            row = {"seq_len": s, "variant": name, "ms": ms, "speedup": base / ms, "max_rel_diff": diff}
-            result["rows"].append(row)
-            print(f"{s:>9} {name:<22} {ms:>9.3f} {base / ms:>12.2f} {diff:>15.2e}", flush=True)
-            del got
+
+        def check(got, want=want):
+            return {"max_rel_diff": max(float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
+                                        for g, w in zip(got, want))}
+
+        time_variants(fns, (q, k), check, seq_len=s, rows=result["rows"], reps=a.reps, batch_s=a.batch_s)
         del q, k, want
         jax.clear_caches()
     path = write_json_and_figure(a.out, "last_q_scores_bench", result, figure(result))

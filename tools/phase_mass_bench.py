@@ -22,9 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bar_panels import grouped_ms_bars  # noqa: E402
 from jsonl_log import write_json_and_figure  # noqa: E402
+from variant_timing import time_variants  # noqa: E402
 
 from mmjax.sparse.patterns.grid import DEFAULT_STRIDES  # noqa: E402
-from mmjax.timing import device_name, time_fn  # noqa: E402
+from mmjax.timing import device_name  # noqa: E402
 from pallas_kernels.phase_mass import phase_masses  # noqa: E402
 from pallas_kernels.phase_mass.reference import phase_mass  # noqa: E402
 from pallas_kernels.phase_mass.triton import phase_masses_triton  # noqa: E402
@@ -64,21 +65,12 @@ def main(argv=None) -> int:
     for s in a.lens:
         v = jax.random.uniform(jax.random.PRNGKey(s), (1, HEADS, s), jnp.float32) / s
         want_m, want_p = jax.block_until_ready(fns["per stride (XLA loop)"](v))
-        base = None
-        for name, fn in fns.items():
-            try:  # a variant that fails to compile or run is recorded, and the others are still timed
-                got_m, got_p = fn(v)
-                diff = float(jnp.max(jnp.abs(got_m - want_m)) / jnp.max(jnp.abs(want_m)))
-                same = bool(jnp.all(got_p == want_p))
-                ms = time_fn(lambda fn=fn, v=v: fn(v), reps=a.reps, min_batch_s=a.batch_s)["ms"]
-            except Exception as err:  # noqa: BLE001
-                result["rows"].append({"seq_len": s, "variant": name, "error": repr(err)[:2000]})
-                print(f"{s:>9} {name:<24} FAILED {repr(err)[:600]}", flush=True)
-                continue
-            base = ms if base is None else base
-            result["rows"].append({"seq_len": s, "variant": name, "ms": ms, "speedup": base / ms,
-                                   "max_rel_diff": diff, "same_phases": same})
-            print(f"{s:>9} {name:<24} {ms:>9.3f} {base / ms:>8.2f} {diff:>15.2e} {str(same):>12}", flush=True)
+
+        def check(got, want_m=want_m, want_p=want_p):
+            return {"max_rel_diff": float(jnp.max(jnp.abs(got[0] - want_m)) / jnp.max(jnp.abs(want_m))),
+                    "same_phases": bool(jnp.all(got[1] == want_p))}
+
+        time_variants(fns, (v,), check, seq_len=s, rows=result["rows"], reps=a.reps, batch_s=a.batch_s)
         del v
         jax.clear_caches()
     path = write_json_and_figure(a.out, "phase_mass_bench", result, figure(result))
