@@ -11,7 +11,6 @@ and whether its top phases equal the loop's. Prints a table, writes ``phase_mass
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -20,12 +19,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bar_panels import grouped_ms_bars  # noqa: E402
-from jsonl_log import write_json_and_figure  # noqa: E402
-from variant_timing import time_variants  # noqa: E402
+from variant_timing import run_bench  # noqa: E402
 
 from mmjax.sparse.patterns.grid import DEFAULT_STRIDES  # noqa: E402
-from mmjax.timing import device_name  # noqa: E402
 from pallas_kernels.phase_mass import phase_masses  # noqa: E402
 from pallas_kernels.phase_mass.reference import phase_mass  # noqa: E402
 from pallas_kernels.phase_mass.triton import phase_masses_triton  # noqa: E402
@@ -50,39 +46,19 @@ def variants(strides: tuple[int, ...]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--lens", type=int, nargs="+", default=[131072, 1048576])
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--batch-s", type=float, default=0.1)
-    a = p.parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
     strides = tuple(DEFAULT_STRIDES)
-    result = {"meta": {"device": device_name(), "jax": jax.__version__, "heads": HEADS, "phases": PHASES,
-                       "strides": len(strides)}, "rows": []}
-    fns = variants(strides)
-    print(f"{'S':>9} {'variant':<24} {'ms':>9} {'x loop':>8} {'max diff / max':>15} {'same phases':>12}", flush=True)
-    for s in a.lens:
-        v = jax.random.uniform(jax.random.PRNGKey(s), (1, HEADS, s), jnp.float32) / s
-        want_m, want_p = jax.block_until_ready(fns["per stride (XLA loop)"](v))
 
-        def check(got, want_m=want_m, want_p=want_p):
-            return {"max_rel_diff": float(jnp.max(jnp.abs(got[0] - want_m)) / jnp.max(jnp.abs(want_m))),
-                    "same_phases": bool(jnp.all(got[1] == want_p))}
+    def check(got, want):
+        return {"max_rel_diff": float(jnp.max(jnp.abs(got[0] - want[0])) / jnp.max(jnp.abs(want[0]))),
+                "same_phases": bool(jnp.all(got[1] == want[1]))}
 
-        time_variants(fns, (v,), check, seq_len=s, rows=result["rows"], reps=a.reps, batch_s=a.batch_s)
-        del v
-        jax.clear_caches()
-    path = write_json_and_figure(a.out, "phase_mass_bench", result, figure(result))
-    print(f"wrote {path} and its plot")
-    return 0
-
-
-def figure(result: dict):
-    """Grouped bars: ms of each variant, one group per sequence length (log scale)."""
-    meta = result["meta"]
-    return grouped_ms_bars(result["rows"], f"{meta['device']}: phase masses and top {meta['phases']} phases of "
-                                           f"{meta['strides']} strides, {meta['heads']} heads")
+    return run_bench(
+        argv, doc=__doc__, stem="phase_mass_bench", meta={"heads": HEADS, "phases": PHASES, "strides": len(strides)},
+        variants=lambda: variants(strides),
+        inputs=lambda s: (jax.random.uniform(jax.random.PRNGKey(s), (1, HEADS, s), jnp.float32) / s,),
+        check=check, columns=f"{'max diff / max':>15} {'same phases':>12}",
+        title=lambda m: f"{m['device']}: phase masses and top {m['phases']} phases of {m['strides']} strides, "
+                        f"{m['heads']} heads")
 
 
 if __name__ == "__main__":
