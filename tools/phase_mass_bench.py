@@ -1,5 +1,5 @@
 """Grid's stride search on a GPU: the phase masses of every candidate stride and their top phases, as the per-stride
-XLA loop `Grid.estimate` ran until 2026-12-07, as one batched top_k over the reference's masses, and over the Triton
+XLA loop `Grid.estimate` runs today, as one batched top_k over the reference's masses, and over the Triton
 kernel's (`pallas_kernels.phase_mass`), for 28 heads' vertical scores over S keys and `grid.DEFAULT_STRIDES`.
 
     PYTHONPATH=.:tools python3 tools/phase_mass_bench.py --lens 131072 1048576 --out DIR
