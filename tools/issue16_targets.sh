@@ -33,8 +33,9 @@
 # and a profiler trace of the steps by kernel);
 # `scores` (the fused last-rows scoring kernel's GPU tests and the pattern GPU tests, then the kernel against its XLA
 # reference at 128k and 1M, `last_q_scores_bench.py`, then `build` at both lengths);
-# `phase-mass` (the phase-mass kernel's GPU tests, then Grid's stride search at 128k and 1M as the per-stride XLA loop,
-# one batched top_k, and the kernel, `phase_mass_bench.py`);
+# `phase-mass` (the phase-mass kernel's GPU tests, then Grid's stride search at 128k and 1M, vertical top phases and
+# slash multiples: the per-stride XLA loop, the kernel for the vertical side only, and one call over both stacked
+# through the reference and the kernel, `phase_mass_bench.py`);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
 # closed over and as a jit argument, `attend_compile_time.py --kernels real`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
