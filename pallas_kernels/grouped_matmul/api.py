@@ -9,7 +9,7 @@ import numpy as np
 from pallas_kernels.checks import check_pow2, fmt_shape
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 from pallas_kernels.grouped_matmul.triton import grouped_matmul_triton
-from pallas_kernels.platform import default_implementation
+from pallas_kernels.platform import chosen_implementation
 
 IMPLEMENTATIONS = ("reference", "triton")
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -52,10 +52,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
                              f"{int(sizes.sum())}, min {int(sizes.min(initial=0))}")
     for name, value in (("tile_m", tile_m), ("tile_n", tile_n), ("tile_k", tile_k)):
         check_pow2(name, value)
-    if implementation is None:
-        implementation = default_implementation(bool(interpret))
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
+    implementation = chosen_implementation(implementation, interpret, IMPLEMENTATIONS)
     group_sizes = group_sizes.astype(jnp.int32)
     if implementation == "reference":
         return grouped_matmul_reference(lhs, rhs, group_sizes)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels.checks import check_pow2, fmt_shape
 from pallas_kernels.layer_matmul.reference import layer_matmul_reference
 from pallas_kernels.layer_matmul.triton import layer_matmul_triton
-from pallas_kernels.platform import default_implementation
+from pallas_kernels.platform import chosen_implementation
 
 IMPLEMENTATIONS = ("reference", "triton")
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -38,10 +38,7 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: int, *, implementation: str 
         raise ValueError(f"layer: expected a Python int in [0, L={w.shape[0]}); received {layer!r}")
     check_pow2("tile_k", tile_k, 16)
     check_pow2("tile_n", tile_n, 16)
-    if implementation is None:
-        implementation = default_implementation(bool(interpret))
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
+    implementation = chosen_implementation(implementation, interpret, IMPLEMENTATIONS)
     if implementation == "reference":
         return layer_matmul_reference(x, w, layer=layer)
     return layer_matmul_triton(x, w, layer=layer, tile_k=tile_k, tile_n=tile_n, interpret=interpret)

@@ -6,7 +6,7 @@ import jax
 
 from pallas_kernels import nonfinite
 from pallas_kernels.checks import check_int, check_pow2, check_qkv, check_sm_scale
-from pallas_kernels.platform import default_implementation
+from pallas_kernels.platform import chosen_implementation
 from pallas_kernels.qsa_topk.common import SCAN_ORDERS, QSATopKResult
 from pallas_kernels.qsa_topk.mosaic_gpu import check_supported as check_mosaic
 from pallas_kernels.qsa_topk.mosaic_gpu import qsa_topk_mosaic_gpu
@@ -103,11 +103,7 @@ def qsa_topk(
     if scan not in SCAN_ORDERS:
         raise ValueError(f"scan: expected one of {SCAN_ORDERS}; received {scan!r}")
     check_quantile(quantile)
-    if implementation is None:
-        implementation = default_implementation(bool(interpret))
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received "
-                         f"{implementation!r}")
+    implementation = chosen_implementation(implementation, interpret, IMPLEMENTATIONS)
     sm_scale = check_sm_scale(sm_scale, q.shape[-1])
     if check_finite:
         nonfinite.check_finite(q=q, k=k, v=v)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.checks import check_int, check_pow2, fmt_shape
-from pallas_kernels.platform import default_implementation
+from pallas_kernels.platform import chosen_implementation
 from pallas_kernels.swiglu_quantize.reference import swiglu_quantize_reference
 from pallas_kernels.swiglu_quantize.triton import swiglu_quantize_triton
 
@@ -61,10 +61,7 @@ def swiglu_quantize(y: jax.Array, gate_scale: jax.Array, up_scale: jax.Array, co
                                  or not jnp.issubdtype(getattr(col_bias, "dtype", None), jnp.floating)):
         raise ValueError(f"col_bias: expected None or float [{2 * f}] (2F from y [M, 2F]); received "
                          f"{fmt_shape(getattr(col_bias, 'shape', ()))} {getattr(col_bias, 'dtype', None)}")
-    if implementation is None:
-        implementation = default_implementation(bool(interpret))
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; received {implementation!r}")
+    implementation = chosen_implementation(implementation, interpret, IMPLEMENTATIONS)
     if implementation == "reference":
         return swiglu_quantize_reference(y, gate_scale, up_scale, col_bias)
     if f % 16:

@@ -8,7 +8,7 @@ import numpy as np
 
 from pallas_kernels import nonfinite
 from pallas_kernels.checks import check_int, check_pow2, check_qkv, check_sm_scale, fmt_shape
-from pallas_kernels.platform import default_implementation, num_cores
+from pallas_kernels.platform import chosen_implementation, num_cores
 from pallas_kernels.tiling import cdiv
 from pallas_kernels.tree_decode import triton as td_triton
 from pallas_kernels.tree_decode.reference import tree_decode_attention_reference
@@ -113,11 +113,7 @@ def tree_decode_attention(
         check_masks(q, k, prefix_valid, block_start, block_mask)
     b, t, n, d = q.shape
     s, kh = k.shape[-3], k.shape[-2]
-    if implementation is None:
-        implementation = default_implementation(bool(interpret))
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None; "
-                         f"received {implementation!r}")
+    implementation = chosen_implementation(implementation, interpret, IMPLEMENTATIONS)
     check_pow2("block_k", block_k)
     if block_r is not None:
         check_pow2("block_r", block_r)
