@@ -24,7 +24,7 @@ def phase_masses(vertical: jax.Array, strides, *, implementation: str | None = N
       strides: a non-empty sequence of ints in ``[1, S]``.
       implementation: "reference" (XLA), "triton" (one kernel per power-of-two width; strides up to
         `triton.MAX_STRIDE`) or None: the reference, or Triton when ``interpret`` (`DEFAULT_GPU_IMPLEMENTATION` on a
-        GPU).
+        GPU); None runs the reference for strides past `triton.MAX_STRIDE`.
 
     Returns float32 ``[B, N, C, W]`` (C strides, W the largest stride rounded up to a power of two): entry
     ``[b, n, c, p]`` is the sum of ``vertical[b, n, j]`` over the positions j with ``j % strides[c] == p`` for p below
@@ -40,8 +40,8 @@ def phase_masses(vertical: jax.Array, strides, *, implementation: str | None = N
         strides = ()
     if not strides or any(not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= s for x in strides):
         raise ValueError(f"strides: expected a non-empty sequence of ints in [1, S={s}]; received {strides!r}")
-    implementation = chosen_implementation(implementation, interpret, IMPLEMENTATIONS, DEFAULT_GPU_IMPLEMENTATION)
-    if implementation == "reference":
+    chosen = chosen_implementation(implementation, interpret, IMPLEMENTATIONS, DEFAULT_GPU_IMPLEMENTATION)
+    if chosen == "reference" or (implementation is None and max(strides) > MAX_STRIDE):
         return phase_masses_reference(vertical, strides)
     if max(strides) > MAX_STRIDE:
         raise ValueError(f"strides: expected at most {MAX_STRIDE} for implementation='triton' (a program's "

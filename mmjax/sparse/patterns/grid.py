@@ -78,7 +78,7 @@ from mmjax.sparse.patterns.static import placed_ashape
 from pallas_kernels import BlockLayout
 from pallas_kernels.checks import check_int
 from pallas_kernels.last_q_scores import last_q_scores
-from pallas_kernels.phase_mass.reference import phase_mass
+from pallas_kernels.phase_mass import phase_masses
 from pallas_kernels.tiling import cdiv
 
 # Multiples of 16 and the token counts of common square patch grids (e.g. 14 x 14 = 196),
@@ -298,15 +298,17 @@ class Grid(Pattern):
         fixed = self.fixed_stride(s, modality)
         cands = (fixed,) if fixed is not None else self.candidate_strides(s)
         lines = self.use_vline or self.use_hline
-        lifts, phases = [], []
-        for stride in cands:
-            mass, ph = jax.lax.top_k(phase_mass(vertical, stride), self.phases)
-            kept = (mass.sum(-1) if lines else 0.0) + (multiple_mass(slash, stride) if self.use_slash else 0.0)
-            cost = (self.phases if lines else 0) + (1 if self.use_slash else 0)
-            # Excess lift over uniform attention (which has lift 1 at every stride).
-            lifts.append(jnp.broadcast_to(kept * stride / max(cost, 1) - 1.0, vertical.shape[:2]))
-            phases.append(ph)
-        lift = jnp.stack(lifts, -1)  # [B,N,C]
+        b = vertical.shape[0]
+        # Every stride's phase masses in one call; with slash lines the slash scores ride along on the batch axis
+        # (offset 0 zeroed): their phase-0 mass is the mass at the stride's multiples, `multiple_mass`.
+        scores = jnp.concatenate([vertical, slash.at[..., 0].set(0.0)], 0) if self.use_slash else vertical
+        masses = phase_masses(scores, cands)  # [B or 2B, N, C, W], -inf past each stride
+        mass, phases = jax.lax.top_k(masses[:b], self.phases)  # [B,N,C,phases]
+        kept = (mass.sum(-1) if lines else 0.0) + (masses[b:, ..., 0] if self.use_slash else 0.0)
+        cost = (self.phases if lines else 0) + (1 if self.use_slash else 0)
+        # Excess lift over uniform attention (which has lift 1 at every stride).
+        lift = jnp.broadcast_to(kept * jnp.asarray(cands, jnp.float32) / max(cost, 1) - 1.0,
+                                (*vertical.shape[:2], len(cands)))  # [B,N,C]
         # The best-lift stride may be a multiple m * s of the true stride s (the same lift,
         # and it wins on noise): walk down to the smallest divisor of it that keeps
         # LIFT_TOLERANCE of its lift; a divisor s / m of the true stride keeps ~1/m. (The max over
@@ -318,7 +320,7 @@ class Grid(Pattern):
         ok = divides[:, best].transpose(1, 2, 0) & (lift >= LIFT_TOLERANCE * best_lift)
         pick = jnp.argmax(ok, axis=-1)  # candidates ascend: the smallest qualifying divisor
         stride = jnp.asarray(cands, jnp.int32)[pick]
-        phase = jnp.take_along_axis(jnp.stack(phases, -2), pick[..., None, None], axis=-2)[..., 0, :]
+        phase = jnp.take_along_axis(phases, pick[..., None, None], axis=-2)[..., 0, :]
         return stride, phase.astype(jnp.int32), jnp.take_along_axis(lift, pick[..., None], -1)[..., 0]
 
     # -------------------------------------------------------------- layouts

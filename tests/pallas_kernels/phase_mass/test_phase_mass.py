@@ -83,3 +83,11 @@ def test_kernel_lowers_for_h100():
 def test_bad_arguments_are_named(vertical, strides, kw, match):
     with pytest.raises(ValueError, match=match):
         phase_masses(vertical, strides, **kw)
+
+
+def test_default_takes_the_reference_past_the_kernels_widest_stride():
+    """implementation=None with the kernel chosen (interpret) runs the reference for a stride past MAX_STRIDE."""
+    v = jax.random.uniform(jax.random.PRNGKey(3), (1, 1, 9000), jnp.float32)
+    got = phase_masses(v, (8193, 7), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(phase_masses(v, (8193, 7), implementation="reference")))
+    assert float(got[0, 0, 0, :8193].sum()) == pytest.approx(float(v.sum()), rel=1e-5)
