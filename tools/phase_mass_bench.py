@@ -1,9 +1,9 @@
 """Grid's stride search on a GPU: for every candidate stride the top phases of the vertical scores (their masses and
 phases) and the slash scores' mass at the stride's multiples, for 28 heads' scores over S keys and
-`grid.DEFAULT_STRIDES`. Forms: the per-stride XLA loop `Grid.estimate` runs today; the Triton kernel's vertical masses
-(`pallas_kernels.phase_mass`) with one batched top_k and the slash side still per stride; and one ``phase_masses``
-call over vertical and slash stacked on the batch axis (a stride's multiples are the slash's phase 0 less offset 0),
-through the reference and through the kernel with 4 and 8 warps.
+`grid.DEFAULT_STRIDES`. Forms: the per-stride XLA loop `Grid.estimate` ran before 58ac317; the Triton kernel's vertical
+masses (`pallas_kernels.phase_mass`) with one batched top_k and the slash side still per stride (what it runs since,
+on a GPU); and one ``phase_masses`` call over vertical and slash stacked on the batch axis (a stride's multiples are
+the slash's phase 0 less offset 0), through the reference and through the kernel with 4 and 8 warps.
 
     PYTHONPATH=.:tools python3 tools/phase_mass_bench.py --lens 131072 1048576 --out DIR
 
