@@ -170,8 +170,8 @@ def test_moe_mlp_matches_a_loop_over_tokens_and_experts(norm):
 def test_moe_mlp_on_a_gpu_is_the_grouped_matmul_kernel(monkeypatch):
     """Lowered for CUDA with the GPU default, the experts run as two Triton grouped-matmul calls, never as
     ``ragged_dot`` (which XLA expands densely over [pairs, experts * hidden])."""
-    from pallas_kernels.grouped_matmul import api as gm_api
-    monkeypatch.setattr(gm_api, "default_implementation", lambda interpret=False: "triton")
+    from pallas_kernels import platform
+    monkeypatch.setattr(platform, "default_implementation", lambda interpret=False: "triton")
     m, width, e, f, k = 4096, 256, 32, 128, 4
     args = (jax.ShapeDtypeStruct((m, width), jnp.bfloat16), jax.ShapeDtypeStruct((width, e), jnp.bfloat16),
             jax.ShapeDtypeStruct((e, width, 2 * f), jnp.bfloat16), jax.ShapeDtypeStruct((e, f, width), jnp.bfloat16))
