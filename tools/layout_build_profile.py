@@ -10,7 +10,8 @@ For Grid with searched strides and Grid(stride=256) (the input's frame size), ea
 together while they fit `reference.STEP_BYTES`; ``_rows_named``: the same rows named, which goes through the
 reference's gather for chosen rows), ``estimate`` (the scores and the stride / phase choice, default implementation),
 ``build_layout`` (estimate included) and ``layout_from_index`` (the layout from a given stride / phase), and the two
-stable argsorts it makes (rows per head, keys); and the strides the heads find.
+stable argsorts it made before `phase_order` (rows per head, keys) and `phase_order`'s orders per head (rows, keys);
+and the strides the heads find.
 ``--trace``: also a `jax.profiler` trace of three calls of each of ``last_q_scores`` (kernel and reference) and
 ``layout_from_index``, summed by GPU kernel (`mmjax.drivers.bench.trace_summary`): each one's kernels by device time
 per call, the 25 longest kept in the JSON (``trace``), ten printed. Writes ``layout_build_profile.json`` and a plot of
@@ -37,6 +38,7 @@ from pattern_parts_profile import FRAME_TOKENS, inputs, stride_counts  # noqa: E
 
 from mmjax.drivers.bench import trace_summary  # noqa: E402
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
+from mmjax.sparse.patterns.grid import phase_order  # noqa: E402
 from mmjax.timing import device_name, time_fn  # noqa: E402
 from pallas_kernels.last_q_scores import last_q_scores  # noqa: E402
 
@@ -63,6 +65,9 @@ def steps(g, q, k, stride, phase) -> dict:
                               (stride, phase)),
         "argsort_rows_per_head": (jax.jit(lambda c: jnp.argsort(c, axis=-1, stable=True)), (codes,)),
         "argsort_keys": (jax.jit(lambda c: jnp.argsort(c, axis=-1, stable=True)), (codes[:, :1],)),
+        # the same orders without a sort, as `layout_from_index` makes them for per-head strides
+        "phase_order_rows_per_head": (jax.jit(lambda st, ph: phase_order(s - t, t, st, ph, g.sink)), (stride, phase)),
+        "phase_order_keys_per_head": (jax.jit(lambda st: phase_order(0, s, st, sink=g.sink)), (stride,)),
     }
 
 

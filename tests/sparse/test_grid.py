@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmjax.drivers.bench.patterns import frame_grid_patterns
 from mmjax.sparse.attention import attention_recall
@@ -15,7 +17,7 @@ from mmjax.sparse.metrics import block_mass_matrix, oracle_recall
 from mmjax.sparse.modality import Modality, frame_tokens_from_grid_thw
 from mmjax.sparse.pattern_search.space import GRID_FLAGS
 from mmjax.sparse.patterns import AShape, Grid, KBoundary, QBoundary, TwoDBoundary
-from mmjax.sparse.patterns.grid import key_groups, phase_groups, phase_major_keys, phase_major_rows
+from mmjax.sparse.patterns.grid import key_groups, phase_groups, phase_major_keys, phase_major_rows, phase_order
 from mmjax.sparse.synthetic import VIDEO_FAMILIES, GridVideo, grid_video_qkv
 from pallas_kernels.block_sparse.validation import check_layout_values
 from tests.pallas_kernels.helpers import (
@@ -412,6 +414,41 @@ def test_phase_major_orders_are_the_stable_argsorts_of_the_groups(stride, frames
     keys, key_order_groups = phase_major_keys(s, stride)
     np.testing.assert_array_equal(np.asarray(keys), np.asarray(jnp.argsort(kg, -1, stable=True)))
     np.testing.assert_array_equal(np.asarray(key_order_groups), np.asarray(jnp.sort(kg, -1)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.sampled_from([1, 37, 128, 300]), off=st.integers(0, 200), sink=st.sampled_from([0, 0, 1, 7, 64, 250]),
+       phases=st.integers(0, 3), heads=st.sampled_from([1, 3]), repeat=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_phase_order_is_the_stable_argsort_of_the_groups(n, off, sink, phases, heads, repeat, seed):
+    """`phase_order` (any per-head strides, offsets, sinks, repeated line phases; no phases: the key groups) gives the
+    stable argsort of `phase_groups` / `key_groups` and the groups in that order."""
+    rng = np.random.default_rng(seed)
+    stride = rng.integers(1, 40, (2, heads)).astype(np.int32)
+    pos = jnp.arange(n) + off
+    if phases:
+        phase = np.stack([rng.integers(0, stride) for _ in range(phases)], -1).astype(np.int32)
+        if repeat:
+            phase[..., -1] = phase[..., 0]
+        groups = phase_groups(pos, jnp.asarray(stride), jnp.asarray(phase), sink)
+        got = phase_order(off, n, jnp.asarray(stride), jnp.asarray(phase), sink)
+    else:
+        groups = key_groups(pos, jnp.asarray(stride), sink)
+        got = phase_order(off, n, jnp.asarray(stride), sink=sink)
+    order = jnp.argsort(groups, -1, stable=True)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(order))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(jnp.take_along_axis(groups, order, -1)))
+
+
+def test_phase_order_broadcasts_one_stride_and_names_bad_arguments():
+    order, groups = phase_order(0, 50, jnp.full((1, 1), 8, jnp.int32), sink=3)
+    assert order.shape == groups.shape == (1, 1, 50)
+    np.testing.assert_array_equal(np.asarray(order[0, 0, :5]), [0, 1, 2, 8, 16])  # the sink, then phase 0
+    with pytest.raises(ValueError, match="^stride, phase, sink, n: expected"):
+        phase_order(0, 10, jnp.full((4,), 2, jnp.int32))
+    with pytest.raises(ValueError, match="^stride, phase, sink, n: expected"):
+        phase_order(0, 10, jnp.full((1, 1), 2, jnp.int32), jnp.zeros((1, 1), jnp.int32))
+    with pytest.raises(ValueError, match="^stride, phase, sink, n: expected"):
+        phase_order(0, 0, jnp.full((1, 1), 2, jnp.int32))
 
 
 def test_phase_major_orders_need_a_dividing_stride():
