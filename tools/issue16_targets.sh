@@ -30,7 +30,7 @@
 # 128k, each layout's attend and each pattern's own attend, Grid's with `frame_first` on and off, 7 samples) and
 # `frame-first1m` (Grid's at 1M, single calls); `build` (Grid's estimation and layout build step by step at 128k and
 # 1M, `layout_build_profile.py`, last_q_scores with a group's heads together and through a gather beside the default,
-# and a profiler trace of the steps by kernel);
+# the per-head orders by stable argsort beside `grid.phase_order`'s, and a profiler trace of the steps by kernel);
 # `scores` (the fused last-rows scoring kernel's GPU tests and the pattern GPU tests, then the kernel against its XLA
 # reference at 128k and 1M, `last_q_scores_bench.py`, then `build` at both lengths);
 # `phase-mass` (the phase-mass kernel's GPU tests, then Grid's stride search at 128k and 1M, vertical top phases and
