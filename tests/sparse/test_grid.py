@@ -420,8 +420,8 @@ def test_phase_major_orders_are_the_stable_argsorts_of_the_groups(stride, frames
 @given(n=st.sampled_from([1, 37, 128, 300]), off=st.integers(0, 200), sink=st.sampled_from([0, 0, 1, 7, 64, 250]),
        phases=st.integers(0, 3), heads=st.sampled_from([1, 3]), repeat=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_phase_order_is_the_stable_argsort_of_the_groups(n, off, sink, phases, heads, repeat, seed):
-    """`phase_order` (any per-head strides, offsets, sinks, repeated line phases; no phases: the key groups) gives the
-    stable argsort of `phase_groups` / `key_groups` and the groups in that order."""
+    """`phase_order` (any per-head strides, offsets, sinks, repeated line phases, phases outside the stride; no phases:
+    the key groups) gives the stable argsort of `phase_groups` / `key_groups` and the groups in that order."""
     rng = np.random.default_rng(seed)
     stride = rng.integers(1, 40, (2, heads)).astype(np.int32)
     pos = jnp.arange(n) + off
@@ -429,6 +429,7 @@ def test_phase_order_is_the_stable_argsort_of_the_groups(n, off, sink, phases, h
         phase = np.stack([rng.integers(0, stride) for _ in range(phases)], -1).astype(np.int32)
         if repeat:
             phase[..., -1] = phase[..., 0]
+            phase[0, 0, 0] = -1 if seed % 2 else stride[0, 0]  # a phase outside [0, stride) names no rows
         groups = phase_groups(pos, jnp.asarray(stride), jnp.asarray(phase), sink)
         got = phase_order(off, n, jnp.asarray(stride), jnp.asarray(phase), sink)
     else:

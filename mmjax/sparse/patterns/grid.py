@@ -188,8 +188,8 @@ def phase_order(off: int, n: int, stride: jax.Array, phase: jax.Array | None = N
                 ) -> tuple[jax.Array, jax.Array]:
     """The stable argsort of `phase_groups` (``phase`` None: of `key_groups`) over the positions ``off .. off + n - 1``
     for any strides, without a sort: (order, its groups ascending) int32 ``[B|1, N|1, n]`` (order entries are
-    indices ``0 .. n - 1``) from stride int ``[B|1, N|1]`` (each >= 1) and phase int ``[B|1, N|1, P]`` (in
-    ``[0, stride)``).
+    indices ``0 .. n - 1``) from stride int ``[B|1, N|1]`` (each >= 1) and phase int ``[B|1, N|1, P]`` (a phase
+    outside ``[0, stride)`` names no rows, as in `phase_groups`).
 
     Each position's slot is computed: the sink rows first, then per group the rows before it plus the position's
     place in it. The positions ``[lo, hi)`` past the sink hold ``L // s`` or ``L // s + 1`` rows of each phase (one
@@ -223,7 +223,9 @@ def phase_order(off: int, n: int, stride: jax.Array, phase: jax.Array | None = N
     ph = x % st  # [B, N, n]
     p = phase.shape[-1]
     lines = [phase[..., i, None] for i in range(p)]  # [B, N, 1] each
-    first = [jnp.all(lines[i] != phase[..., :i], -1, keepdims=True) for i in range(p)]  # not named before
+    # a line group holds rows when its phase is one of the stride's and was not named before (else it is empty)
+    first = [(lines[i] >= 0) & (lines[i] < st) & jnp.all(lines[i] != phase[..., :i], -1, keepdims=True)
+             for i in range(p)]
     starts, total = [], jnp.zeros_like(st)
     for line, f in zip(lines, first, strict=True):
         starts.append(total)
