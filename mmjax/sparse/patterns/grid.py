@@ -79,7 +79,7 @@ from pallas_kernels import BlockLayout
 from pallas_kernels.checks import check_int
 from pallas_kernels.last_q_scores import last_q_scores
 from pallas_kernels.phase_mass import phase_masses
-from pallas_kernels.tiling import cdiv
+from pallas_kernels.tiling import cdiv, inverse_permutation
 
 # Multiples of 16 and the token counts of common square patch grids (e.g. 14 x 14 = 196),
 # from 64 up: the smallest stride bounds the vertical-line list length (S / stride keys).
@@ -194,8 +194,9 @@ def phase_order(off: int, n: int, stride: jax.Array, phase: jax.Array | None = N
     Each position's slot is computed: the sink rows first, then per group the rows before it plus the position's
     place in it. The positions ``[lo, hi)`` past the sink hold ``L // s`` or ``L // s + 1`` rows of each phase (one
     more for the phases ``(lo + e) mod s``, ``e < L mod s``), so the rows of the phases below r and a row's place in
-    its phase, ``(x - lo) // s``, are closed forms; the order is the slots' inverse, one scatter. (An argsort of
-    28 x 1M rows takes 4.7 ms on an H100; `phase_major_rows` is the gather form for one static stride dividing n.)"""
+    its phase, ``(x - lo) // s``, are closed forms; the order is the slots' inverse (`tiling.inverse_permutation`, one
+    scatter). (An argsort of 28 x 1M rows takes 4.7 ms on an H100; `phase_major_rows` is the gather form for one
+    static stride dividing n.)"""
     stride = jnp.asarray(stride, jnp.int32)
     if jnp.ndim(stride) != 2 or (phase is not None and (jnp.ndim(phase) != 3 or not jnp.issubdtype(
             jnp.asarray(phase).dtype, jnp.integer))) or sink < 0 or n < 1:
@@ -226,33 +227,22 @@ def phase_order(off: int, n: int, stride: jax.Array, phase: jax.Array | None = N
     # a line group holds rows when its phase is one of the stride's and was not named before (else it is empty)
     first = [(lines[i] >= 0) & (lines[i] < st) & jnp.all(lines[i] != phase[..., :i], -1, keepdims=True)
              for i in range(p)]
+    counts = [jnp.where(f, count(line), 0) for line, f in zip(lines, first, strict=True)]  # [B, N, 1] each
     starts, total = [], jnp.zeros_like(st)
-    for line, f in zip(lines, first, strict=True):
+    for c in counts:
         starts.append(total)
-        total = total + jnp.where(f, count(line), 0)
+        total = total + c
     in_line, start, group = jnp.zeros(ph.shape, bool), total + below(ph), p + ph
     for i in reversed(range(p)):  # a row in the first line group of its phase
         hit = ph == lines[i]
         in_line, start, group = in_line | hit, jnp.where(hit, starts[i], start), jnp.where(hit, i, group)
-    for line, f in zip(lines, first, strict=True):  # the other rows: past the line groups, less their phases below
-        start = jnp.where(in_line, start, start - jnp.where(f & (line < ph), count(line), 0))
+    for line, c in zip(lines, counts, strict=True):  # the other rows: past the line groups, less their phases below
+        start = jnp.where(in_line | (line >= ph), start, start - c)
     slot = n_sink + start + (x - lo) // st
     if sink:
         slot, group = jnp.where(x < sink, x - off, slot), jnp.where(x < sink, 0, group + 1)
-    return _put_at(slot, jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), slot.shape)), _put_at(slot, group)
-
-
-# out[b, h, slot[b, h, i]] = values[b, h, i]: a scatter along the last axis, batched over the two leading ones
-_LAST_AXIS = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(2,),
-                                             scatter_dims_to_operand_dims=(2,), operand_batching_dims=(0, 1),
-                                             scatter_indices_batching_dims=(0, 1))
-
-
-def _put_at(slot: jax.Array, values: jax.Array) -> jax.Array:
-    """int32 ``[B, N, n]`` with ``values[b, h, i]`` at ``[b, h, slot[b, h, i]]`` (slot a permutation of each row)."""
-    return jax.lax.scatter(jnp.zeros(slot.shape, jnp.int32), slot[..., None], values.astype(jnp.int32), _LAST_AXIS,
-                           indices_are_sorted=False, unique_indices=True,
-                           mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    order = inverse_permutation(slot.astype(jnp.int32))
+    return order, jnp.take_along_axis(group.astype(jnp.int32), order, -1)
 
 
 def _search(code: jax.Array, values: list, *, shape: tuple[int, ...]) -> list[jax.Array]:
