@@ -36,6 +36,8 @@
 # `phase-mass` (the phase-mass kernel's GPU tests, then Grid's stride search at 128k and 1M, vertical top phases and
 # slash multiples: the per-stride XLA loop, the kernel for the vertical side only, and one call over both stacked
 # through the reference and the kernel, `phase_mass_bench.py`);
+# `prior` (the Mosaic GPU tests of a prior result merged in and the pattern GPU tests, then Grid and Grid(frame) at
+# 128k with a profiler trace by kernel, 7 samples: an overlay A / B of the parts merged in the kernel's store);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
 # closed over and as a jit argument, `attend_compile_time.py --kernels real`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
@@ -128,6 +130,11 @@ case $part in
   phase-mass) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/pallas_kernels/phase_mass 2>&1 | tail -3; \
       timeout 200 python3 tools/phase_mass_bench.py --out "$OUT/$part" --lens 131072 1048576 ;;
+  prior) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py tests/sparse/test_patterns_gpu.py \
+      -k "prior or pattern or grid" 2>&1 | tail -3; \
+      timeout 240 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
+      --split 0 --skip-parts --reps 7 --batch-s 0.15 --patterns Grid "Grid(frame)" ;;
   compile-real) timeout 300 python3 tools/attend_compile_time.py --kernels real --seq-len 131072 \
       --patterns Grid "Grid(frame)" ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
