@@ -22,7 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import BlockLayout, block_sparse_attention
-from pallas_kernels.block_sparse import block_sparse_attention_rows, merge_attention_all, merge_rows, scatter_rows
+from pallas_kernels.block_sparse import (
+    block_sparse_attention_parts,
+    block_sparse_attention_rows,
+    merge_attention_all,
+    merge_rows,
+    scatter_rows,
+)
 from pallas_kernels.checks import check_sm_scale
 
 
@@ -145,16 +151,17 @@ def summed_density(parts, causal: bool = True) -> jax.Array:
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
            options: KernelOptions = KernelOptions()) -> tuple[jax.Array, jax.Array]:
     """Block-sparse attention over any layout: out ``[B, T, N, D]`` (q's dtype), lse ``[B, N, T]``
-    float32. A `LayoutSet`'s parts are merged by lse (the parts over all rows in one pass,
-    `merge_attention_all`; parts with a ``q_block_range`` on their rows alone); a `RowSplit`'s rows each take the
+    float32. A `LayoutSet`'s parts are merged by lse (the parts over all rows by `block_sparse_attention_parts`:
+    on the Mosaic GPU kernel each launch merges the result so far in, else one pass, `merge_attention_all`; parts
+    with a ``q_block_range`` on their rows alone); a `RowSplit`'s rows each take the
     result of their own kind's parts. q ``[B, T, N, D]``, k/v ``[B, S, K, D]``."""
     kw = dict(sm_scale=options.sm_scale, implementation=options.implementation, interpret=options.interpret,
               check_finite=options.check_finite)
     if isinstance(layout, RowSplit):
         return _attend_row_split(q, k, v, layout, kw)
     parts = block_parts(layout)
-    full = [block_sparse_attention(q, k, v, p, **kw) for p in parts if p.q_block_range is None]
-    out, lse = merge_attention_all(*zip(*full)) if full else (None, None)
+    full = [p for p in parts if p.q_block_range is None]
+    out, lse = block_sparse_attention_parts(q, k, v, full, **kw) if full else (None, None)
     for part in parts:
         if part.q_block_range is not None:  # work in a few query blocks: computed and merged for those rows only
             rows, o, l = block_sparse_attention_rows(q, k, v, part, **kw)

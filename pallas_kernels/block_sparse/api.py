@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import nonfinite
 from pallas_kernels.block_sparse import validation
 from pallas_kernels.block_sparse.layout import BlockLayout
-from pallas_kernels.block_sparse.merge import gather_rows
+from pallas_kernels.block_sparse.merge import gather_rows, merge_attention, merge_attention_all
 from pallas_kernels.block_sparse.mosaic_gpu import (
     block_sparse_attention_mosaic_gpu,
     block_sparse_attention_rows_mosaic_gpu,
@@ -36,6 +37,7 @@ def block_sparse_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     check_finite: bool = False,
+    prior: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention over the (query block, key block) pairs a `BlockLayout` lists.
 
@@ -59,6 +61,10 @@ def block_sparse_attention(
         `mosaic_options.max_stages`) and ``num_warps`` must be None.
       check_finite: raise `NonFiniteError` (or, under ``jax.jit``, a ``checkify`` error) when
         q, k or v holds a NaN or an inf, instead of propagating it.
+      prior: None, or (out ``[B, T, N, D]`` in q's dtype, lse float32 ``[B, N, T]``): attention of the same queries
+        over keys the layout does not list; the result is `merge.merge_attention` of it with the layout's. The
+        Mosaic GPU kernel merges it in before its store where its rows are the original rows
+        (`block_sparse_attention_mosaic_gpu`); the other implementations merge afterwards.
 
     Returns:
       out ``[B, T, N, D]`` in q's dtype and lse ``[B, N, T]`` float32 (natural log). Rows
@@ -71,9 +77,53 @@ def block_sparse_attention(
     implementation, sm_scale = _resolve(q, k, v, layout, sm_scale=sm_scale, causal=causal,
                                         implementation=implementation, interpret=interpret, num_warps=num_warps,
                                         num_stages=num_stages, check_finite=check_finite)
+    _check_prior(prior, q)
     layout = _held(layout)
     return _run(implementation, q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
-                num_warps=num_warps, num_stages=num_stages)
+                num_warps=num_warps, num_stages=num_stages, prior=prior)
+
+
+def block_sparse_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, layouts, *, sm_scale: float | None = None,
+                                 causal: bool = True, implementation: str | None = None, interpret: bool = False,
+                                 check_finite: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Attention over the union of several layouts whose key sets are disjoint for every row (the parts of a
+    `LayoutSet`): `block_sparse_attention` of each, merged by lse -> out ``[B, T, N, D]`` (q's dtype), lse
+    ``[B, N, T]`` float32. Layouts that run on the Mosaic GPU kernel run in turn, each merging the result so far
+    in before its store (``prior``), so no merge pass reads their outputs again; the results of other
+    implementations are merged with that in one pass (`merge.merge_attention_all`, which rounds to the out dtype
+    once). Arguments as in `block_sparse_attention` (no Triton launch parameters); ``layouts`` a non-empty
+    sequence of `BlockLayout`."""
+    layouts = list(layouts)
+    if not layouts:
+        raise ValueError("layouts: expected at least one BlockLayout; received none")
+    kw = dict(sm_scale=sm_scale, causal=causal, interpret=interpret, num_warps=None, num_stages=None)
+    chosen = [_resolve(q, k, v, layout, implementation=implementation, check_finite=check_finite and i == 0, **kw)
+              for i, layout in enumerate(layouts)]
+    chained, rest = None, []
+    for layout, (impl, scale) in zip(layouts, chosen, strict=True):
+        result = _run(impl, q, k, v, _held(layout), sm_scale=scale, causal=causal, interpret=interpret,
+                      num_warps=None, num_stages=None, prior=chained if impl == "mosaic_gpu" else None)
+        if impl == "mosaic_gpu":
+            chained = result
+        else:
+            rest.append(result)
+    results = ([chained] if chained is not None else []) + rest
+    return merge_attention_all(*zip(*results))
+
+
+def _check_prior(prior, q: jax.Array) -> None:
+    """``prior``: None or (out shaped and typed like q, lse float32 ``[B, N, T]``)."""
+    if prior is None:
+        return
+    b, t, n, _ = q.shape
+    ok = isinstance(prior, (tuple, list)) and len(prior) == 2
+    out, lse = prior if ok else (None, None)
+    if not (ok and getattr(out, "shape", None) == q.shape and getattr(out, "dtype", None) == q.dtype
+            and getattr(lse, "shape", None) == (b, n, t) and getattr(lse, "dtype", None) == jnp.float32):
+        got = ([f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}" for x in prior]
+               if isinstance(prior, (tuple, list)) else type(prior).__name__)
+        raise ValueError(f"prior: expected None or (out {q.dtype}{list(q.shape)} as q, lse float32{[b, n, t]}); "
+                         f"received {got}")
 
 
 def _held(layout: BlockLayout) -> BlockLayout:
@@ -85,18 +135,18 @@ def _held(layout: BlockLayout) -> BlockLayout:
     return jax.tree.unflatten(tree, jax.lax.optimization_barrier(leaves))
 
 
-def _run(implementation: str, q, k, v, layout: BlockLayout, *, sm_scale, causal, interpret, num_warps, num_stages
-         ) -> tuple[jax.Array, jax.Array]:
-    """The chosen implementation on checked arguments (`_resolve`)."""
-    if implementation == "reference":
-        return block_sparse_attention_reference(q, k, v, layout, sm_scale=sm_scale, causal=causal)
+def _run(implementation: str, q, k, v, layout: BlockLayout, *, sm_scale, causal, interpret, num_warps, num_stages,
+         prior=None) -> tuple[jax.Array, jax.Array]:
+    """The chosen implementation on checked arguments (`_resolve`, `_check_prior`)."""
     if implementation == "mosaic_gpu":
         return block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=sm_scale, causal=causal,
-                                                 num_stages=num_stages)
-    return block_sparse_attention_triton(
-        q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+                                                 num_stages=num_stages, prior=prior)
+    if implementation == "reference":
+        out, lse = block_sparse_attention_reference(q, k, v, layout, sm_scale=sm_scale, causal=causal)
+    else:
+        out, lse = block_sparse_attention_triton(q, k, v, layout, sm_scale=sm_scale, causal=causal,
+                                                 interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    return (out, lse) if prior is None else merge_attention(prior[0], prior[1], out, lse)
 
 
 def _resolve(q, k, v, layout: BlockLayout, *, sm_scale, causal, implementation, interpret, num_warps, num_stages,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import mosaic_fa3 as fa3
 from pallas_kernels.block_sparse.layout import BlockLayout
-from pallas_kernels.block_sparse.merge import merge_attention, merge_chunks, scatter_rows
+from pallas_kernels.block_sparse.merge import merge_attention, merge_chunks, merge_rows, scatter_rows
 from pallas_kernels.block_sparse.mosaic_kernel import launch
 from pallas_kernels.block_sparse.mosaic_lists import (
     ROW_CHUNK,
@@ -133,9 +133,9 @@ def _prepared_kv(k, v, layout: BlockLayout, groups: int, d_pad: int,
 
 
 def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                overlap, pingpong, heads_first=False, profile=None, boxes=None, grouped=False):
+                overlap, pingpong, heads_first=False, profile=None, boxes=None, grouped=False, prior=None):
     """The layout's key blocks; q_in is padded and in the layout's row order (``boxes``: (q_box, row_stride), q_in
-    the original rows in `strided_rows`' view; ``grouped``: `_prepared_kv`'s)."""
+    the original rows in `strided_rows`' view; ``grouped``: `_prepared_kv`'s; ``prior``: `launch`'s, merged in)."""
     s = k.shape[1]
     bk, nk = layout.block_k, layout.num_kv_blocks
     s_pad = nk * bk
@@ -155,7 +155,8 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
                   block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile,
-                  overlap=overlap, pingpong=pingpong, heads_first=heads_first, **_box_args(boxes))
+                  overlap=overlap, pingpong=pingpong, heads_first=heads_first, prior=prior,
+                  **_box_args(boxes))
 
 
 def row_range_pass(layout: BlockLayout, column_pass: str | None = None) -> bool:
@@ -292,7 +293,7 @@ def _keys_with_columns(k, v, layout: BlockLayout, d_pad: int):
 
 
 def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
-                       pair, overlap, pingpong, heads_first=False, profile=None, boxes=None):
+                       pair, overlap, pingpong, heads_first=False, profile=None, boxes=None, prior=None):
     """The block pass and the `shared_columns` in one launch (``column_pass="fused"``): the keys in the layout's
     order and the columns' keys gathered in one pass (`_keys_with_columns`), each query block's list going on with
     its column tiles (`fused_lists`), every key with its original position; no second output and no merge."""
@@ -305,7 +306,7 @@ def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, sta
                   num_kv_blocks=nk + tiles, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
                   gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
                   persistent=persistent, ranges=(lo, hi), pair=pair, profile=profile, overlap=overlap,
-                  pingpong=pingpong, heads_first=heads_first, **_box_args(boxes))
+                  pingpong=pingpong, heads_first=heads_first, prior=prior, **_box_args(boxes))
 
 
 def _box_args(boxes) -> dict:
@@ -382,8 +383,15 @@ def block_sparse_attention_mosaic_gpu(
     pingpong: bool = True,
     poison: bool | None = True,
     heads_first: bool = False,
+    prior: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
+
+    ``prior``: None, or (out ``[B,T,N,D]`` in q's dtype, lse float32 ``[B,N,T]``), attention over keys this layout
+    does not list; the result is then `merge_attention` of the prior with this layout's. Where the kernel's rows are
+    the original rows (no ``q_perm``, or `strided_rows`) its launch merges the prior in before its store
+    (`mosaic_kernel.MosaicConfig.prior`: one read of the prior, no merge pass over two results; its lse gathered
+    into the layout's row order); else, and on the rows of a row-range pass, it is merged afterwards.
 
     A key order per query head over grouped heads (``kv_perm [B|1, N, S]``, Grid with searched strides): k / v are
     gathered once per key / value head where each group's query heads agree (`same_key_orders`, a ``lax.cond`` on
@@ -486,7 +494,7 @@ def block_sparse_attention_mosaic_gpu(
     if row_range_pass(layout, column_pass) and not persistent and profile is None:  # its rows alone, lists in chunks
         rows, out, lse = _rows_result(q, k, v, layout, sm_scale=sm_scale, causal=causal, num_stages=num_stages,
                                       key_pairs=key_pairs, overlap=overlap, pingpong=pingpong, poison=poison)
-        return scatter_rows(rows, out, lse, t)
+        return scatter_rows(rows, out, lse, t) if prior is None else merge_rows(*prior, rows, out, lse)
     fused = layout.kv_columns is not None and column_pass == "fused"
     if persistent is None:  # (fused: the lists go on with the column tiles)
         entries = layout.max_blocks + (-(-layout.max_columns // layout.block_k) if fused else 0)
@@ -508,6 +516,12 @@ def block_sparse_attention_mosaic_gpu(
         if layout.q_perm is not None:
             q = _gather_rows(q, jnp.clip(layout.q_perm, 0, t - 1))  # [B, T, N, D] in permuted row order per head
         q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
+    prior_in = None
+    if prior is not None and (strided or layout.q_perm is None):  # merged in the launch, if its tiles fit
+        fit = max_stages(layout.block_k, d_pad, layout.block_q, pair=key_pairs, persistent=persistent, prior=True)
+        if fit >= 2:
+            stages = min(stages, fit)
+            prior_in = _prior_operands(prior, layout, q_in.shape, t_pad, d_pad, strided)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
           "pingpong": pingpong, "heads_first": heads_first}
@@ -515,9 +529,10 @@ def block_sparse_attention_mosaic_gpu(
     def passes(kp, vp, grouped=False):
         """The Mosaic passes on k / v as `_on_keys` gives them (``grouped``: `_prepared_kv`'s)."""
         if fused:  # (`shared_columns`: one key order for every head)
-            out, lse = _fused_column_pass(q_in, kp, vp, layout, profile=profile, boxes=boxes, **kw)
+            out, lse = _fused_column_pass(q_in, kp, vp, layout, profile=profile, boxes=boxes, prior=prior_in, **kw)
         else:
-            out, lse = _block_pass(q_in, kp, vp, layout, profile=profile, boxes=boxes, grouped=grouped, **kw)
+            out, lse = _block_pass(q_in, kp, vp, layout, profile=profile, boxes=boxes, grouped=grouped,
+                                   prior=prior_in, **kw)
         out = out.reshape(out.shape[0], t, *out.shape[3:]) if strided else out
         out, lse = out[:, :t, :, :d], lse[:, :, :t]
         if layout.kv_columns is not None and column_pass == "mosaic":
@@ -535,7 +550,23 @@ def block_sparse_attention_mosaic_gpu(
         out_c, lse_c = block_sparse_attention_triton(q_orig, k_orig, v_orig, columns_only, sm_scale=sm_scale,
                                                      causal=causal)
         out, lse = merge_attention(out, lse, out_c, lse_c)
+    if prior is not None and prior_in is None:
+        out, lse = merge_attention(prior[0], prior[1], out, lse)
     return out, lse
+
+
+def _prior_operands(prior, layout: BlockLayout, q_in_shape, t_pad: int, d_pad: int, strided: bool):
+    """`launch`'s ``prior`` from (out ``[B,T,N,D]``, lse ``[B,N,T]``) in the original row order: out viewed as q_in
+    (`strided_rows`; else padded to ``[B, t_pad, N, d_pad]``, no ``q_perm``) and lse in the layout's row order
+    (gathered by ``q_perm``; padded rows -inf)."""
+    out, lse = prior
+    t = out.shape[1]
+    lse = lse.astype(jnp.float32)
+    if strided:
+        perm = jnp.broadcast_to(jnp.clip(layout.q_perm, 0, t - 1), lse.shape)
+        return out.reshape(q_in_shape), jnp.take_along_axis(lse, perm, axis=2)
+    return (_pad_to(_pad_to(out, 3, d_pad), 1, t_pad),
+            jnp.pad(lse, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=-jnp.inf))
 
 
 def _check_poison(poison) -> None:

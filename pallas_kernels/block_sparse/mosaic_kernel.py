@@ -119,6 +119,10 @@ class MosaicConfig:
         as ``[B, T / row_stride, row_stride, N, Dp]``, a ``q_box`` operand holds each query block's first original
         row, and the kernel loads Q and stores O as strided boxes there (no gather of q, no output put back); lse
         stays in the layout's row order.
+      prior: the kernel merges a result computed before over other keys into each row's: ``prior_out`` (shaped
+        and viewed like q) and ``prior_lse`` (float32 ``[B, N, Tp]``, natural log, in the layout's row order)
+        operands, loaded during each item into an O tile of the consumer's own (the persistent grid's) and merged
+        by lse before the store, as `merge.merge_attention` would (an empty prior row, lse -inf, adds nothing).
     """
 
     block_k: int
@@ -146,6 +150,7 @@ class MosaicConfig:
     visible: bool = False
     heads_first: bool = False
     row_stride: int = 0
+    prior: bool = False
 
 
 
@@ -156,6 +161,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     qpos_ref, kpos_ref = (refs.pop(0), refs.pop(0)) if cfg.has_pos else (None, None)
     vis_ref = refs.pop(0) if cfg.visible else None
     box_ref = refs.pop(0) if cfg.row_stride else None
+    prior_o_ref, prior_lse_ref = (refs.pop(0), refs.pop(0)) if cfg.prior else (None, None)
     out_ref, lse_ref = refs
     leads = dict(cfg.leads)
     bk, dp, stages = cfg.block_k, cfg.head_dim, cfg.stages
@@ -249,8 +255,11 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             return ref.at[self.batch, pl.ds(frame, WG_ROWS), lax.rem(first, cfg.row_stride), self.head]
 
     def body(scoped):
-        (qo_smem, k_smem, v_smem, lse_pos, *o_tiles), (k_bar, v_bar, q_bar, p_bar), (k_free, v_free), sched = scoped
-        o_smem = o_tiles[0] if cfg.persistent else qo_smem  # the consumers' O tiles (the Q tiles on one item)
+        (qo_smem, k_smem, v_smem, lse_pos, *extra), (k_bar, v_bar, q_bar, p_bar, prior_bar), (k_free, v_free), \
+            sched = scoped
+        own_o = cfg.persistent or cfg.prior  # the consumers have O tiles of their own (else the Q tiles hold O)
+        o_smem = extra[0] if own_o else qo_smem
+        prior_l_smem = extra[-1] if cfg.prior else None
         lse_smem, pos_smem = lse_pos if cfg.has_pos else (lse_pos, None)
 
         def q_pos_smem(wg):
@@ -272,10 +281,34 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 """Item ``it``'s Q rows of this consumer into its Q tile."""
                 plgpu.copy_gmem_to_smem(it.rows(q_ref, wg), q_smem, q_bar.at[wg])
 
+            def load_prior(it, row0):
+                """Item ``it``'s prior result rows of this consumer into its O tile and prior lse row."""
+                plgpu.copy_gmem_to_smem(it.rows(prior_o_ref, wg), o_smem.at[wg], prior_bar.at[wg])
+                plgpu.copy_gmem_to_smem(prior_lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)],
+                                        prior_l_smem.at[wg], prior_bar.at[wg])
+
+            def merged_with_prior(acc, m, l):
+                """(acc, m, l) with the prior result as one more key: its lse (base 2) as the logit, its O row as
+                the value (`merge.merge_attention`'s rules: an empty prior row adds nothing whatever its O)."""
+                with jax.named_scope("prior"):
+                    plgpu.barrier_wait(prior_bar.at[wg])
+                    lp = plgpu.load(prior_l_smem.at[wg], layout=fa3.ROW, optimized=False) * LOG2E
+                    o_p = o_smem.at[wg][...].astype(jnp.float32)
+                    m_new = jnp.maximum(m, lp)
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    alpha, beta = jnp.exp2(m - m_use), jnp.exp2(lp - m_use)
+                    beta_rows = fa3.by_row(beta, o_p.shape)
+                    term = jnp.where(beta_rows == 0.0, 0.0, o_p * beta_rows)
+                    return acc * fa3.by_row(alpha, acc.shape) + term, m_new, l * alpha + beta
+
             def run_item(t, done):
                 """Item t of this CTA; ``done``: K/V stages of this consumer's ring used by earlier items."""
                 it = Item.of(t)
                 row0 = it.cta * BLOCK_Q + wg * WG_ROWS
+                if cfg.prior:  # into the O tile, once the last item's stores have read it
+                    if cfg.persistent:
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    load_prior(it, row0)
                 count = it.steps(wg)  # steps of this consumer's list
                 steps = jnp.maximum(it.steps(0), it.steps(1)) if split else count
                 if cfg.persistent:  # this item's Q was loaded during the last one; the next one's loads after the
@@ -508,10 +541,13 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 with jax.named_scope("resync"):
                     pl.when(wg == 0)(handshake)
 
+                l = fa3.row_sums(l)
+                if cfg.prior:
+                    acc, m, l = merged_with_prior(acc, m, l)
                 with jax.named_scope("write"):
-                    if cfg.persistent:  # the last item's stores have read o_smem / l_smem
+                    if cfg.persistent and not cfg.prior:  # the last item's stores have read o_smem / l_smem
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    fa3.write_rows(acc, m, fa3.row_sums(l), o_smem.at[wg], l_smem, it.rows(out_ref, wg),
+                    fa3.write_rows(acc, m, l, o_smem.at[wg], l_smem, it.rows(out_ref, wg),
                                    lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)], dtype)
                 return done + count
 
@@ -600,13 +636,15 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             plgpu.RefUnion(plgpu.SMEM((2, WG_ROWS), jnp.float32),
                            plgpu.SMEM((2 * WG_ROWS + n_v * kt,), jnp.int32))
             if cfg.has_pos else plgpu.SMEM((2, WG_ROWS), jnp.float32),
-            *([plgpu.SMEM((2, WG_ROWS, dp), dtype, transforms=transforms)] if cfg.persistent else []),
+            *([plgpu.SMEM((2, WG_ROWS, dp), dtype, transforms=transforms)] if cfg.persistent or cfg.prior else []),
+            *([plgpu.SMEM((2, WG_ROWS), jnp.float32)] if cfg.prior else []),  # the prior rows' lse
         ),
         (  # a paired stage is ready once both its halves arrived
             plgpu.Barrier(num_arrivals=per, num_barriers=n_k),
             plgpu.Barrier(num_arrivals=per, num_barriers=n_v),
             plgpu.Barrier(num_barriers=4),  # q tiles, q positions
             plgpu.Barrier(num_arrivals=per, num_barriers=n_v) if cfg.has_pos else None,
+            plgpu.Barrier(num_arrivals=2, num_barriers=2) if cfg.prior else None,  # a consumer's prior O and lse
         ),
         # a slot is freed by the consumers that read it: both (one shared list) or its own (split)
         (plgpu.Barrier(num_arrivals=1 if split else 2, num_barriers=n_k),
@@ -628,7 +666,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            pair: bool = False, profile: tuple[int, str] | None = None,
            overlap: bool = False, pingpong: bool = True,
            skip_visible_masks: bool = True, heads_first: bool = False,
-           q_box: jax.Array | None = None, row_stride: int = 0) -> tuple[jax.Array, jax.Array]:
+           q_box: jax.Array | None = None, row_stride: int = 0,
+           prior: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of two list
     entries, ``stages`` K stages and `pair_v_stages` V stages per ring).
@@ -649,6 +688,9 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
       q_box, row_stride: with ``row_stride`` > 0, q_in is ``[B, Tp / row_stride, row_stride, N, Dp]`` (the original
         rows, viewed) and ``q_box`` int32 ``[B|1, N|1, nq]`` each query block's first original row; its rows are
         that row plus multiples of ``row_stride`` (`MosaicConfig.row_stride`); out comes back in that view.
+      prior: None, or (out, lse) of attention over other keys: out shaped and viewed like q_in in its dtype, lse
+        float32 ``[B, N, Tp]`` in q_in's row order; the kernel returns the merge of its result with it
+        (`MosaicConfig.prior`).
       profile: None, or (ranges, directory): Mosaic GPU's profiler records the kernel's named regions (``qk``,
         ``softmax``, ``wait_v``, ``pv`` / ``next_k`` per consumer step; per item ``wait_q``, ``wait_first_k``,
         ``offset`` / ``resync`` (the second consumer's half-step lag, taken at its start and made up at its end)
@@ -690,6 +732,14 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
                              f"with row_stride={row_stride}; received {getattr(q_box, 'shape', None)}")
         names["q_box"] = q_box[..., None]
         operands.append(q_box.astype(jnp.int32))
+    if prior is not None:
+        p_out, p_lse = prior
+        if p_out.shape != q_in.shape or p_out.dtype != q_in.dtype or p_lse.shape != (b, n, tp) or (
+                p_lse.dtype != jnp.float32):
+            raise ValueError(f"prior: expected out {q_in.dtype}{list(q_in.shape)} (as q_in) and lse float32"
+                             f"{[b, n, tp]}; received {p_out.dtype}{list(p_out.shape)} and "
+                             f"{p_lse.dtype}{list(p_lse.shape)}")
+        operands += [p_out, p_lse]
     cfg = MosaicConfig(
         block_k=block_k, head_dim=dp, stages=stages, groups=groups, num_kv_blocks=num_kv_blocks,
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
@@ -697,7 +747,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
         pair=pair, v_stages=pair_v_stages(stages, block_q, block_k) if pair else stages, overlap=overlap,
         pingpong=pingpong, persistent=persistent, visible=vis is not None, heads_first=heads_first,
-        row_stride=row_stride,
+        row_stride=row_stride, prior=prior is not None,
     )
     if overlap and has_pos and cfg.v_stages < 2:
         raise ValueError(f"overlap: needs two V stages per ring with original positions (the next step's key "

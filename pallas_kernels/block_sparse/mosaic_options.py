@@ -50,14 +50,15 @@ def pair_v_stages(stages: int, block_q: int, block_k: int) -> int:
 
 
 def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q, *, pair: bool = False,
-               persistent: bool = False) -> int:
+               persistent: bool = False, prior: bool = False) -> int:
     """Shared memory the kernel requests with ``stages`` K/V stages per ring and original positions (the larger
     case): the two Q/O tiles, the K and V rings, the lse / positions buffer, and the barriers, counted as Mosaic
     GPU does (matches its byte count on every configuration we compiled, e.g. 298,344 for 64-row query blocks,
     64-key tiles, D 128, 4 stages). ``pair``: steps of two list entries (``2 * block_k`` keys per stage, V
     stages `pair_v_stages`); ``persistent``: the persistent grid's two O tiles of their own (the next item's Q
-    loads while O is stored). block_k in `BLOCK_KS`, head_dim a multiple of 64, stages >= 1, block_q in
-    `BLOCK_QS`."""
+    loads while O is stored); ``prior``: a prior result merged in (`MosaicConfig.prior`: O tiles of their own, the
+    prior rows' lse and a barrier per consumer). block_k in `BLOCK_KS`, head_dim a multiple of 64, stages >= 1,
+    block_q in `BLOCK_QS`."""
     for name, value, ok, want in (("block_k", block_k, block_k in BLOCK_KS, f"one of {BLOCK_KS}"),
                                   ("head_dim", head_dim, head_dim > 0 and head_dim % 64 == 0, "a multiple of 64"),
                                   ("stages", stages, stages >= 1, "an int >= 1"),
@@ -67,19 +68,23 @@ def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q,
     kt = block_k * (2 if pair else 1)
     k_slots = ring_count(block_q) * stages
     v_slots = ring_count(block_q) * (pair_v_stages(stages, block_q, block_k) if pair else stages)
-    tiles = ((2 if persistent else 1) * _align(2 * WG_ROWS * head_dim * 2) + _align(k_slots * kt * head_dim * 2)
-             + _align(v_slots * kt * head_dim * 2))
+    tiles = ((2 if persistent or prior else 1) * _align(2 * WG_ROWS * head_dim * 2)
+             + _align(k_slots * kt * head_dim * 2) + _align(v_slots * kt * head_dim * 2))
     positions = _align(max(2 * WG_ROWS * 4, (2 * WG_ROWS + v_slots * kt) * 4))
     # K ready / K free per K slot; V ready / key positions / V free per V slot; Q tiles and positions; schedule
     barriers = 2 * k_slots + 3 * v_slots + 5
+    if prior:  # the prior rows' lse; a barrier per consumer
+        positions += _align(2 * WG_ROWS * 4)
+        barriers += 2
     return tiles + positions + barriers * _BARRIER_BYTES
 
 
 def max_stages(block_k: int, head_dim: int, block_q: int = BLOCK_Q, *, pair: bool = False,
-               persistent: bool = False) -> int:
+               persistent: bool = False, prior: bool = False) -> int:
     """Most K/V stages per ring (at most 4) that fit in shared memory; 0 when two do not fit."""
     fit = [st for st in range(2, _MAX_STAGES + 1)
-           if smem_bytes(block_k, head_dim, st, block_q, pair=pair, persistent=persistent) <= _SMEM_LIMIT]
+           if smem_bytes(block_k, head_dim, st, block_q, pair=pair, persistent=persistent, prior=prior)
+           <= _SMEM_LIMIT]
     return max(fit, default=0)
 
 

@@ -411,3 +411,37 @@ def test_mosaic_per_head_key_orders_match_dense(shared):
     out1, lse1 = run(q, k_all, v_all, layout)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out1, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", ["plain", "persistent", "strided", "strided-persistent", "bq64", "permuted"])
+def test_mosaic_prior_matches_merge_attention(case):
+    """A prior result merged into the pass (``prior``; in the launch but for "permuted", whose rows are gathered):
+    against `merge_attention` of the prior with the pass's own result, with the prior's empty rows (lse -inf)
+    holding NaN in out, which must add nothing."""
+    from pallas_kernels.block_sparse import merge_attention
+
+    t, n = 4096, 8
+    rng = np.random.default_rng(len(case))
+    q, k, v = random_qkv(31, 1, t, t, n, 2, 128, jnp.bfloat16)
+    if case.startswith("strided"):
+        layout = strided_layout(rng, t, n, 16, 128, 0.05)
+    else:
+        layout = random_layout(rng, 1, n, t, t, 64 if case == "bq64" else 128, 64, density=0.1,
+                               perm=case == "permuted")
+    other = random_layout(rng, 1, n, t, t, 128, 64, density=0.05)  # some query blocks empty
+    p_out, p_lse = block_sparse_attention(q, k, v, other, implementation="reference")
+    empty = np.isneginf(np.asarray(p_lse))
+    assert empty.any() and not empty.all()
+    p_out = jnp.where(jnp.einsum("bnt->btn", jnp.isneginf(p_lse))[..., None], jnp.nan, p_out)
+    run = jax.jit(lambda lay, prior: block_sparse_attention_mosaic_gpu(
+        q, k, v, lay, sm_scale=128 ** -0.5, persistent=case.endswith("persistent"), prior=prior))
+    out, lse = run(layout, (p_out, p_lse))
+    ref_out, ref_lse = merge_attention(p_out, p_lse, *run(layout, None))
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+    assert out.dtype == jnp.bfloat16 and not np.isnan(out32).any()
+    assert rel_err(out32, ref32) < TOL[jnp.bfloat16], rel_err(out32, ref32)
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-3)

@@ -140,14 +140,32 @@ def test_merge_attention_all_is_merge_attention_in_turn():
         merge_attention_all([parts[0][0], parts[1][0]], [parts[0][1], parts[1][1][:, :2]])
 
 
-def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups, block_k, block_q, kv_len, causal,
-                    gap, window, sm_scale, q_offset, ranges=None, q_box=None, row_stride=0, **_):
+def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, prior=None, **kw):
     """What `mosaic_kernel.launch` computes with original positions, as masked dense attention: row r of q_in (query
     block r // block_q) sees key c of k_in when c's block is among its block's first ``count`` ids (with
     ``ranges``: c lies in ``[lo, hi)`` of one of its first ``count`` entries) and the positions allow it (without
     positions: row r at ``r + q_offset``, key c at c). With ``row_stride``, q_in is the original rows viewed as
     ``[B, T / stride, stride, N, D]``, query block i's rows are ``q_box[i] + j * stride`` and out comes back in that
-    view (lse in the blocks' row order)."""
+    view (lse in the blocks' row order). With ``prior`` (out like q_in, lse in the blocks' row order) the result is
+    `merge_attention` of the prior with that."""
+    out, lse = _emulated(q_in, k_in, v_in, blocks, count, q_pos, k_pos, **kw)
+    if prior is None:
+        return out, lse
+    if not kw.get("row_stride"):
+        return merge_attention(prior[0], prior[1], out, lse)
+    b, _, st, n, _ = q_in.shape  # merged in the original row order, the lses taken there from the blocks' order
+    rows = (kw["q_box"][..., None] + st * jnp.arange(kw["block_q"])).reshape(kw["q_box"].shape[:2] + (-1,))
+    rows = jnp.broadcast_to(rows, (b, n, rows.shape[-1]))  # [B, N, Tp]: the original row of each block row
+    inv = jnp.argsort(rows, axis=-1)
+    flat = lambda x: x.reshape(b, -1, *x.shape[-2:])  # noqa: E731
+    merged, lse = merge_attention(flat(prior[0]), jnp.take_along_axis(prior[1], inv, axis=-1), flat(out),
+                                  jnp.take_along_axis(lse, inv, axis=-1))
+    return merged.reshape(out.shape), jnp.take_along_axis(lse, rows, axis=-1)
+
+
+def _emulated(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups, block_k, block_q, kv_len, causal,
+              gap, window, sm_scale, q_offset, ranges=None, q_box=None, row_stride=0, **_):
+    """`emulated_launch` without a prior."""
     if row_stride:
         b, f, st, n, dp = q_in.shape
         rows = (q_box[..., None] + st * jnp.arange(block_q)).reshape(q_box.shape[:2] + (-1,))  # [B|1, N|1, Tp]

@@ -1,0 +1,135 @@
+"""A prior result merged into a block-sparse pass (``prior``): `block_sparse_attention`'s argument and its checks,
+the Mosaic GPU passes with the kernel emulated on the CPU (which launches take the prior in, which merge it
+afterwards), and `block_sparse_attention_parts` (the kernel itself: test_mosaic_gpu_gpu.py)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.block_sparse import (
+    api,
+    block_sparse_attention,
+    block_sparse_attention_parts,
+    merge_attention,
+    merge_attention_all,
+    mosaic_gpu,
+)
+from tests.pallas_kernels.block_sparse.test_rows import emulated_launch, range_layout, strided_layout
+from tests.pallas_kernels.helpers import random_layout, random_qkv, rel_err
+
+SCALE = 64 ** -0.5
+
+
+def _prior(q, k, v, seed: int):
+    """A result over another random layout (some rows empty: lse -inf), as the reference computes it."""
+    t, s, n = q.shape[1], k.shape[1], q.shape[2]
+    other = random_layout(np.random.default_rng(seed), 1, n, t, s, 64, 64, density=0.3)
+    return block_sparse_attention(q, k, v, other, implementation="reference")
+
+
+def _close(got, want) -> None:
+    (o, l), (ro, rl) = got, want
+    assert rel_err(np.asarray(o), np.asarray(ro)) < 1e-5
+    fin = np.isfinite(np.asarray(rl))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(l)), fin)
+    np.testing.assert_allclose(np.asarray(l)[fin], np.asarray(rl)[fin], rtol=1e-5, atol=1e-5)
+
+
+def _case(kind: str, t: int, n: int):
+    rng = np.random.default_rng(len(kind) + t)
+    if kind == "strided":
+        return strided_layout(rng, t, n, 4, 128, 0.3), {}
+    if kind == "rows":
+        return range_layout(rng, 1, n, t, t, 128, 64, 1, 3, density=0.5), {}
+    if kind == "columns":  # a second (column) launch, merged with the block pass's
+        return random_layout(rng, 1, n, t, t, 128, 64, columns=40), {"column_pass": "mosaic"}
+    lay = random_layout(rng, 1, n, t, t, 128, 64, perm=kind == "permuted", density=0.3)
+    return lay, {"persistent": True} if kind == "persistent" else {}
+
+
+@pytest.mark.parametrize("kind,in_launch", [
+    ("plain", True), ("persistent", True), ("strided", True), ("columns", True),
+    ("permuted", False),  # rows gathered into a per-head order: merged after the pass
+    ("rows", False),  # a row-range pass: merged on its rows (`merge_rows`)
+])
+def test_prior_merges_as_merge_attention_with_the_kernel_emulated(monkeypatch, kind, in_launch):
+    """The Mosaic passes with a prior give `merge_attention` of it with their result without one; the launches
+    whose rows are the original ones (or strided boxes of them, the prior's lse gathered into the layout's row
+    order) take it in, the others merge it afterwards."""
+    priors = []
+    monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: priors.append(kw.get("prior") is not None)
+                        or emulated_launch(*a, **kw))
+    monkeypatch.setattr(mosaic_gpu, "check_supported", lambda *a, **kw: None)  # (float32 inputs for the emulation)
+    t, n = 512, 4
+    q, k, v = random_qkv(21, 1, t, t, n, 2, 64, jnp.float32)
+    layout, opts = _case(kind, t, n)
+    run = mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__
+    plain = run(q, k, v, layout, sm_scale=SCALE, key_pairs=False, **opts)
+    priors.clear()
+    prior = _prior(q, k, v, 5)
+    got = run(q, k, v, layout, sm_scale=SCALE, key_pairs=False, prior=prior, **opts)
+    _close(got, merge_attention(*prior, *plain))
+    assert any(priors) == in_launch
+    assert priors.count(True) <= 1  # never merged twice (a column pass takes none)
+
+
+def test_prior_argument_is_checked():
+    q, k, v = random_qkv(22, 1, 256, 256, 2, 1, 64, jnp.float32)
+    layout = random_layout(np.random.default_rng(1), 1, 2, 256, 256, 64, 64)
+    out, lse = _prior(q, k, v, 2)
+    for bad in [out, (out,), (out[:, :128], lse), (out.astype(jnp.bfloat16), lse), (out, lse[:, :1]),
+                (out, lse.astype(jnp.bfloat16))]:
+        with pytest.raises(ValueError, match=r"prior: expected None or \(out float32\[1, 256, 2, 64\] as q, lse "
+                                             r"float32\[1, 2, 256\]\)"):
+            block_sparse_attention(q, k, v, layout, implementation="reference", prior=bad)
+
+
+def test_reference_with_a_prior_is_merge_attention():
+    q, k, v = random_qkv(23, 1, 256, 320, 4, 2, 64, jnp.float32)
+    layout = random_layout(np.random.default_rng(3), 1, 4, 256, 320, 64, 64, perm=True)
+    prior = _prior(q, k, v, 4)
+    got = block_sparse_attention(q, k, v, layout, implementation="reference", prior=prior)
+    want = merge_attention(*prior, *block_sparse_attention(q, k, v, layout, implementation="reference"))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _three_parts(t: int, n: int):
+    rng = np.random.default_rng(9)
+    return [random_layout(rng, 1, n, t, t, 128, 64, density=0.2),
+            strided_layout(rng, t, n, 4, 128, 0.2),
+            random_layout(rng, 1, n, t, t, 128, 64, perm=True, density=0.2)]
+
+
+def test_parts_off_the_mosaic_kernel_merge_once():
+    """Off the Mosaic kernel the parts' results are merged in one pass, bit for bit `merge_attention_all`."""
+    t, n = 512, 2
+    q, k, v = random_qkv(24, 1, t, t, n, 1, 64, jnp.float32)
+    parts = _three_parts(t, n)
+    got = block_sparse_attention_parts(q, k, v, parts, implementation="reference")
+    want = merge_attention_all(*zip(*[block_sparse_attention(q, k, v, p, implementation="reference")
+                                      for p in parts]))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="layouts: expected at least one BlockLayout"):
+        block_sparse_attention_parts(q, k, v, [], implementation="reference")
+
+
+def test_parts_on_the_mosaic_kernel_emulated_chain_their_results(monkeypatch):
+    """On the Mosaic kernel each part after the first takes the result so far as its prior (in its launch where
+    its rows allow it); the result is the parts' merge."""
+    priors = []
+    monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: priors.append(kw.get("prior") is not None)
+                        or emulated_launch(*a, **kw))
+    monkeypatch.setattr(api, "check_supported", lambda *a, **kw: None)  # (float32 inputs for the emulation)
+    monkeypatch.setattr(api, "block_sparse_attention_mosaic_gpu",
+                        mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__)
+    t, n = 512, 2
+    q, k, v = random_qkv(25, 1, t, t, n, 1, 64, jnp.float32)
+    parts = _three_parts(t, n)
+    got = block_sparse_attention_parts(q, k, v, parts, implementation="mosaic_gpu")
+    # the first starts the chain; the permuted rows merge afterwards (per-head key orders: both branches traced)
+    assert priors[:2] == [False, True] and not any(priors[2:])
+    want = merge_attention_all(*zip(*[block_sparse_attention(q, k, v, p, implementation="reference")
+                                      for p in parts]))
+    _close(got, want)
