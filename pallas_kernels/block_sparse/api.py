@@ -12,6 +12,7 @@ from pallas_kernels.block_sparse.merge import gather_rows, merge_attention, merg
 from pallas_kernels.block_sparse.mosaic_gpu import (
     block_sparse_attention_mosaic_gpu,
     block_sparse_attention_rows_mosaic_gpu,
+    prior_in_launch,
     row_range_pass,
 )
 from pallas_kernels.block_sparse.mosaic_options import check_supported
@@ -89,7 +90,8 @@ def block_sparse_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, layou
     """Attention over the union of several layouts whose key sets are disjoint for every row (the parts of a
     `LayoutSet`): `block_sparse_attention` of each, merged by lse -> out ``[B, T, N, D]`` (q's dtype), lse
     ``[B, N, T]`` float32. Layouts that run on the Mosaic GPU kernel run in turn, each merging the result so far
-    in before its store (``prior``), so no merge pass reads their outputs again; the results of other
+    in before its store (``prior``), so no merge pass reads their outputs again: those whose launch cannot take a
+    prior (rows gathered into a permuted order, `mosaic_gpu.prior_in_launch`) first. The results of other
     implementations are merged with that in one pass (`merge.merge_attention_all`, which rounds to the out dtype
     once). Arguments as in `block_sparse_attention` (no Triton launch parameters); ``layouts`` a non-empty
     sequence of `BlockLayout`."""
@@ -100,7 +102,9 @@ def block_sparse_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, layou
     chosen = [_resolve(q, k, v, layout, implementation=implementation, check_finite=check_finite and i == 0, **kw)
               for i, layout in enumerate(layouts)]
     chained, rest = None, []
-    for layout, (impl, scale) in zip(layouts, chosen, strict=True):
+    runs = sorted(zip(layouts, chosen, strict=True),  # (a stable sort: the given order within each kind)
+                  key=lambda run: run[1][0] == "mosaic_gpu" and prior_in_launch(q, run[0]))
+    for layout, (impl, scale) in runs:
         result = _run(impl, q, k, v, _held(layout), sm_scale=scale, causal=causal, interpret=interpret,
                       num_warps=None, num_stages=None, prior=chained if impl == "mosaic_gpu" else None)
         if impl == "mosaic_gpu":

@@ -473,7 +473,7 @@ def block_sparse_attention_mosaic_gpu(
                              f"{profile!r}")
         check_int("profile[0] (profiler ranges per warpgroup)", profile[0], 1)
     if column_pass is None:
-        column_pass = ("fused" if fused_columns(layout) else "mosaic") if shared_columns(layout) else "triton"
+        column_pass = default_column_pass(layout)
     if column_pass not in COLUMN_PASSES:
         raise ValueError(f"column_pass: expected None or one of {COLUMN_PASSES}; received {column_pass!r}")
     if column_pass == "fused" and layout.kv_columns is not None and not fused_columns(layout):
@@ -517,7 +517,7 @@ def block_sparse_attention_mosaic_gpu(
             q = _gather_rows(q, jnp.clip(layout.q_perm, 0, t - 1))  # [B, T, N, D] in permuted row order per head
         q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     prior_in = None
-    if prior is not None and (strided or layout.q_perm is None):  # merged in the launch, if its tiles fit
+    if prior is not None and prior_in_launch(q, layout, column_pass):  # merged in the launch, if its tiles fit
         fit = max_stages(layout.block_k, d_pad, layout.block_q, pair=key_pairs, persistent=persistent, prior=True)
         if fit >= 2:
             stages = min(stages, fit)
@@ -553,6 +553,21 @@ def block_sparse_attention_mosaic_gpu(
     if prior is not None and prior_in is None:
         out, lse = merge_attention(prior[0], prior[1], out, lse)
     return out, lse
+
+
+def default_column_pass(layout: BlockLayout) -> str:
+    """`block_sparse_attention_mosaic_gpu`'s ``column_pass`` when None is given."""
+    return ("fused" if fused_columns(layout) else "mosaic") if shared_columns(layout) else "triton"
+
+
+def prior_in_launch(q: jax.Array, layout: BlockLayout, column_pass: str | None = None) -> bool:
+    """Whether `block_sparse_attention_mosaic_gpu` can merge a ``prior`` in its launch: its rows are the original
+    rows (no ``q_perm``) or strided boxes of them (`strided_rows`), and it is no row-range pass (whose rows are
+    merged with `merge_rows`). (Where its tiles and the prior's do not fit in shared memory it merges afterwards.)"""
+    column_pass = default_column_pass(layout) if column_pass is None else column_pass
+    if row_range_pass(layout, column_pass):
+        return False
+    return layout.q_perm is None or strided_rows(layout, q, column_pass)
 
 
 def _prior_operands(prior, layout: BlockLayout, q_in_shape, t_pad: int, d_pad: int, strided: bool):
