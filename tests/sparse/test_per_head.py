@@ -48,13 +48,15 @@ def test_per_head_equals_masked_dense(n, kh, assign):
 
 def test_identical_patterns_share_one_launch(monkeypatch):
     calls = []
-    real = mmjax.sparse.layouts.block_sparse_attention
 
-    def counting(q, *args, **kw):
-        calls.append(q.shape[2])
-        return real(q, *args, **kw)
+    def counting(real):
+        def run(q, *args, **kw):
+            calls.append(q.shape[2])
+            return real(q, *args, **kw)
+        return run
 
-    monkeypatch.setattr(mmjax.sparse.layouts, "block_sparse_attention", counting)
+    for name in ("block_sparse_attention", "block_sparse_attention_parts"):  # (a LayoutSet's parts: the second)
+        monkeypatch.setattr(mmjax.sparse.layouts, name, counting(getattr(mmjax.sparse.layouts, name)))
     a, b = AShape(sink=16, local=32, **SMALL), Dense(**SMALL)
     q, k, v = random_qkv(1, 1, 64, 64, 8, 4, 16)
     mmjax.sparse_attention(q, k, v, [a, b, a, a, b, a, a, a], options=REF)
