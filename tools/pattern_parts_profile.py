@@ -204,6 +204,9 @@ def main(argv=None) -> int:
     p.add_argument("--pattern-attend", action="store_true",
                    help="also time the pattern's own attend (estimation, layout and attention in one jit) with the "
                         "input's frame size known; for Grid with searched strides also with frame_first=False")
+    p.add_argument("--merge-in-launch", action="store_true",
+                   help="also time attend with KernelOptions(merge_in_launch=True): a LayoutSet's parts on the Mosaic "
+                        "kernel each merging the result so far in before their store (traced too unless --no-trace)")
     p.add_argument("--mask-ab", action="store_true",
                    help="also time attend with the position mask on every entry (no `visible_entries` skip)")
     args = p.parse_args(argv)
@@ -349,6 +352,19 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
         row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
         print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
               f"cuDNN's TFLOP/s, temporaries {row[f'attend_temp_gib_{key}']:.2f} GiB", flush=True)
+    if args.merge_in_launch:  # the same call, each Mosaic part merging the result so far in before its store
+        opts = KernelOptions(merge_in_launch=True)
+        run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, opts)).lower(q, k, v, layout).compile()
+        t = timed(lambda: run(q, k, v, layout), args)
+        row["attend_ms_merge_in_launch"] = t
+        row["attend_temp_gib_merge_in_launch"] = run.memory_analysis().temp_size_in_bytes / 2**30
+        row["of_cudnn_tflops_merge_in_launch"] = density * t_cudnn / t
+        print(f"{name}: merged in launch {t:.2f} ms = {density * t_cudnn / t:.2f} of cuDNN's TFLOP/s, temporaries "
+              f"{row['attend_temp_gib_merge_in_launch']:.2f} GiB", flush=True)
+        if not args.no_trace:
+            with tempfile.TemporaryDirectory() as d:
+                row["trace_merge_in_launch"] = traced(lambda: run(q, k, v, layout), d)
+        del run
     if args.pattern_attend:
         pattern_attend_rows(name, pat, q, k, v, t_cudnn, args, modality, row)
     if args.mask_ab:  # the position mask on every entry (before `mosaic_gpu.visible_entries`)

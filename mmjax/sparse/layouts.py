@@ -42,12 +42,14 @@ class KernelOptions:
     interpret: bool = False
     sm_scale: float | None = None
     check_finite: bool = False
+    merge_in_launch: bool = False  # a LayoutSet's parts on the Mosaic GPU kernel each merge the result so far in
+    # before their store (`block_sparse_attention_parts`); off until measured on a GPU
 
     def __post_init__(self) -> None:
         if self.implementation not in (None, "reference", "triton", "mosaic_gpu"):
             raise ValueError(f"implementation: expected None, 'reference', 'triton' or 'mosaic_gpu'; received "
                              f"{self.implementation!r}")
-        for name in ("interpret", "check_finite"):
+        for name in ("interpret", "check_finite", "merge_in_launch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool; received {getattr(self, name)!r}")
         if self.sm_scale is not None:
@@ -151,9 +153,9 @@ def summed_density(parts, causal: bool = True) -> jax.Array:
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
            options: KernelOptions = KernelOptions()) -> tuple[jax.Array, jax.Array]:
     """Block-sparse attention over any layout: out ``[B, T, N, D]`` (q's dtype), lse ``[B, N, T]``
-    float32. A `LayoutSet`'s parts are merged by lse (the parts over all rows by `block_sparse_attention_parts`:
-    on the Mosaic GPU kernel each launch merges the result so far in, else one pass, `merge_attention_all`; parts
-    with a ``q_block_range`` on their rows alone); a `RowSplit`'s rows each take the
+    float32. A `LayoutSet`'s parts are merged by lse (the parts over all rows in one pass,
+    `block_sparse_attention_parts`, or with ``options.merge_in_launch`` each Mosaic GPU launch merging the result so
+    far in; parts with a ``q_block_range`` on their rows alone); a `RowSplit`'s rows each take the
     result of their own kind's parts. q ``[B, T, N, D]``, k/v ``[B, S, K, D]``."""
     kw = dict(sm_scale=options.sm_scale, implementation=options.implementation, interpret=options.interpret,
               check_finite=options.check_finite)
@@ -161,7 +163,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
         return _attend_row_split(q, k, v, layout, kw)
     parts = block_parts(layout)
     full = [p for p in parts if p.q_block_range is None]
-    out, lse = block_sparse_attention_parts(q, k, v, full, **kw) if full else (None, None)
+    out, lse = (block_sparse_attention_parts(q, k, v, full, merge_in_launch=options.merge_in_launch, **kw) if full
+                else (None, None))
     for part in parts:
         if part.q_block_range is not None:  # work in a few query blocks: computed and merged for those rows only
             rows, o, l = block_sparse_attention_rows(q, k, v, part, **kw)

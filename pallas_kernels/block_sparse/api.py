@@ -39,6 +39,7 @@ def block_sparse_attention(
     num_stages: int | None = None,
     check_finite: bool = False,
     prior: tuple[jax.Array, jax.Array] | None = None,
+    merge_in_launch: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention over the (query block, key block) pairs a `BlockLayout` lists.
 
@@ -63,9 +64,10 @@ def block_sparse_attention(
       check_finite: raise `NonFiniteError` (or, under ``jax.jit``, a ``checkify`` error) when
         q, k or v holds a NaN or an inf, instead of propagating it.
       prior: None, or (out ``[B, T, N, D]`` in q's dtype, lse float32 ``[B, N, T]``): attention of the same queries
-        over keys the layout does not list; the result is `merge.merge_attention` of it with the layout's. The
-        Mosaic GPU kernel merges it in before its store where its rows are the original rows
-        (`block_sparse_attention_mosaic_gpu`); the other implementations merge afterwards.
+        over keys the layout does not list; the result is `merge.merge_attention` of it with the layout's.
+      merge_in_launch: on the Mosaic GPU kernel, merge the prior in before the kernel's store where its rows are
+        the original rows (`block_sparse_attention_mosaic_gpu`; not yet run on a GPU, so off by default); else,
+        and on the other implementations, it is merged afterwards.
 
     Returns:
       out ``[B, T, N, D]`` in q's dtype and lse ``[B, N, T]`` float32 (natural log). Rows
@@ -79,35 +81,43 @@ def block_sparse_attention(
                                         implementation=implementation, interpret=interpret, num_warps=num_warps,
                                         num_stages=num_stages, check_finite=check_finite)
     _check_prior(prior, q)
+    if not isinstance(merge_in_launch, bool):
+        raise ValueError(f"merge_in_launch: expected True or False; received {merge_in_launch!r}")
     layout = _held(layout)
     return _run(implementation, q, k, v, layout, sm_scale=sm_scale, causal=causal, interpret=interpret,
-                num_warps=num_warps, num_stages=num_stages, prior=prior)
+                num_warps=num_warps, num_stages=num_stages, prior=prior, merge_in_launch=merge_in_launch)
 
 
 def block_sparse_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, layouts, *, sm_scale: float | None = None,
                                  causal: bool = True, implementation: str | None = None, interpret: bool = False,
-                                 check_finite: bool = False) -> tuple[jax.Array, jax.Array]:
+                                 check_finite: bool = False, merge_in_launch: bool = False
+                                 ) -> tuple[jax.Array, jax.Array]:
     """Attention over the union of several layouts whose key sets are disjoint for every row (the parts of a
-    `LayoutSet`): `block_sparse_attention` of each, merged by lse -> out ``[B, T, N, D]`` (q's dtype), lse
-    ``[B, N, T]`` float32. Layouts that run on the Mosaic GPU kernel run in turn, each merging the result so far
-    in before its store (``prior``), so no merge pass reads their outputs again: those whose launch cannot take a
-    prior (rows gathered into a permuted order, `mosaic_gpu.prior_in_launch`) first. The results of other
-    implementations are merged with that in one pass (`merge.merge_attention_all`, which rounds to the out dtype
-    once). Arguments as in `block_sparse_attention` (no Triton launch parameters); ``layouts`` a non-empty
-    sequence of `BlockLayout`."""
+    `LayoutSet`): `block_sparse_attention` of each, merged by lse in one pass (`merge.merge_attention_all`, which
+    rounds to the out dtype once) -> out ``[B, T, N, D]`` (q's dtype), lse ``[B, N, T]`` float32.
+
+    ``merge_in_launch`` (off by default: not yet run on a GPU): the layouts that run on the Mosaic GPU kernel run
+    in turn, each merging the result so far in before its store (``prior``), so no merge pass reads their outputs
+    again; those whose launch cannot take a prior (rows gathered into a permuted order,
+    `mosaic_gpu.prior_in_launch`) first; the results of other implementations are merged with that in one pass.
+    Arguments as in `block_sparse_attention` (no Triton launch parameters); ``layouts`` a non-empty sequence of
+    `BlockLayout`."""
     layouts = list(layouts)
     if not layouts:
         raise ValueError("layouts: expected at least one BlockLayout; received none")
+    if not isinstance(merge_in_launch, bool):
+        raise ValueError(f"merge_in_launch: expected True or False; received {merge_in_launch!r}")
     kw = dict(sm_scale=sm_scale, causal=causal, interpret=interpret, num_warps=None, num_stages=None)
     chosen = [_resolve(q, k, v, layout, implementation=implementation, check_finite=check_finite and i == 0, **kw)
               for i, layout in enumerate(layouts)]
     chained, rest = None, []
     runs = sorted(zip(layouts, chosen, strict=True),  # (a stable sort: the given order within each kind)
-                  key=lambda run: run[1][0] == "mosaic_gpu" and prior_in_launch(q, run[0]))
+                  key=lambda run: merge_in_launch and run[1][0] == "mosaic_gpu" and prior_in_launch(q, run[0]))
     for layout, (impl, scale) in runs:
+        chain = merge_in_launch and impl == "mosaic_gpu"
         result = _run(impl, q, k, v, _held(layout), sm_scale=scale, causal=causal, interpret=interpret,
-                      num_warps=None, num_stages=None, prior=chained if impl == "mosaic_gpu" else None)
-        if impl == "mosaic_gpu":
+                      num_warps=None, num_stages=None, prior=chained if chain else None, merge_in_launch=chain)
+        if chain:
             chained = result
         else:
             rest.append(result)
@@ -140,11 +150,11 @@ def _held(layout: BlockLayout) -> BlockLayout:
 
 
 def _run(implementation: str, q, k, v, layout: BlockLayout, *, sm_scale, causal, interpret, num_warps, num_stages,
-         prior=None) -> tuple[jax.Array, jax.Array]:
+         prior=None, merge_in_launch=False) -> tuple[jax.Array, jax.Array]:
     """The chosen implementation on checked arguments (`_resolve`, `_check_prior`)."""
     if implementation == "mosaic_gpu":
         return block_sparse_attention_mosaic_gpu(q, k, v, layout, sm_scale=sm_scale, causal=causal,
-                                                 num_stages=num_stages, prior=prior)
+                                                 num_stages=num_stages, prior=prior, merge_in_launch=merge_in_launch)
     if implementation == "reference":
         out, lse = block_sparse_attention_reference(q, k, v, layout, sm_scale=sm_scale, causal=causal)
     else:

@@ -365,7 +365,7 @@ def _column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "num_stages", "persistent", "column_pass",
                                              "key_pairs", "profile", "overlap",
-                                             "pingpong", "poison", "heads_first"))
+                                             "pingpong", "poison", "heads_first", "merge_in_launch"))
 def block_sparse_attention_mosaic_gpu(
     q: jax.Array,
     k: jax.Array,
@@ -384,14 +384,17 @@ def block_sparse_attention_mosaic_gpu(
     poison: bool | None = True,
     heads_first: bool = False,
     prior: tuple[jax.Array, jax.Array] | None = None,
+    merge_in_launch: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
 
     ``prior``: None, or (out ``[B,T,N,D]`` in q's dtype, lse float32 ``[B,N,T]``), attention over keys this layout
-    does not list; the result is then `merge_attention` of the prior with this layout's. Where the kernel's rows are
-    the original rows (no ``q_perm``, or `strided_rows`) its launch merges the prior in before its store
-    (`mosaic_kernel.MosaicConfig.prior`: one read of the prior, no merge pass over two results; its lse gathered
-    into the layout's row order); else, and on the rows of a row-range pass, it is merged afterwards.
+    does not list; the result is then `merge_attention` of the prior with this layout's, merged afterwards unless
+    ``merge_in_launch``: then, where the kernel's rows are the original rows (`prior_in_launch`: no ``q_perm``, or
+    `strided_rows`), its launch merges the prior in before its store (`mosaic_kernel.MosaicConfig.prior`: one read
+    of the prior, no merge pass over two results; its lse gathered into the layout's row order). Off by default:
+    not yet run on a GPU (written 2026-12-07 with no device lent; GPU test
+    `test_mosaic_prior_matches_merge_attention`, timing `tools/issue16_targets.sh prior`).
 
     A key order per query head over grouped heads (``kv_perm [B|1, N, S]``, Grid with searched strides): k / v are
     gathered once per key / value head where each group's query heads agree (`same_key_orders`, a ``lax.cond`` on
@@ -517,7 +520,9 @@ def block_sparse_attention_mosaic_gpu(
             q = _gather_rows(q, jnp.clip(layout.q_perm, 0, t - 1))  # [B, T, N, D] in permuted row order per head
         q_in = _pad_to(_pad_to(q, 3, d_pad), 1, t_pad)
     prior_in = None
-    if prior is not None and prior_in_launch(q, layout, column_pass):  # merged in the launch, if its tiles fit
+    if not isinstance(merge_in_launch, bool):
+        raise ValueError(f"merge_in_launch: expected True or False; received {merge_in_launch!r}")
+    if merge_in_launch and prior is not None and prior_in_launch(q, layout, column_pass):  # if its tiles fit
         fit = max_stages(layout.block_k, d_pad, layout.block_q, pair=key_pairs, persistent=persistent, prior=True)
         if fit >= 2:
             stages = min(stages, fit)

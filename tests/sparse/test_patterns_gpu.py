@@ -93,3 +93,21 @@ def test_searched_grid_with_the_frame_known_matches_the_reference(seed, every_he
     fin = np.isfinite(np.asarray(ref_lse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=2e-3, atol=2e-3)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["Grid", "Grid(frame)"])
+def test_parts_merged_in_launch_match_the_reference(qkv, name):
+    """A LayoutSet's parts each merging the result so far in before their store (``merge_in_launch``: Grid's band,
+    its lines on strided rows or gathered rows, its horizontal lines' rows) against `attend` on the reference."""
+    q, k, v = qkv
+    layout = jax.jit(PATTERNS[name].build_layout)(q, k)
+    out, lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(merge_in_launch=True)))(
+        q, k, v, layout)
+    ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
+        q, k, v, layout)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_err(out, ref) < 2e-2
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=2e-3, atol=2e-3)

@@ -416,7 +416,8 @@ def test_mosaic_per_head_key_orders_match_dense(shared):
 @needs_hopper
 @pytest.mark.parametrize("case", ["plain", "persistent", "strided", "strided-persistent", "bq64", "permuted"])
 def test_mosaic_prior_matches_merge_attention(case):
-    """A prior result merged into the pass (``prior``; in the launch but for "permuted", whose rows are gathered):
+    """A prior result merged into the pass (``prior`` with ``merge_in_launch``; in the launch but for "permuted",
+    whose rows are gathered):
     against `merge_attention` of the prior with the pass's own result, with the prior's empty rows (lse -inf)
     holding NaN in out, which must add nothing."""
     from pallas_kernels.block_sparse import merge_attention
@@ -435,7 +436,8 @@ def test_mosaic_prior_matches_merge_attention(case):
     assert empty.any() and not empty.all()
     p_out = jnp.where(jnp.einsum("bnt->btn", jnp.isneginf(p_lse))[..., None], jnp.nan, p_out)
     run = jax.jit(lambda lay, prior: block_sparse_attention_mosaic_gpu(
-        q, k, v, lay, sm_scale=128 ** -0.5, persistent=case.endswith("persistent"), prior=prior))
+        q, k, v, lay, sm_scale=128 ** -0.5, persistent=case.endswith("persistent"), prior=prior,
+        merge_in_launch=True))
     out, lse = run(layout, (p_out, p_lse))
     ref_out, ref_lse = merge_attention(p_out, p_lse, *run(layout, None))
     out32, ref32 = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)

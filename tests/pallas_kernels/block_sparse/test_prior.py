@@ -2,6 +2,9 @@
 the Mosaic GPU passes with the kernel emulated on the CPU (which launches take the prior in, which merge it
 afterwards), and `block_sparse_attention_parts` (the kernel itself: test_mosaic_gpu_gpu.py)."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -47,15 +50,16 @@ def _case(kind: str, t: int, n: int):
     return lay, {"persistent": True} if kind == "persistent" else {}
 
 
+@pytest.mark.parametrize("merge_in_launch", [False, True])
 @pytest.mark.parametrize("kind,in_launch", [
     ("plain", True), ("persistent", True), ("strided", True), ("columns", True),
     ("permuted", False),  # rows gathered into a per-head order: merged after the pass
     ("rows", False),  # a row-range pass: merged on its rows (`merge_rows`)
 ])
-def test_prior_merges_as_merge_attention_with_the_kernel_emulated(monkeypatch, kind, in_launch):
-    """The Mosaic passes with a prior give `merge_attention` of it with their result without one; the launches
-    whose rows are the original ones (or strided boxes of them, the prior's lse gathered into the layout's row
-    order) take it in, the others merge it afterwards."""
+def test_prior_merges_as_merge_attention_with_the_kernel_emulated(monkeypatch, kind, in_launch, merge_in_launch):
+    """The Mosaic passes with a prior give `merge_attention` of it with their result without one; with
+    ``merge_in_launch`` the launches whose rows are the original ones (or strided boxes of them, the prior's lse
+    gathered into the layout's row order) take it in, the others merge it afterwards (all of them without)."""
     priors = []
     monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: priors.append(kw.get("prior") is not None)
                         or emulated_launch(*a, **kw))
@@ -67,9 +71,10 @@ def test_prior_merges_as_merge_attention_with_the_kernel_emulated(monkeypatch, k
     plain = run(q, k, v, layout, sm_scale=SCALE, key_pairs=False, **opts)
     priors.clear()
     prior = _prior(q, k, v, 5)
-    got = run(q, k, v, layout, sm_scale=SCALE, key_pairs=False, prior=prior, **opts)
+    got = run(q, k, v, layout, sm_scale=SCALE, key_pairs=False, prior=prior, merge_in_launch=merge_in_launch,
+              **opts)
     _close(got, merge_attention(*prior, *plain))
-    assert any(priors) == in_launch
+    assert any(priors) == (in_launch and merge_in_launch)
     assert priors.count(True) <= 1  # never merged twice (a column pass takes none)
 
 
@@ -82,6 +87,10 @@ def test_prior_argument_is_checked():
         with pytest.raises(ValueError, match=r"prior: expected None or \(out float32\[1, 256, 2, 64\] as q, lse "
                                              r"float32\[1, 2, 256\]\)"):
             block_sparse_attention(q, k, v, layout, implementation="reference", prior=bad)
+    with pytest.raises(ValueError, match="merge_in_launch: expected True or False; received 1"):
+        block_sparse_attention(q, k, v, layout, implementation="reference", prior=(out, lse), merge_in_launch=1)
+    with pytest.raises(ValueError, match="merge_in_launch: expected True or False; received 'yes'"):
+        block_sparse_attention_parts(q, k, v, [layout], implementation="reference", merge_in_launch="yes")
 
 
 def test_reference_with_a_prior_is_merge_attention():
@@ -115,9 +124,11 @@ def test_parts_off_the_mosaic_kernel_merge_once():
         block_sparse_attention_parts(q, k, v, [], implementation="reference")
 
 
-def test_parts_on_the_mosaic_kernel_emulated_chain_their_results(monkeypatch):
-    """On the Mosaic kernel the parts run in turn, those whose launch cannot take a prior first, each later one
-    merging the result so far in its launch; the result is the parts' merge."""
+@pytest.mark.parametrize("merge_in_launch", [False, True])
+def test_parts_on_the_mosaic_kernel_emulated(monkeypatch, merge_in_launch):
+    """On the Mosaic kernel the parts' results are merged in one pass, or with ``merge_in_launch`` they run in turn,
+    those whose launch cannot take a prior first, each later one merging the result so far in its launch; the
+    result is the parts' merge either way."""
     priors = []
     monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: priors.append(kw.get("prior") is not None)
                         or emulated_launch(*a, **kw))
@@ -127,10 +138,30 @@ def test_parts_on_the_mosaic_kernel_emulated_chain_their_results(monkeypatch):
     t, n = 512, 2
     q, k, v = random_qkv(25, 1, t, t, n, 1, 64, jnp.float32)
     parts = _three_parts(t, n)
-    got = block_sparse_attention_parts(q, k, v, parts, implementation="mosaic_gpu")
+    got = block_sparse_attention_parts(q, k, v, parts, implementation="mosaic_gpu", merge_in_launch=merge_in_launch)
     # the permuted rows (per-head key orders: two launches, both branches of a cond) first, then the other two,
     # each taking the result so far in its launch
-    assert priors == [False, False, True, True]
+    assert priors == ([False, False, True, True] if merge_in_launch else [False] * 4)
     want = merge_attention_all(*zip(*[block_sparse_attention(q, k, v, p, implementation="reference")
                                       for p in parts]))
     _close(got, want)
+
+
+@pytest.mark.parametrize("kind,persistent", [("strided", True), ("bq64", False)])
+def test_prior_in_launch_lowers_for_cuda(kind, persistent):
+    """The kernel with a prior merged in (its O tile loaded during the item, the merge before the store) lowers for
+    CUDA from shapes: on the persistent grid over strided rows, and one CTA per item over 64-row query blocks."""
+    t, n = 1024, 4
+    rng = np.random.default_rng(7)
+    layout = (strided_layout(rng, t, n, 8, 128, 0.2) if kind == "strided"
+              else random_layout(rng, 1, n, t, t, 64, 64, density=0.2))
+    sd = jax.ShapeDtypeStruct
+    shapes = (sd((1, t, n, 128), jnp.bfloat16), sd((1, t, 2, 128), jnp.bfloat16), sd((1, t, 2, 128), jnp.bfloat16),
+              jax.tree.map(lambda x: sd(x.shape, x.dtype), layout))
+    prior = (sd((1, t, n, 128), jnp.bfloat16), sd((1, n, t), jnp.float32))
+    run = jax.jit(functools.partial(mosaic_gpu.block_sparse_attention_mosaic_gpu, sm_scale=SCALE,
+                                    persistent=persistent, merge_in_launch=True))
+    with_prior = run.trace(*shapes, prior=prior).lower(lowering_platforms=("cuda",)).as_text()
+    without = run.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in with_prior and "mosaic_gpu" in without
+    assert len(with_prior) > len(without)  # the kernel's prior operands and merge
