@@ -1,8 +1,10 @@
 """XLA's plan for `mmjax.sparse.attend`'s merges, on any machine (CPU included), compiled and not run: each part's
-kernel is replaced by an opaque whole result (an optimization barrier over values made from q, k and the part), so
-what is left is the merging. Prints, for QBoundary / TwoDBoundary (Grid(frame) on the video) over a prompt, the video
-and a question, how many fusions write a whole output ``[B, T, N, D]`` and XLA's temp bytes. Run it on two trees
-(e.g. main and a branch) to compare their merge structure:
+kernel is replaced by an opaque whole result (an optimization barrier over values made from q, k and the part, and
+with ``--merge-in-launch`` from the result so far, which the kernel then merges in), so what is left is the merging.
+Prints, for QBoundary / TwoDBoundary (Grid(frame) on the video) over a prompt, the video and a question, and for
+Grid(frame) and Grid on the video alone, how many fusions write a whole output ``[B, T, N, D]`` (each kernel's
+stand-in is one) and XLA's temp bytes. Run it on two trees (e.g. main and a branch), or with and without
+``--merge-in-launch``, to compare their merge structure:
 
     PYTHONPATH=. python3 tools/attend_merge_plan.py --tokens 8192 --heads 8
 """
@@ -19,13 +21,35 @@ import numpy as np
 import mmjax.sparse.layouts as layouts
 from mmjax.sparse.modality import Modality
 from mmjax.sparse.patterns import AShape, Grid, QBoundary, TwoDBoundary
+from pallas_kernels.block_sparse import merge_attention, merge_attention_all
+from pallas_kernels.block_sparse.mosaic_gpu import prior_in_launch
 
 
-def opaque_part(q, k, v, part, **_):
-    """A whole result that XLA cannot fuse into its consumers (what a kernel's output is)."""
+def opaque_part(q, k, v, part, prior=None, **_):
+    """A whole result that XLA cannot fuse into its consumers (what a kernel's output is); with ``prior`` (out, lse)
+    made from it too, in the same fusion (a kernel that merges the prior in before its store)."""
     c = part.kv_block_count.astype(jnp.float32).sum()
-    out = (q * (1.0 + c) + k[:, :1].mean()).astype(q.dtype)
-    return jax.lax.optimization_barrier((out, jnp.einsum("btnd->bnt", q.astype(jnp.float32)) + c))
+    out = q * (1.0 + c) + k[:, :1].mean()
+    lse = jnp.einsum("btnd->bnt", q.astype(jnp.float32)) + c
+    if prior is not None:
+        out, lse = out + prior[0], jnp.maximum(lse, prior[1])
+    return jax.lax.optimization_barrier((out.astype(q.dtype), lse))
+
+
+def opaque_parts(q, k, v, parts, merge_in_launch=False, **_):
+    """`block_sparse_attention_parts` with each part's kernel `opaque_part`: merged in one pass, or with
+    ``merge_in_launch`` each stand-in made from the result so far too (the merge inside the kernel: no pass of its
+    own)."""
+    if not merge_in_launch:
+        return merge_attention_all(*zip(*[opaque_part(q, k, v, p) for p in parts]))
+    out = lse = None
+    for p in sorted(parts, key=lambda p: prior_in_launch(q, p)):  # (`block_sparse_attention_parts`' order)
+        if out is not None and prior_in_launch(q, p):  # the stand-in made from the prior too
+            out, lse = opaque_part(q, k, v, p, prior=(out, lse))
+            continue
+        o, lse_p = opaque_part(q, k, v, p)
+        out, lse = (o, lse_p) if out is None else merge_attention(out, lse, o, lse_p)  # (merged after the pass)
+    return out, lse
 
 
 def opaque_rows(q, k, v, part, **_):
@@ -40,6 +64,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--text", type=int, default=1000, help="prompt tokens before the video")
     p.add_argument("--question", type=int, default=64, help="text tokens after the video")
+    p.add_argument("--merge-in-launch", action="store_true", help="KernelOptions(merge_in_launch=True)")
     a = p.parse_args()
     s, n, d = a.tokens, a.heads, 128
     q = jnp.asarray(np.random.default_rng(0).normal(size=(1, s, n, d)), jnp.bfloat16)
@@ -48,13 +73,18 @@ def main() -> None:
     kinds[0, :a.text], kinds[0, s - a.question:] = 0, 0
     m = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=256)
     layouts.block_sparse_attention = opaque_part
+    layouts.block_sparse_attention_parts = opaque_parts
     layouts.block_sparse_attention_rows = opaque_rows
+    options = layouts.KernelOptions(merge_in_launch=a.merge_in_launch)
     whole = re.compile(rf"= bf16\[1,{s},{n},{d}\][^ ]* fusion\(")
-    for name, w in (("QBoundary", QBoundary({"video": Grid(stride="frame")}, default=AShape(sink=128, local=1024))),
-                    ("TwoDBoundary", TwoDBoundary({("video", "video"): Grid(stride="frame")},
-                                                  default=AShape(sink=128, local=1024)))):
-        layout = w.build_layout(q, k, modality=m)
-        compiled = jax.jit(layouts.attend).lower(q, k, k, layout).compile()
+    video = Modality.from_token_types(np.ones((1, s), np.int32), names=("text", "video"), frame_tokens=256)
+    for name, w, mod in (
+            ("QBoundary", QBoundary({"video": Grid(stride="frame")}, default=AShape(sink=128, local=1024)), m),
+            ("TwoDBoundary", TwoDBoundary({("video", "video"): Grid(stride="frame")},
+                                          default=AShape(sink=128, local=1024)), m),
+            ("Grid(frame) alone", Grid(stride=256, last_q=64), video), ("Grid alone", Grid(last_q=64), video)):
+        layout = w.build_layout(q, k, modality=mod)
+        compiled = jax.jit(lambda q, k, v, lay: layouts.attend(q, k, v, lay, options)).lower(q, k, k, layout).compile()
         fusions = sum(1 for line in compiled.as_text().splitlines() if whole.search(line))
         temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
         print(f"{name}: {fusions} fusions write a whole output; temp {temp:.1f} MiB (q {q.nbytes / 2**20:.1f} MiB)")
