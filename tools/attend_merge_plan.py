@@ -21,35 +21,33 @@ import numpy as np
 import mmjax.sparse.layouts as layouts
 from mmjax.sparse.modality import Modality
 from mmjax.sparse.patterns import AShape, Grid, QBoundary, TwoDBoundary
-from pallas_kernels.block_sparse import merge_attention, merge_attention_all
+from pallas_kernels.block_sparse.merge import merge_onto
 from pallas_kernels.block_sparse.mosaic_gpu import prior_in_launch
 
 
-def opaque_part(q, k, v, part, prior=None, **_):
+def opaque_part(q, k, v, part, prior=None, row_mask=None, **_):
     """A whole result that XLA cannot fuse into its consumers (what a kernel's output is); with ``prior`` (out, lse)
-    made from it too, in the same fusion (a kernel that merges the prior in before its store)."""
+    and ``row_mask`` made from them too, in the same fusion (a kernel that merges them in before its store)."""
     c = part.kv_block_count.astype(jnp.float32).sum()
     out = q * (1.0 + c) + k[:, :1].mean()
     lse = jnp.einsum("btnd->bnt", q.astype(jnp.float32)) + c
+    if row_mask is not None:
+        out, lse = out * row_mask[:, :, None, None], jnp.where(row_mask[:, None], lse, -jnp.inf)
     if prior is not None:
         out, lse = out + prior[0], jnp.maximum(lse, prior[1])
     return jax.lax.optimization_barrier((out.astype(q.dtype), lse))
 
 
-def opaque_parts(q, k, v, parts, merge_in_launch=False, **_):
-    """`block_sparse_attention_parts` with each part's kernel `opaque_part`: merged in one pass, or with
-    ``merge_in_launch`` each stand-in made from the result so far too (the merge inside the kernel: no pass of its
-    own)."""
-    if not merge_in_launch:
-        return merge_attention_all(*zip(*[opaque_part(q, k, v, p) for p in parts]))
-    out = lse = None
-    for p in sorted(parts, key=lambda p: prior_in_launch(q, p)):  # (`block_sparse_attention_parts`' order)
-        if out is not None and prior_in_launch(q, p):  # the stand-in made from the prior too
-            out, lse = opaque_part(q, k, v, p, prior=(out, lse))
-            continue
-        o, lse_p = opaque_part(q, k, v, p)
-        out, lse = (o, lse_p) if out is None else merge_attention(out, lse, o, lse_p)  # (merged after the pass)
-    return out, lse
+def opaque_parts(q, k, v, parts, prior=None, row_mask=None, merge_in_launch=False, **_):
+    """`block_sparse_attention_parts` with each part's kernel `opaque_part`: merged onto the prior in one pass on the
+    mask's rows, or with ``merge_in_launch`` the parts that can take it in their launch last, each stand-in made
+    from the result so far (and the mask) too (the merge inside the kernel: no pass of its own)."""
+    late = [merge_in_launch and prior_in_launch(q, p) for p in parts]
+    result = merge_onto(prior, [opaque_part(q, k, v, p) for p, x in zip(parts, late) if not x], row_mask)
+    for p, x in zip(parts, late):
+        if x:
+            result = opaque_part(q, k, v, p, prior=result, row_mask=row_mask)
+    return result
 
 
 def opaque_rows(q, k, v, part, **_):
@@ -72,7 +70,6 @@ def main() -> None:
     kinds = np.ones((1, s), np.int32)
     kinds[0, :a.text], kinds[0, s - a.question:] = 0, 0
     m = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=256)
-    layouts.block_sparse_attention = opaque_part
     layouts.block_sparse_attention_parts = opaque_parts
     layouts.block_sparse_attention_rows = opaque_rows
     options = layouts.KernelOptions(merge_in_launch=a.merge_in_launch)

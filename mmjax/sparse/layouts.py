@@ -21,11 +21,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import BlockLayout, block_sparse_attention
+from pallas_kernels import BlockLayout
 from pallas_kernels.block_sparse import (
     block_sparse_attention_parts,
     block_sparse_attention_rows,
-    merge_attention_all,
     merge_rows,
     scatter_rows,
 )
@@ -160,7 +159,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
     kw = dict(sm_scale=options.sm_scale, implementation=options.implementation, interpret=options.interpret,
               check_finite=options.check_finite)
     if isinstance(layout, RowSplit):
-        return _attend_row_split(q, k, v, layout, kw)
+        return _attend_row_split(q, k, v, layout, kw, options.merge_in_launch)
     parts = block_parts(layout)
     full = [p for p in parts if p.q_block_range is None]
     out, lse = (block_sparse_attention_parts(q, k, v, full, merge_in_launch=options.merge_in_launch, **kw) if full
@@ -172,30 +171,27 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, layout: Layout,
     return out, lse
 
 
-def _attend_row_split(q, k, v, layout: RowSplit, kw: dict) -> tuple[jax.Array, jax.Array]:
-    """`attend` of a `RowSplit`: each kind's parts over all rows are merged in one pass (`merge_attention_all`) on
-    the rows of that kind alone (their lses -inf elsewhere, so the merge leaves every other row as the result so far
-    has it, and the first kind's merge writes the empty result, 0 / lse -inf, on the other rows: what rows of no
-    listed kind keep); then every kind's parts with a ``q_block_range`` (a kind with few rows,
-    `boundary._kind_range`; Grid's horizontal lines) are merged on its rows alone (`merge_rows`, the other kinds'
-    rows dropped). Merging into an empty row is exact, so each row gets its own kind's parts merged as a `LayoutSet`
-    would merge them."""
+def _attend_row_split(q, k, v, layout: RowSplit, kw: dict, merge_in_launch: bool) -> tuple[jax.Array, jax.Array]:
+    """`attend` of a `RowSplit`: each kind's parts over all rows are merged onto the result so far on the rows of
+    that kind alone (`block_sparse_attention_parts` with a ``row_mask``: in one pass, `merge.merge_onto`, their lses
+    -inf off the kind, so the merge leaves every other row as the result so far has it, and the first kind's merge
+    writes the empty result, 0 / lse -inf, on the other rows: what rows of no listed kind keep; or with
+    ``merge_in_launch`` in the Mosaic GPU launches' stores); then every kind's parts with a ``q_block_range`` (a kind
+    with few rows, `boundary._kind_range`; Grid's horizontal lines) are merged on its rows alone (`merge_rows`, the
+    other kinds' rows dropped). Merging into an empty row is exact, so each row gets its own kind's parts merged as
+    a `LayoutSet` would merge them."""
     b, t = q.shape[0], q.shape[1]
     out = lse = None
     ranged = []
     for kind, part in zip(layout.kinds, layout.parts):
         parts = block_parts(part)
         ranged += [(kind, p) for p in parts if p.q_block_range is not None]
-        full = [block_sparse_attention(q, k, v, p, **kw) for p in parts if p.q_block_range is None]
+        full = [p for p in parts if p.q_block_range is None]
         if not full:
             continue
-        own = layout.row_kind == kind  # [B, T]
-        merged = [] if out is None else [(out, lse)]
-        merged += [(o, jnp.where(own[:, None, :], l.astype(jnp.float32), -jnp.inf)) for o, l in full]
-        if len(merged) == 1:  # the first kind's one part: its rows, the empty result elsewhere
-            out, lse = jnp.where(own[:, :, None, None], merged[0][0], jnp.zeros((), q.dtype)), merged[0][1]
-        else:
-            out, lse = merge_attention_all(*zip(*merged))
+        out, lse = block_sparse_attention_parts(q, k, v, full, prior=None if out is None else (out, lse),
+                                                row_mask=layout.row_kind == kind, merge_in_launch=merge_in_launch,
+                                                **kw)
     if out is None:
         out, lse = jnp.zeros(q.shape, q.dtype), jnp.full((b, q.shape[2], t), -jnp.inf, jnp.float32)
     for kind, p in ranged:

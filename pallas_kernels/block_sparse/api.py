@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels import nonfinite
 from pallas_kernels.block_sparse import validation
 from pallas_kernels.block_sparse.layout import BlockLayout
-from pallas_kernels.block_sparse.merge import gather_rows, merge_attention, merge_attention_all
+from pallas_kernels.block_sparse.merge import gather_rows, merge_attention, merge_onto
 from pallas_kernels.block_sparse.mosaic_gpu import (
     block_sparse_attention_mosaic_gpu,
     block_sparse_attention_rows_mosaic_gpu,
@@ -90,39 +90,40 @@ def block_sparse_attention(
 
 def block_sparse_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, layouts, *, sm_scale: float | None = None,
                                  causal: bool = True, implementation: str | None = None, interpret: bool = False,
-                                 check_finite: bool = False, merge_in_launch: bool = False
+                                 check_finite: bool = False, prior: tuple[jax.Array, jax.Array] | None = None,
+                                 row_mask: jax.Array | None = None, merge_in_launch: bool = False
                                  ) -> tuple[jax.Array, jax.Array]:
     """Attention over the union of several layouts whose key sets are disjoint for every row (the parts of a
-    `LayoutSet`): `block_sparse_attention` of each, merged by lse in one pass (`merge.merge_attention_all`, which
-    rounds to the out dtype once) -> out ``[B, T, N, D]`` (q's dtype), lse ``[B, N, T]`` float32.
+    `LayoutSet`): `block_sparse_attention` of each, merged by lse in one pass with ``prior`` (`merge.merge_onto`,
+    `merge_attention_all`: rounds to the out dtype once) -> out ``[B, T, N, D]`` (q's dtype), lse ``[B, N, T]``
+    float32. ``row_mask``: None, or bool ``[B, T]``: the layouts are for those rows alone, the others keep the prior
+    (or the empty result, out 0 / lse -inf, without one), whatever the layouts list there (a `RowSplit`'s kinds).
 
-    ``merge_in_launch`` (off by default: not yet run on a GPU): the layouts that run on the Mosaic GPU kernel run
-    in turn, each merging the result so far in before its store (``prior``), so no merge pass reads their outputs
-    again; those whose launch cannot take a prior (rows gathered into a permuted order,
-    `mosaic_gpu.prior_in_launch`) first; the results of other implementations are merged with that in one pass.
-    Arguments as in `block_sparse_attention` (no Triton launch parameters); ``layouts`` a non-empty sequence of
-    `BlockLayout`."""
+    ``merge_in_launch`` (off by default: not yet run on a GPU): the layouts that run on the Mosaic GPU kernel and can
+    take a prior in their launch (`mosaic_gpu.prior_in_launch`: their rows are the original rows or strided boxes of
+    them) run last, in turn, each merging the result so far in before its store, on the mask's rows, so no merge
+    pass reads their outputs again; the others are merged first as above. Arguments as in `block_sparse_attention`
+    (no Triton launch parameters); ``layouts`` a non-empty sequence of `BlockLayout`."""
     layouts = list(layouts)
     if not layouts:
         raise ValueError("layouts: expected at least one BlockLayout; received none")
     if not isinstance(merge_in_launch, bool):
         raise ValueError(f"merge_in_launch: expected True or False; received {merge_in_launch!r}")
+    _check_prior(prior, q)
+    _check_row_mask(row_mask, q)
     kw = dict(sm_scale=sm_scale, causal=causal, interpret=interpret, num_warps=None, num_stages=None)
     chosen = [_resolve(q, k, v, layout, implementation=implementation, check_finite=check_finite and i == 0, **kw)
               for i, layout in enumerate(layouts)]
-    chained, rest = None, []
-    runs = sorted(zip(layouts, chosen, strict=True),  # (a stable sort: the given order within each kind)
-                  key=lambda run: merge_in_launch and run[1][0] == "mosaic_gpu" and prior_in_launch(q, run[0]))
-    for layout, (impl, scale) in runs:
-        chain = merge_in_launch and impl == "mosaic_gpu"
-        result = _run(impl, q, k, v, _held(layout), sm_scale=scale, causal=causal, interpret=interpret,
-                      num_warps=None, num_stages=None, prior=chained if chain else None, merge_in_launch=chain)
-        if chain:
-            chained = result
-        else:
-            rest.append(result)
-    results = ([chained] if chained is not None else []) + rest
-    return merge_attention_all(*zip(*results))
+    runs = [(layout, impl, scale, merge_in_launch and impl == "mosaic_gpu" and prior_in_launch(q, layout))
+            for layout, (impl, scale) in zip(layouts, chosen, strict=True)]
+    now = [_run(impl, q, k, v, _held(layout), sm_scale=scale, causal=causal, interpret=interpret, num_warps=None,
+                num_stages=None) for layout, impl, scale, chained in runs if not chained]
+    result = merge_onto(prior, now, row_mask)
+    for layout, _, scale, chained in runs:
+        if chained:
+            result = block_sparse_attention_mosaic_gpu(q, k, v, _held(layout), sm_scale=scale, causal=causal,
+                                                       prior=result, row_mask=row_mask, merge_in_launch=True)
+    return result
 
 
 def _check_prior(prior, q: jax.Array) -> None:
@@ -138,6 +139,17 @@ def _check_prior(prior, q: jax.Array) -> None:
                if isinstance(prior, (tuple, list)) else type(prior).__name__)
         raise ValueError(f"prior: expected None or (out {q.dtype}{list(q.shape)} as q, lse float32{[b, n, t]}); "
                          f"received {got}")
+
+
+def _check_row_mask(row_mask, q: jax.Array) -> None:
+    """``row_mask``: None or bool ``[B, T]`` of q's B and T."""
+    if row_mask is None:
+        return
+    b, t = q.shape[0], q.shape[1]
+    if getattr(row_mask, "shape", None) != (b, t) or getattr(row_mask, "dtype", None) != jnp.bool_:
+        raise ValueError(f"row_mask: expected None or bool{[b, t]} ([B, T] of q); received "
+                         f"{getattr(row_mask, 'dtype', type(row_mask).__name__)}"
+                         f"{list(getattr(row_mask, 'shape', ()))}")
 
 
 def _held(layout: BlockLayout) -> BlockLayout:

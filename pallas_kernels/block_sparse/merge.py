@@ -142,3 +142,22 @@ def merge_rows(out: jax.Array, lse: jax.Array, rows: jax.Array, out_rows: jax.Ar
     bi, ri, ni = _row_index(rows, b, n)
     return (out.at[bi, ri, ni].set(o_new, mode="drop"),
             lse.at[bi, ni, ri].set(jnp.einsum("bnr->brn", l_new), mode="drop"))
+
+
+def merge_onto(prior, results, row_mask=None):
+    """Results over disjoint key sets merged onto a prior one, on the rows of ``row_mask`` alone: prior None or (out
+    ``[B, T, N, D]``, lse float32 ``[B, N, T]``); results a sequence of such (out, lse); row_mask None (every row) or
+    bool ``[B, T]``: the other rows keep the prior as it is (out 0 / lse -inf without one), whatever the results hold
+    there -> (out in the first out's dtype, lse float32), or None when there is nothing to merge. One pass
+    (`merge_attention_all`) over the prior and the results' lses set to -inf off the mask."""
+    results = list(results)
+    if row_mask is not None:
+        own = row_mask[:, None, :]
+        results = [(o, jnp.where(own, x.astype(jnp.float32), -jnp.inf)) for o, x in results]
+    merged = ([] if prior is None else [tuple(prior)]) + results
+    if not merged:
+        return None
+    if len(merged) == 1 and prior is None and row_mask is not None:  # the empty result off the mask
+        o, x = merged[0]
+        return jnp.where(row_mask[:, :, None, None], o, jnp.zeros((), o.dtype)), x
+    return merge_attention_all(*zip(*merged))

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import mosaic_fa3 as fa3
 from pallas_kernels.block_sparse.layout import BlockLayout
-from pallas_kernels.block_sparse.merge import merge_attention, merge_chunks, merge_rows, scatter_rows
+from pallas_kernels.block_sparse.merge import merge_attention, merge_chunks, merge_onto, merge_rows, scatter_rows
 from pallas_kernels.block_sparse.mosaic_kernel import launch
 from pallas_kernels.block_sparse.mosaic_lists import (
     ROW_CHUNK,
@@ -133,9 +133,11 @@ def _prepared_kv(k, v, layout: BlockLayout, groups: int, d_pad: int,
 
 
 def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent, pair,
-                overlap, pingpong, heads_first=False, profile=None, boxes=None, grouped=False, prior=None):
+                overlap, pingpong, heads_first=False, profile=None, boxes=None, grouped=False, prior=None,
+                row_mask=None):
     """The layout's key blocks; q_in is padded and in the layout's row order (``boxes``: (q_box, row_stride), q_in
-    the original rows in `strided_rows`' view; ``grouped``: `_prepared_kv`'s; ``prior``: `launch`'s, merged in)."""
+    the original rows in `strided_rows`' view; ``grouped``: `_prepared_kv`'s; ``prior`` / ``row_mask``: `launch`'s,
+    merged in)."""
     s = k.shape[1]
     bk, nk = layout.block_k, layout.num_kv_blocks
     s_pad = nk * bk
@@ -155,7 +157,7 @@ def _block_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_
                   num_kv_blocks=nk, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk,
                   causal=causal, gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages,
                   block_q=layout.block_q, persistent=persistent, ranges=ranges, pair=pair, profile=profile,
-                  overlap=overlap, pingpong=pingpong, heads_first=heads_first, prior=prior,
+                  overlap=overlap, pingpong=pingpong, heads_first=heads_first, prior=prior, row_mask=row_mask,
                   **_box_args(boxes))
 
 
@@ -293,7 +295,8 @@ def _keys_with_columns(k, v, layout: BlockLayout, d_pad: int):
 
 
 def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, stages, t_pad, d_pad, persistent,
-                       pair, overlap, pingpong, heads_first=False, profile=None, boxes=None, prior=None):
+                       pair, overlap, pingpong, heads_first=False, profile=None, boxes=None, prior=None,
+                       row_mask=None):
     """The block pass and the `shared_columns` in one launch (``column_pass="fused"``): the keys in the layout's
     order and the columns' keys gathered in one pass (`_keys_with_columns`), each query block's list going on with
     its column tiles (`fused_lists`), every key with its original position; no second output and no merge."""
@@ -306,7 +309,7 @@ def _fused_column_pass(q_in, k, v, layout: BlockLayout, *, sm_scale, causal, sta
                   num_kv_blocks=nk + tiles, kv_len=layout.kv_len, q_offset=layout.q_offset, block_k=bk, causal=causal,
                   gap=layout.gap, window=layout.window, sm_scale=sm_scale, stages=stages, block_q=layout.block_q,
                   persistent=persistent, ranges=(lo, hi), pair=pair, profile=profile, overlap=overlap,
-                  pingpong=pingpong, heads_first=heads_first, prior=prior, **_box_args(boxes))
+                  pingpong=pingpong, heads_first=heads_first, prior=prior, row_mask=row_mask, **_box_args(boxes))
 
 
 def _box_args(boxes) -> dict:
@@ -384,6 +387,7 @@ def block_sparse_attention_mosaic_gpu(
     poison: bool | None = True,
     heads_first: bool = False,
     prior: tuple[jax.Array, jax.Array] | None = None,
+    row_mask: jax.Array | None = None,
     merge_in_launch: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """q ``[B,T,N,D]``, k/v ``[B,S,K,D]`` (bf16 / fp16) -> out ``[B,T,N,D]``, lse ``[B,N,T]`` f32.
@@ -394,7 +398,9 @@ def block_sparse_attention_mosaic_gpu(
     `strided_rows`), its launch merges the prior in before its store (`mosaic_kernel.MosaicConfig.prior`: one read
     of the prior, no merge pass over two results; its lse gathered into the layout's row order). Off by default:
     not yet run on a GPU (written 2026-12-07 with no device lent; GPU test
-    `test_mosaic_prior_matches_merge_attention`, timing `tools/issue16_targets.sh prior`).
+    `test_mosaic_prior_matches_merge_attention`, timing `tools/issue16_targets.sh prior`). ``row_mask``: None, or
+    bool ``[B, T]``: the layout is for those rows alone; the others keep the prior (or the empty result without one)
+    whatever the layout lists there (`merge.merge_onto`; in the launch with ``merge_in_launch``, as a row operand).
 
     A key order per query head over grouped heads (``kv_perm [B|1, N, S]``, Grid with searched strides): k / v are
     gathered once per key / value head where each group's query heads agree (`same_key_orders`, a ``lax.cond`` on
@@ -497,7 +503,9 @@ def block_sparse_attention_mosaic_gpu(
     if row_range_pass(layout, column_pass) and not persistent and profile is None:  # its rows alone, lists in chunks
         rows, out, lse = _rows_result(q, k, v, layout, sm_scale=sm_scale, causal=causal, num_stages=num_stages,
                                       key_pairs=key_pairs, overlap=overlap, pingpong=pingpong, poison=poison)
-        return scatter_rows(rows, out, lse, t) if prior is None else merge_rows(*prior, rows, out, lse)
+        if row_mask is None:
+            return scatter_rows(rows, out, lse, t) if prior is None else merge_rows(*prior, rows, out, lse)
+        return merge_onto(prior, [scatter_rows(rows, out, lse, t)], row_mask)
     fused = layout.kv_columns is not None and column_pass == "fused"
     if persistent is None:  # (fused: the lists go on with the column tiles)
         entries = layout.max_blocks + (-(-layout.max_columns // layout.block_k) if fused else 0)
@@ -522,22 +530,24 @@ def block_sparse_attention_mosaic_gpu(
     prior_in = None
     if not isinstance(merge_in_launch, bool):
         raise ValueError(f"merge_in_launch: expected True or False; received {merge_in_launch!r}")
-    if merge_in_launch and prior is not None and prior_in_launch(q, layout, column_pass):  # if its tiles fit
+    merging = prior is not None or row_mask is not None
+    if merge_in_launch and merging and prior_in_launch(q, layout, column_pass):  # if its tiles fit
         fit = max_stages(layout.block_k, d_pad, layout.block_q, pair=key_pairs, persistent=persistent, prior=True)
         if fit >= 2:
             stages = min(stages, fit)
-            prior_in = _prior_operands(prior, layout, q_in.shape, t_pad, d_pad, strided)
+            prior_in = _prior_operands(prior, row_mask, layout, q_in.shape, t_pad, d_pad, strided)
     kw = {"sm_scale": sm_scale, "causal": causal, "stages": stages, "t_pad": t_pad, "d_pad": d_pad,
           "persistent": persistent, "pair": key_pairs, "overlap": overlap,
           "pingpong": pingpong, "heads_first": heads_first}
 
     def passes(kp, vp, grouped=False):
         """The Mosaic passes on k / v as `_on_keys` gives them (``grouped``: `_prepared_kv`'s)."""
+        merged_in = prior_in or {}
         if fused:  # (`shared_columns`: one key order for every head)
-            out, lse = _fused_column_pass(q_in, kp, vp, layout, profile=profile, boxes=boxes, prior=prior_in, **kw)
+            out, lse = _fused_column_pass(q_in, kp, vp, layout, profile=profile, boxes=boxes, **merged_in, **kw)
         else:
-            out, lse = _block_pass(q_in, kp, vp, layout, profile=profile, boxes=boxes, grouped=grouped,
-                                   prior=prior_in, **kw)
+            out, lse = _block_pass(q_in, kp, vp, layout, profile=profile, boxes=boxes, grouped=grouped, **merged_in,
+                                   **kw)
         out = out.reshape(out.shape[0], t, *out.shape[3:]) if strided else out
         out, lse = out[:, :t, :, :d], lse[:, :, :t]
         if layout.kv_columns is not None and column_pass == "mosaic":
@@ -555,8 +565,8 @@ def block_sparse_attention_mosaic_gpu(
         out_c, lse_c = block_sparse_attention_triton(q_orig, k_orig, v_orig, columns_only, sm_scale=sm_scale,
                                                      causal=causal)
         out, lse = merge_attention(out, lse, out_c, lse_c)
-    if prior is not None and prior_in is None:
-        out, lse = merge_attention(prior[0], prior[1], out, lse)
+    if merging and prior_in is None:
+        out, lse = merge_onto(prior, [(out, lse)], row_mask)
     return out, lse
 
 
@@ -566,27 +576,38 @@ def default_column_pass(layout: BlockLayout) -> str:
 
 
 def prior_in_launch(q: jax.Array, layout: BlockLayout, column_pass: str | None = None) -> bool:
-    """Whether `block_sparse_attention_mosaic_gpu` can merge a ``prior`` in its launch: its rows are the original
-    rows (no ``q_perm``) or strided boxes of them (`strided_rows`), and it is no row-range pass (whose rows are
-    merged with `merge_rows`). (Where its tiles and the prior's do not fit in shared memory it merges afterwards.)"""
+    """Whether `block_sparse_attention_mosaic_gpu` can merge a ``prior`` (and a ``row_mask``) in its launch: its rows
+    are the original rows (no ``q_perm``) or strided boxes of them (`strided_rows`), it is no row-range pass (whose
+    rows are merged with `merge_rows`) and has no separate column pass (whose result is merged after the launch).
+    (Where its tiles and the prior's do not fit in shared memory it merges afterwards.)"""
     column_pass = default_column_pass(layout) if column_pass is None else column_pass
-    if row_range_pass(layout, column_pass):
+    if row_range_pass(layout, column_pass) or (layout.kv_columns is not None and column_pass != "fused"):
         return False
     return layout.q_perm is None or strided_rows(layout, q, column_pass)
 
 
-def _prior_operands(prior, layout: BlockLayout, q_in_shape, t_pad: int, d_pad: int, strided: bool):
-    """`launch`'s ``prior`` from (out ``[B,T,N,D]``, lse ``[B,N,T]``) in the original row order: out viewed as q_in
-    (`strided_rows`; else padded to ``[B, t_pad, N, d_pad]``, no ``q_perm``) and lse in the layout's row order
-    (gathered by ``q_perm``; padded rows -inf)."""
-    out, lse = prior
-    t = out.shape[1]
-    lse = lse.astype(jnp.float32)
-    if strided:
-        perm = jnp.broadcast_to(jnp.clip(layout.q_perm, 0, t - 1), lse.shape)
-        return out.reshape(q_in_shape), jnp.take_along_axis(lse, perm, axis=2)
-    return (_pad_to(_pad_to(out, 3, d_pad), 1, t_pad),
-            jnp.pad(lse, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=-jnp.inf))
+def _prior_operands(prior, row_mask, layout: BlockLayout, q_in_shape, t_pad: int, d_pad: int, strided: bool) -> dict:
+    """`launch`'s ``prior`` and ``row_mask`` from (out ``[B,T,N,D]``, lse ``[B,N,T]``) and bool ``[B, T]`` in the
+    original row order: out viewed as q_in (`strided_rows`; else padded to ``[B, t_pad, N, d_pad]``, no ``q_perm``),
+    lse and the mask (int32 ``[B, N, Tp]``) in the layout's row order (gathered by ``q_perm``; padded rows: lse -inf,
+    outside the mask)."""
+    b, n = q_in_shape[0], q_in_shape[-2]
+    t = layout.q_len
+
+    def in_row_order(x, fill):  # [B, N, T] in the original order -> the layout's
+        if strided:
+            return jnp.take_along_axis(x, jnp.broadcast_to(jnp.clip(layout.q_perm, 0, t - 1), x.shape), axis=2)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=fill)
+
+    operands = {}
+    if prior is not None:
+        out, lse = prior
+        operands["prior"] = (out.reshape(q_in_shape) if strided else _pad_to(_pad_to(out, 3, d_pad), 1, t_pad),
+                             in_row_order(lse.astype(jnp.float32), -jnp.inf))
+    if row_mask is not None:
+        mask = jnp.broadcast_to(row_mask[:, None, :].astype(jnp.int32), (b, n, t))
+        operands["row_mask"] = in_row_order(mask, 0)
+    return operands
 
 
 def _check_poison(poison) -> None:

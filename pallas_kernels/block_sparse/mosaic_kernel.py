@@ -123,6 +123,9 @@ class MosaicConfig:
         and viewed like q) and ``prior_lse`` (float32 ``[B, N, Tp]``, natural log, in the layout's row order)
         operands, loaded during each item into an O tile of the consumer's own (the persistent grid's) and merged
         by lse before the store, as `merge.merge_attention` would (an empty prior row, lse -inf, adds nothing).
+      row_mask: a ``row_mask`` operand (int32 ``[B, N, Tp]`` in the layout's row order) names the rows the layout is
+        for; on the others the kernel's own result is dropped before the store (they get the prior, or the empty
+        result: O 0, lse -inf), whatever the layout lists there (`merge.merge_onto`).
     """
 
     block_k: int
@@ -151,6 +154,7 @@ class MosaicConfig:
     heads_first: bool = False
     row_stride: int = 0
     prior: bool = False
+    row_mask: bool = False
 
 
 
@@ -162,6 +166,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
     vis_ref = refs.pop(0) if cfg.visible else None
     box_ref = refs.pop(0) if cfg.row_stride else None
     prior_o_ref, prior_lse_ref = (refs.pop(0), refs.pop(0)) if cfg.prior else (None, None)
+    mask_ref = refs.pop(0) if cfg.row_mask else None
     out_ref, lse_ref = refs
     leads = dict(cfg.leads)
     bk, dp, stages = cfg.block_k, cfg.head_dim, cfg.stages
@@ -258,8 +263,10 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
         (qo_smem, k_smem, v_smem, lse_pos, *extra), (k_bar, v_bar, q_bar, p_bar, prior_bar), (k_free, v_free), \
             sched = scoped
         own_o = cfg.persistent or cfg.prior  # the consumers have O tiles of their own (else the Q tiles hold O)
-        o_smem = extra[0] if own_o else qo_smem
-        prior_l_smem = extra[-1] if cfg.prior else None
+        o_smem = extra.pop(0) if own_o else qo_smem
+        prior_l_smem = extra.pop(0) if cfg.prior else None
+        mask_smem = extra.pop(0) if cfg.row_mask else None
+        epilogue = cfg.prior or cfg.row_mask  # operands the store merges in, loaded during the item
         lse_smem, pos_smem = lse_pos if cfg.has_pos else (lse_pos, None)
 
         def q_pos_smem(wg):
@@ -281,17 +288,29 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 """Item ``it``'s Q rows of this consumer into its Q tile."""
                 plgpu.copy_gmem_to_smem(it.rows(q_ref, wg), q_smem, q_bar.at[wg])
 
-            def load_prior(it, row0):
-                """Item ``it``'s prior result rows of this consumer into its O tile and prior lse row."""
-                plgpu.copy_gmem_to_smem(it.rows(prior_o_ref, wg), o_smem.at[wg], prior_bar.at[wg])
-                plgpu.copy_gmem_to_smem(prior_lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)],
-                                        prior_l_smem.at[wg], prior_bar.at[wg])
+            def load_epilogue(it, row0):
+                """Item ``it``'s prior result rows of this consumer into its O tile and prior lse row, and its rows'
+                mask."""
+                if cfg.prior:
+                    plgpu.copy_gmem_to_smem(it.rows(prior_o_ref, wg), o_smem.at[wg], prior_bar.at[wg])
+                    plgpu.copy_gmem_to_smem(prior_lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)],
+                                            prior_l_smem.at[wg], prior_bar.at[wg])
+                if cfg.row_mask:
+                    plgpu.copy_gmem_to_smem(mask_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)],
+                                            mask_smem.at[wg], prior_bar.at[wg])
+
+            def masked_rows(acc, m, l):
+                """(acc, m, l) emptied on the rows outside the mask (their keys dropped, NaN included)."""
+                with jax.named_scope("row_mask"):
+                    own = plgpu.load(mask_smem.at[wg], layout=fa3.ROW, optimized=False).astype(jnp.float32)
+                    off = own == 0.0
+                    off_rows = fa3.by_row(own, acc.shape) == 0.0
+                    return (jnp.where(off_rows, 0.0, acc), jnp.where(off, -jnp.inf, m), jnp.where(off, 0.0, l))
 
             def merged_with_prior(acc, m, l):
                 """(acc, m, l) with the prior result as one more key: its lse (base 2) as the logit, its O row as
                 the value (`merge.merge_attention`'s rules: an empty prior row adds nothing whatever its O)."""
                 with jax.named_scope("prior"):
-                    plgpu.barrier_wait(prior_bar.at[wg])
                     lp = plgpu.load(prior_l_smem.at[wg], layout=fa3.ROW, optimized=False) * LOG2E
                     o_p = o_smem.at[wg][...].astype(jnp.float32)
                     m_new = jnp.maximum(m, lp)
@@ -305,10 +324,10 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 """Item t of this CTA; ``done``: K/V stages of this consumer's ring used by earlier items."""
                 it = Item.of(t)
                 row0 = it.cta * BLOCK_Q + wg * WG_ROWS
-                if cfg.prior:  # into the O tile, once the last item's stores have read it
-                    if cfg.persistent:
+                if epilogue:  # (the prior into the O tile, once the last item's stores have read it)
+                    if cfg.persistent and cfg.prior:
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    load_prior(it, row0)
+                    load_epilogue(it, row0)
                 count = it.steps(wg)  # steps of this consumer's list
                 steps = jnp.maximum(it.steps(0), it.steps(1)) if split else count
                 if cfg.persistent:  # this item's Q was loaded during the last one; the next one's loads after the
@@ -542,6 +561,10 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     pl.when(wg == 0)(handshake)
 
                 l = fa3.row_sums(l)
+                if epilogue:
+                    plgpu.barrier_wait(prior_bar.at[wg])
+                if cfg.row_mask:
+                    acc, m, l = masked_rows(acc, m, l)
                 if cfg.prior:
                     acc, m, l = merged_with_prior(acc, m, l)
                 with jax.named_scope("write"):
@@ -638,13 +661,16 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             if cfg.has_pos else plgpu.SMEM((2, WG_ROWS), jnp.float32),
             *([plgpu.SMEM((2, WG_ROWS, dp), dtype, transforms=transforms)] if cfg.persistent or cfg.prior else []),
             *([plgpu.SMEM((2, WG_ROWS), jnp.float32)] if cfg.prior else []),  # the prior rows' lse
+            *([plgpu.SMEM((2, WG_ROWS), jnp.int32)] if cfg.row_mask else []),  # the rows' mask
         ),
         (  # a paired stage is ready once both its halves arrived
             plgpu.Barrier(num_arrivals=per, num_barriers=n_k),
             plgpu.Barrier(num_arrivals=per, num_barriers=n_v),
             plgpu.Barrier(num_barriers=4),  # q tiles, q positions
             plgpu.Barrier(num_arrivals=per, num_barriers=n_v) if cfg.has_pos else None,
-            plgpu.Barrier(num_arrivals=2, num_barriers=2) if cfg.prior else None,  # a consumer's prior O and lse
+            # a consumer's prior O and lse, its rows' mask
+            plgpu.Barrier(num_arrivals=2 * int(cfg.prior) + int(cfg.row_mask), num_barriers=2)
+            if cfg.prior or cfg.row_mask else None,
         ),
         # a slot is freed by the consumers that read it: both (one shared list) or its own (split)
         (plgpu.Barrier(num_arrivals=1 if split else 2, num_barriers=n_k),
@@ -667,7 +693,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
            overlap: bool = False, pingpong: bool = True,
            skip_visible_masks: bool = True, heads_first: bool = False,
            q_box: jax.Array | None = None, row_stride: int = 0,
-           prior: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+           prior: tuple[jax.Array, jax.Array] | None = None,
+           row_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The kernel on prepared operands (``persistent``: one CTA per multiprocessor, each running its share of the
     work items; else one CTA per item: see `block_sparse_attention_mosaic_gpu`; ``pair``: steps of two list
     entries, ``stages`` K stages and `pair_v_stages` V stages per ring).
@@ -691,6 +718,8 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
       prior: None, or (out, lse) of attention over other keys: out shaped and viewed like q_in in its dtype, lse
         float32 ``[B, N, Tp]`` in q_in's row order; the kernel returns the merge of its result with it
         (`MosaicConfig.prior`).
+      row_mask: None, or int32 ``[B, N, Tp]`` in q_in's row order, nonzero on the rows the layout is for; the others
+        get the prior (or the empty result) whatever the layout lists there (`MosaicConfig.row_mask`).
       profile: None, or (ranges, directory): Mosaic GPU's profiler records the kernel's named regions (``qk``,
         ``softmax``, ``wait_v``, ``pv`` / ``next_k`` per consumer step; per item ``wait_q``, ``wait_first_k``,
         ``offset`` / ``resync`` (the second consumer's half-step lag, taken at its start and made up at its end)
@@ -740,6 +769,10 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
                              f"{[b, n, tp]}; received {p_out.dtype}{list(p_out.shape)} and "
                              f"{p_lse.dtype}{list(p_lse.shape)}")
         operands += [p_out, p_lse]
+    if row_mask is not None:
+        if row_mask.shape != (b, n, tp) or row_mask.dtype != jnp.int32:
+            raise ValueError(f"row_mask: expected int32{[b, n, tp]}; received {row_mask.dtype}{list(row_mask.shape)}")
+        operands.append(row_mask)
     cfg = MosaicConfig(
         block_k=block_k, head_dim=dp, stages=stages, groups=groups, num_kv_blocks=num_kv_blocks,
         kv_len=kv_len, q_offset=q_offset, causal=causal, gap=gap, window=window, sm_scale=sm_scale,
@@ -747,7 +780,7 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         block_q=block_q, num_q_blocks=count.shape[2], windows=ranges is not None,
         pair=pair, v_stages=pair_v_stages(stages, block_q, block_k) if pair else stages, overlap=overlap,
         pingpong=pingpong, persistent=persistent, visible=vis is not None, heads_first=heads_first,
-        row_stride=row_stride, prior=prior is not None,
+        row_stride=row_stride, prior=prior is not None, row_mask=row_mask is not None,
     )
     if overlap and has_pos and cfg.v_stages < 2:
         raise ValueError(f"overlap: needs two V stages per ring with original positions (the next step's key "

@@ -57,8 +57,8 @@ def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q,
     64-key tiles, D 128, 4 stages). ``pair``: steps of two list entries (``2 * block_k`` keys per stage, V
     stages `pair_v_stages`); ``persistent``: the persistent grid's two O tiles of their own (the next item's Q
     loads while O is stored); ``prior``: a prior result merged in (`MosaicConfig.prior`: O tiles of their own, the
-    prior rows' lse and a barrier per consumer). block_k in `BLOCK_KS`, head_dim a multiple of 64, stages >= 1,
-    block_q in `BLOCK_QS`."""
+    prior rows' lse, a row mask (`MosaicConfig.row_mask`) and a barrier per consumer). block_k in `BLOCK_KS`,
+    head_dim a multiple of 64, stages >= 1, block_q in `BLOCK_QS`."""
     for name, value, ok, want in (("block_k", block_k, block_k in BLOCK_KS, f"one of {BLOCK_KS}"),
                                   ("head_dim", head_dim, head_dim > 0 and head_dim % 64 == 0, "a multiple of 64"),
                                   ("stages", stages, stages >= 1, "an int >= 1"),
@@ -73,8 +73,8 @@ def smem_bytes(block_k: int, head_dim: int, stages: int, block_q: int = BLOCK_Q,
     positions = _align(max(2 * WG_ROWS * 4, (2 * WG_ROWS + v_slots * kt) * 4))
     # K ready / K free per K slot; V ready / key positions / V free per V slot; Q tiles and positions; schedule
     barriers = 2 * k_slots + 3 * v_slots + 5
-    if prior:  # the prior rows' lse; a barrier per consumer
-        positions += _align(2 * WG_ROWS * 4)
+    if prior:  # the prior rows' lse and the rows' mask; a barrier per consumer
+        positions += 2 * _align(2 * WG_ROWS * 4)
         barriers += 2
     return tiles + positions + barriers * _BARRIER_BYTES
 

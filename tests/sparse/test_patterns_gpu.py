@@ -96,12 +96,23 @@ def test_searched_grid_with_the_frame_known_matches_the_reference(seed, every_he
 
 
 @needs_gpu
-@pytest.mark.parametrize("name", ["Grid", "Grid(frame)"])
+@pytest.mark.parametrize("name", ["Grid", "Grid(frame)", "q", "2d"])
 def test_parts_merged_in_launch_match_the_reference(qkv, name):
     """A LayoutSet's parts each merging the result so far in before their store (``merge_in_launch``: Grid's band,
-    its lines on strided rows or gathered rows, its horizontal lines' rows) against `attend` on the reference."""
+    its lines on strided rows or gathered rows, its horizontal lines' rows), and Grid(frame) inside QBoundary /
+    TwoDBoundary (each row kind's parts merged on its rows, a row mask in the launch), against `attend` on the
+    reference."""
     q, k, v = qkv
-    layout = jax.jit(PATTERNS[name].build_layout)(q, k)
+    if name in ("q", "2d"):
+        kinds = np.ones((1, S), np.int32)
+        kinds[0, :512] = 0
+        mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=256)
+        g, text = Grid(stride="frame", last_q=64), AShape(sink=128, local=1024)
+        w = QBoundary({"video": g}, default=text) if name == "q" else TwoDBoundary({("video", "video"): g},
+                                                                                   default=text)
+        layout = jax.jit(lambda q, k: w.build_layout(q, k, modality=mod))(q, k)
+    else:
+        layout = jax.jit(PATTERNS[name].build_layout)(q, k)
     out, lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(merge_in_launch=True)))(
         q, k, v, layout)
     ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(

@@ -414,18 +414,19 @@ def test_mosaic_per_head_key_orders_match_dense(shared):
 
 
 @needs_hopper
-@pytest.mark.parametrize("case", ["plain", "persistent", "strided", "strided-persistent", "bq64", "permuted"])
+@pytest.mark.parametrize("case", ["plain", "persistent", "strided", "strided-persistent", "bq64", "permuted",
+                                  "masked-persistent", "masked-strided", "mask-alone"])
 def test_mosaic_prior_matches_merge_attention(case):
     """A prior result merged into the pass (``prior`` with ``merge_in_launch``; in the launch but for "permuted",
-    whose rows are gathered):
-    against `merge_attention` of the prior with the pass's own result, with the prior's empty rows (lse -inf)
-    holding NaN in out, which must add nothing."""
-    from pallas_kernels.block_sparse import merge_attention
+    whose rows are gathered), on the rows of a row mask for "masked-*" (the others keep the prior) and a mask with
+    no prior ("mask-alone": the others empty): against `merge.merge_onto` of the prior with the pass's own result,
+    with the prior's empty rows (lse -inf) holding NaN in out, which must add nothing."""
+    from pallas_kernels.block_sparse.merge import merge_onto
 
     t, n = 4096, 8
     rng = np.random.default_rng(len(case))
     q, k, v = random_qkv(31, 1, t, t, n, 2, 128, jnp.bfloat16)
-    if case.startswith("strided"):
+    if "strided" in case:
         layout = strided_layout(rng, t, n, 16, 128, 0.05)
     else:
         layout = random_layout(rng, 1, n, t, t, 64 if case == "bq64" else 128, 64, density=0.1,
@@ -435,11 +436,13 @@ def test_mosaic_prior_matches_merge_attention(case):
     empty = np.isneginf(np.asarray(p_lse))
     assert empty.any() and not empty.all()
     p_out = jnp.where(jnp.einsum("bnt->btn", jnp.isneginf(p_lse))[..., None], jnp.nan, p_out)
-    run = jax.jit(lambda lay, prior: block_sparse_attention_mosaic_gpu(
-        q, k, v, lay, sm_scale=128 ** -0.5, persistent=case.endswith("persistent"), prior=prior,
+    mask = jnp.asarray(rng.random((1, t)) < 0.4) if "mask" in case else None
+    prior = None if case == "mask-alone" else (p_out, p_lse)
+    run = jax.jit(lambda lay, prior, mask: block_sparse_attention_mosaic_gpu(
+        q, k, v, lay, sm_scale=128 ** -0.5, persistent=case.endswith("persistent"), prior=prior, row_mask=mask,
         merge_in_launch=True))
-    out, lse = run(layout, (p_out, p_lse))
-    ref_out, ref_lse = merge_attention(p_out, p_lse, *run(layout, None))
+    out, lse = run(layout, prior, mask)
+    ref_out, ref_lse = merge_onto(prior, [run(layout, None, None)], mask)
     out32, ref32 = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
     assert out.dtype == jnp.bfloat16 and not np.isnan(out32).any()
     assert rel_err(out32, ref32) < TOL[jnp.bfloat16], rel_err(out32, ref32)

@@ -17,6 +17,7 @@ from pallas_kernels.block_sparse import (
     merge_attention_all,
     mosaic_gpu,
 )
+from pallas_kernels.block_sparse.merge import merge_onto
 from tests.pallas_kernels.block_sparse.test_rows import emulated_launch, range_layout, strided_layout
 from tests.pallas_kernels.helpers import random_layout, random_qkv, rel_err
 
@@ -50,16 +51,20 @@ def _case(kind: str, t: int, n: int):
     return lay, {"persistent": True} if kind == "persistent" else {}
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("merge_in_launch", [False, True])
 @pytest.mark.parametrize("kind,in_launch", [
-    ("plain", True), ("persistent", True), ("strided", True), ("columns", True),
+    ("plain", True), ("persistent", True), ("strided", True),
+    ("columns", False),  # a second (column) launch: merged after both
     ("permuted", False),  # rows gathered into a per-head order: merged after the pass
     ("rows", False),  # a row-range pass: merged on its rows (`merge_rows`)
 ])
-def test_prior_merges_as_merge_attention_with_the_kernel_emulated(monkeypatch, kind, in_launch, merge_in_launch):
-    """The Mosaic passes with a prior give `merge_attention` of it with their result without one; with
-    ``merge_in_launch`` the launches whose rows are the original ones (or strided boxes of them, the prior's lse
-    gathered into the layout's row order) take it in, the others merge it afterwards (all of them without)."""
+def test_prior_merges_as_merge_attention_with_the_kernel_emulated(monkeypatch, kind, in_launch, merge_in_launch,
+                                                                   masked):
+    """The Mosaic passes with a prior give `merge_attention` of it with their result without one (``masked``: on the
+    rows of a row mask, the others keeping the prior, `merge_onto`); with ``merge_in_launch`` the launches whose rows
+    are the original ones (or strided boxes of them, the prior's lse and the mask gathered into the layout's row
+    order) take them in, the others merge afterwards (all of them without)."""
     priors = []
     monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: priors.append(kw.get("prior") is not None)
                         or emulated_launch(*a, **kw))
@@ -71,9 +76,13 @@ def test_prior_merges_as_merge_attention_with_the_kernel_emulated(monkeypatch, k
     plain = run(q, k, v, layout, sm_scale=SCALE, key_pairs=False, **opts)
     priors.clear()
     prior = _prior(q, k, v, 5)
-    got = run(q, k, v, layout, sm_scale=SCALE, key_pairs=False, prior=prior, merge_in_launch=merge_in_launch,
-              **opts)
-    _close(got, merge_attention(*prior, *plain))
+    mask = jnp.asarray(np.random.default_rng(8).random((1, t)) < 0.5) if masked else None
+    got = run(q, k, v, layout, sm_scale=SCALE, key_pairs=False, prior=prior, row_mask=mask,
+              merge_in_launch=merge_in_launch, **opts)
+    _close(got, merge_onto(prior, [plain], mask))
+    if masked:
+        off = ~np.asarray(mask)[0]
+        np.testing.assert_array_equal(np.asarray(got[0])[0, off], np.asarray(prior[0])[0, off])
     assert any(priors) == (in_launch and merge_in_launch)
     assert priors.count(True) <= 1  # never merged twice (a column pass takes none)
 
@@ -91,6 +100,9 @@ def test_prior_argument_is_checked():
         block_sparse_attention(q, k, v, layout, implementation="reference", prior=(out, lse), merge_in_launch=1)
     with pytest.raises(ValueError, match="merge_in_launch: expected True or False; received 'yes'"):
         block_sparse_attention_parts(q, k, v, [layout], implementation="reference", merge_in_launch="yes")
+    for bad in [jnp.ones((1, 255), bool), jnp.ones((1, 256), jnp.int32)]:
+        with pytest.raises(ValueError, match=r"row_mask: expected None or bool\[1, 256\] \(\[B, T\] of q\)"):
+            block_sparse_attention_parts(q, k, v, [layout], implementation="reference", row_mask=bad)
 
 
 def test_reference_with_a_prior_is_merge_attention():
@@ -142,26 +154,66 @@ def test_parts_on_the_mosaic_kernel_emulated(monkeypatch, merge_in_launch):
     # the permuted rows (per-head key orders: two launches, both branches of a cond) first, then the other two,
     # each taking the result so far in its launch
     assert priors == ([False, False, True, True] if merge_in_launch else [False] * 4)
-    want = merge_attention_all(*zip(*[block_sparse_attention(q, k, v, p, implementation="reference")
-                                      for p in parts]))
-    _close(got, want)
+    singles = [block_sparse_attention(q, k, v, p, implementation="reference") for p in parts]
+    _close(got, merge_attention_all(*zip(*singles)))
+    prior, mask = _prior(q, k, v, 6), jnp.asarray(np.random.default_rng(2).random((1, t)) < 0.3)
+    got = block_sparse_attention_parts(q, k, v, parts, implementation="mosaic_gpu", prior=prior, row_mask=mask,
+                                       merge_in_launch=merge_in_launch)
+    _close(got, merge_onto(prior, singles, mask))
 
 
-@pytest.mark.parametrize("kind,persistent", [("strided", True), ("bq64", False)])
-def test_prior_in_launch_lowers_for_cuda(kind, persistent):
-    """The kernel with a prior merged in (its O tile loaded during the item, the merge before the store) lowers for
-    CUDA from shapes: on the persistent grid over strided rows, and one CTA per item over 64-row query blocks."""
+@pytest.mark.parametrize("kind,persistent,with_prior,masked", [("strided", True, True, True),
+                                                                ("bq64", False, True, False),
+                                                                ("plain", True, False, True)])
+def test_prior_in_launch_lowers_for_cuda(kind, persistent, with_prior, masked):
+    """The kernel with a prior and / or a row mask merged in (loaded during the item, merged before the store)
+    lowers for CUDA from shapes: on the persistent grid over strided rows, one CTA per item over 64-row query
+    blocks, and a mask alone."""
     t, n = 1024, 4
     rng = np.random.default_rng(7)
     layout = (strided_layout(rng, t, n, 8, 128, 0.2) if kind == "strided"
-              else random_layout(rng, 1, n, t, t, 64, 64, density=0.2))
+              else random_layout(rng, 1, n, t, t, 64 if kind == "bq64" else 128, 64, density=0.2))
     sd = jax.ShapeDtypeStruct
     shapes = (sd((1, t, n, 128), jnp.bfloat16), sd((1, t, 2, 128), jnp.bfloat16), sd((1, t, 2, 128), jnp.bfloat16),
               jax.tree.map(lambda x: sd(x.shape, x.dtype), layout))
     prior = (sd((1, t, n, 128), jnp.bfloat16), sd((1, n, t), jnp.float32))
     run = jax.jit(functools.partial(mosaic_gpu.block_sparse_attention_mosaic_gpu, sm_scale=SCALE,
                                     persistent=persistent, merge_in_launch=True))
-    with_prior = run.trace(*shapes, prior=prior).lower(lowering_platforms=("cuda",)).as_text()
+    extra = dict(prior=prior if with_prior else None, row_mask=sd((1, t), jnp.bool_) if masked else None)
+    with_prior = run.trace(*shapes, **extra).lower(lowering_platforms=("cuda",)).as_text()
     without = run.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in with_prior and "mosaic_gpu" in without
     assert len(with_prior) > len(without)  # the kernel's prior operands and merge
+
+
+@pytest.mark.parametrize("wrap", ["q", "2d"])
+def test_boundary_row_kinds_merged_in_launch_with_the_kernel_emulated(monkeypatch, wrap):
+    """A boundary wrapper's row kinds (`RowSplit`) through `attend` on the Mosaic kernel (emulated), each kind's parts
+    merged onto the result so far on that kind's rows: in one pass, or with ``merge_in_launch`` in the launches that
+    can take it (a row mask in the launch); against `attend` on the reference."""
+    from mmjax.sparse.layouts import KernelOptions, attend
+    from mmjax.sparse.modality import Modality
+    from mmjax.sparse.patterns import AShape, Grid, QBoundary, TwoDBoundary
+
+    masks = []
+    monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: masks.append(kw.get("row_mask") is not None)
+                        or emulated_launch(*a, **kw))
+    monkeypatch.setattr(mosaic_gpu, "check_supported", lambda *a, **kw: None)
+    monkeypatch.setattr(api, "check_supported", lambda *a, **kw: None)
+    monkeypatch.setattr(api, "block_sparse_attention_mosaic_gpu",
+                        mosaic_gpu.block_sparse_attention_mosaic_gpu.__wrapped__)
+    t, n = 768, 4
+    q, k, v = random_qkv(26, 1, t, t, n, 2, 64, jnp.float32)
+    kinds = np.ones((1, t), np.int32)
+    kinds[0, :96], kinds[0, -40:] = 0, 0
+    mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=64)
+    g = Grid(stride="frame", last_q=16, local=64)
+    text = AShape(sink=64, local=128)
+    w = QBoundary({"video": g}, default=text) if wrap == "q" else TwoDBoundary({("video", "video"): g}, default=text)
+    layout = w.build_layout(q, k, modality=mod)
+    ref = attend(q, k, v, layout, KernelOptions(implementation="reference"))
+    for merge_in_launch in (False, True):
+        masks.clear()
+        got = attend(q, k, v, layout, KernelOptions(implementation="mosaic_gpu", merge_in_launch=merge_in_launch))
+        _close(got, ref)
+        assert any(masks) == merge_in_launch

@@ -140,15 +140,25 @@ def test_merge_attention_all_is_merge_attention_in_turn():
         merge_attention_all([parts[0][0], parts[1][0]], [parts[0][1], parts[1][1][:, :2]])
 
 
-def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, prior=None, **kw):
+def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, prior=None, row_mask=None, **kw):
     """What `mosaic_kernel.launch` computes with original positions, as masked dense attention: row r of q_in (query
     block r // block_q) sees key c of k_in when c's block is among its block's first ``count`` ids (with
     ``ranges``: c lies in ``[lo, hi)`` of one of its first ``count`` entries) and the positions allow it (without
     positions: row r at ``r + q_offset``, key c at c). With ``row_stride``, q_in is the original rows viewed as
     ``[B, T / stride, stride, N, D]``, query block i's rows are ``q_box[i] + j * stride`` and out comes back in that
     view (lse in the blocks' row order). With ``prior`` (out like q_in, lse in the blocks' row order) the result is
-    `merge_attention` of the prior with that."""
+    `merge_attention` of the prior with that; with ``row_mask`` (int32 ``[B, N, Tp]``, the blocks' row order) the
+    rows off the mask get the prior (or the empty result) whatever the blocks list there."""
     out, lse = _emulated(q_in, k_in, v_in, blocks, count, q_pos, k_pos, **kw)
+    if row_mask is not None:  # the kernel drops its own result off the mask (out 0, lse -inf)
+        lse = jnp.where(row_mask != 0, lse, -jnp.inf)
+        off = jnp.transpose(row_mask == 0, (0, 2, 1))  # [B, Tp, N] in the blocks' row order
+        if kw.get("row_stride"):
+            b, _, st, n, _ = q_in.shape
+            rows = (kw["q_box"][..., None] + st * jnp.arange(kw["block_q"])).reshape(kw["q_box"].shape[:2] + (-1,))
+            rows = jnp.transpose(jnp.broadcast_to(rows, (b, n, rows.shape[-1])), (0, 2, 1))
+            off = jnp.zeros_like(off).at[jnp.arange(b)[:, None, None], rows, jnp.arange(n)].set(off)  # original order
+        out = jnp.where(off.reshape(out.shape[:-1] + (1,)), 0, out)
     if prior is None:
         return out, lse
     if not kw.get("row_stride"):
