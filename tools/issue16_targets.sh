@@ -36,8 +36,10 @@
 # `phase-mass` (the phase-mass kernel's GPU tests, then Grid's stride search at 128k and 1M, vertical top phases and
 # slash multiples: the per-stride XLA loop, the kernel for the vertical side only, and one call over both stacked
 # through the reference and the kernel, `phase_mass_bench.py`);
-# `prior` (the Mosaic GPU tests of a prior result merged in and the pattern GPU tests, then Grid and Grid(frame) at
-# 128k, 7 samples, attend as it is and with KernelOptions(merge_in_launch=True), each with a profiler trace by kernel);
+# `prior` (the Mosaic GPU tests of a prior result and a row mask merged in and the pattern GPU tests, then Grid and
+# Grid(frame) at 128k, 7 samples, attend as it is and with KernelOptions(merge_in_launch=True), each with a profiler
+# trace by kernel, then Grid(frame) inside QBoundary and TwoDBoundary over 1,000 text tokens, the video and a 64-token
+# question, both ways, 5 samples);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
 # closed over and as a jit argument, `attend_compile_time.py --kernels real`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
@@ -133,8 +135,13 @@ case $part in
   prior) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
       tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py tests/sparse/test_patterns_gpu.py \
       -k "prior or test_patterns_gpu" 2>&1 | tail -3; \
-      timeout 300 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
-      --split 0 --skip-parts --reps 7 --batch-s 0.15 --merge-in-launch --patterns Grid "Grid(frame)" ;;
+      timeout 240 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
+      --split 0 --skip-parts --reps 7 --batch-s 0.15 --merge-in-launch --patterns Grid "Grid(frame)"; \
+      for b in q 2d; do
+        timeout 150 python3 tools/pattern_parts_profile.py --out "$OUT/$part/$b" --seq-len 131072 --skip-triton \
+          --split 0 --skip-parts --no-trace --reps 5 --batch-s 0.15 --merge-in-launch --patterns "Grid(frame)" \
+          --boundary $b --text 1000 --question 64
+      done ;;
   compile-real) timeout 300 python3 tools/attend_compile_time.py --kernels real --seq-len 131072 \
       --patterns Grid "Grid(frame)" ;;
   heads-first) python3 -m pytest -q -p no:cacheprovider -m gpu tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py \
