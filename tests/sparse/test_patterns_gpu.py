@@ -27,20 +27,13 @@ def qkv():
     return video_qkv(jax.random.PRNGKey(3), S, heads=8, kv_heads=2, head_dim=128)
 
 
-def _default_and_reference(q, k, v, layout):
-    """(out, lse, ref, ref_lse): `attend` with the default kernels, then on the reference."""
-    out, lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay))(q, k, v, layout)
-    ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
-        q, k, v, layout)
-    return out, lse, ref, ref_lse
+def _attend(q, k, v, layout, options: KernelOptions = KernelOptions()):
+    return jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, options))(q, k, v, layout)
 
 
-@needs_gpu
-@pytest.mark.parametrize("name", sorted(PATTERNS))
-def test_pattern_attend_matches_the_reference(qkv, name):
-    q, k, v = qkv
-    layout = jax.jit(PATTERNS[name].build_layout)(q, k)
-    out, lse, ref, ref_lse = _default_and_reference(q, k, v, layout)
+def _assert_matches_the_reference(out, lse, q, k, v, layout):
+    """out / lse of an `attend` on the GPU kernels against `attend` on the reference of ``layout``."""
+    ref, ref_lse = _attend(q, k, v, layout, KernelOptions(implementation="reference"))
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not np.isnan(np.asarray(out, np.float32)).any()
     assert rel_err(out, ref) < 2e-2
@@ -49,12 +42,8 @@ def test_pattern_attend_matches_the_reference(qkv, name):
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=2e-3, atol=2e-3)
 
 
-@needs_gpu
-@pytest.mark.parametrize("wrap", ["k", "q", "2d"])
-def test_frame_grid_inside_a_boundary_matches_the_reference(qkv, wrap):
-    """Grid(frame) inside each boundary wrapper (a 512-token text prefix, then video): packed keys, the horizontal
-    lines over their own key order (with TwoDBoundary the valid keys first), through the default kernels."""
-    q, k, v = qkv
+def _boundary_layout(q, k, wrap: str):
+    """Grid(frame) inside a boundary wrapper ("k", "q" or "2d") over a 512-token text prefix, then video."""
     kinds = np.ones((1, S), np.int32)
     kinds[0, :512] = 0
     mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=256)
@@ -62,13 +51,25 @@ def test_frame_grid_inside_a_boundary_matches_the_reference(qkv, wrap):
     text = AShape(sink=128, local=1024)
     w = {"k": KBoundary(g), "q": QBoundary({"video": g, "text": text}),
          "2d": TwoDBoundary({("video", "video"): g}, default=text)}[wrap]
-    layout = jax.jit(lambda q, k: w.build_layout(q, k, modality=mod))(q, k)
-    out, lse, ref, ref_lse = _default_and_reference(q, k, v, layout)
-    assert not np.isnan(np.asarray(out, np.float32)).any()
-    assert rel_err(out, ref) < 2e-2
-    fin = np.isfinite(np.asarray(ref_lse))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=2e-3, atol=2e-3)
+    return jax.jit(lambda q, k: w.build_layout(q, k, modality=mod))(q, k)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_pattern_attend_matches_the_reference(qkv, name):
+    q, k, v = qkv
+    layout = jax.jit(PATTERNS[name].build_layout)(q, k)
+    _assert_matches_the_reference(*_attend(q, k, v, layout), q, k, v, layout)
+
+
+@needs_gpu
+@pytest.mark.parametrize("wrap", ["k", "q", "2d"])
+def test_frame_grid_inside_a_boundary_matches_the_reference(qkv, wrap):
+    """Grid(frame) inside each boundary wrapper (a 512-token text prefix, then video): packed keys, the horizontal
+    lines over their own key order (with TwoDBoundary the valid keys first), through the default kernels."""
+    q, k, v = qkv
+    layout = _boundary_layout(q, k, wrap)
+    _assert_matches_the_reference(*_attend(q, k, v, layout), q, k, v, layout)
 
 
 @needs_gpu
@@ -85,14 +86,7 @@ def test_searched_grid_with_the_frame_known_matches_the_reference(seed, every_he
     assert bool((found == 256).all()) == every_head_finds_the_frame
     out, lse = jax.jit(lambda q, k, v: g.attend(q, k, v, modality=mod))(q, k, v)
     expected = Grid(stride=256, last_q=64) if every_head_finds_the_frame else g
-    layout = jax.jit(expected.build_layout)(q, k)
-    ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
-        q, k, v, layout)
-    assert not np.isnan(np.asarray(out, np.float32)).any()
-    assert rel_err(out, ref) < 2e-2
-    fin = np.isfinite(np.asarray(ref_lse))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=2e-3, atol=2e-3)
+    _assert_matches_the_reference(out, lse, q, k, v, jax.jit(expected.build_layout)(q, k))
 
 
 @needs_gpu
@@ -103,22 +97,5 @@ def test_parts_merged_in_launch_match_the_reference(qkv, name):
     TwoDBoundary (each row kind's parts merged on its rows, a row mask in the launch), against `attend` on the
     reference."""
     q, k, v = qkv
-    if name in ("q", "2d"):
-        kinds = np.ones((1, S), np.int32)
-        kinds[0, :512] = 0
-        mod = Modality.from_token_types(kinds, names=("text", "video"), frame_tokens=256)
-        g, text = Grid(stride="frame", last_q=64), AShape(sink=128, local=1024)
-        w = QBoundary({"video": g}, default=text) if name == "q" else TwoDBoundary({("video", "video"): g},
-                                                                                   default=text)
-        layout = jax.jit(lambda q, k: w.build_layout(q, k, modality=mod))(q, k)
-    else:
-        layout = jax.jit(PATTERNS[name].build_layout)(q, k)
-    out, lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(merge_in_launch=True)))(
-        q, k, v, layout)
-    ref, ref_lse = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, KernelOptions(implementation="reference")))(
-        q, k, v, layout)
-    assert not np.isnan(np.asarray(out, np.float32)).any()
-    assert rel_err(out, ref) < 2e-2
-    fin = np.isfinite(np.asarray(ref_lse))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=2e-3, atol=2e-3)
+    layout = _boundary_layout(q, k, name) if name in ("q", "2d") else jax.jit(PATTERNS[name].build_layout)(q, k)
+    _assert_matches_the_reference(*_attend(q, k, v, layout, KernelOptions(merge_in_launch=True)), q, k, v, layout)
