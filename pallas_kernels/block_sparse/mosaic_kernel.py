@@ -260,7 +260,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
             return ref.at[self.batch, pl.ds(frame, WG_ROWS), lax.rem(first, cfg.row_stride), self.head]
 
     def body(scoped):
-        (qo_smem, k_smem, v_smem, lse_pos, *extra), (k_bar, v_bar, q_bar, p_bar, prior_bar), (k_free, v_free), \
+        (qo_smem, k_smem, v_smem, lse_pos, *extra), (k_bar, v_bar, q_bar, p_bar, epilogue_bar), (k_free, v_free), \
             sched = scoped
         own_o = cfg.persistent or cfg.prior  # the consumers have O tiles of their own (else the Q tiles hold O)
         o_smem = extra.pop(0) if own_o else qo_smem
@@ -292,12 +292,12 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 """Item ``it``'s prior result rows of this consumer into its O tile and prior lse row, and its rows'
                 mask."""
                 if cfg.prior:
-                    plgpu.copy_gmem_to_smem(it.rows(prior_o_ref, wg), o_smem.at[wg], prior_bar.at[wg])
+                    plgpu.copy_gmem_to_smem(it.rows(prior_o_ref, wg), o_smem.at[wg], epilogue_bar.at[wg])
                     plgpu.copy_gmem_to_smem(prior_lse_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)],
-                                            prior_l_smem.at[wg], prior_bar.at[wg])
+                                            prior_l_smem.at[wg], epilogue_bar.at[wg])
                 if cfg.row_mask:
                     plgpu.copy_gmem_to_smem(mask_ref.at[it.batch, it.head, pl.ds(row0, WG_ROWS)],
-                                            mask_smem.at[wg], prior_bar.at[wg])
+                                            mask_smem.at[wg], epilogue_bar.at[wg])
 
             def masked_rows(acc, m, l):
                 """(acc, m, l) emptied on the rows outside the mask (their keys dropped, NaN included)."""
@@ -562,7 +562,7 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
                 l = fa3.row_sums(l)
                 if epilogue:
-                    plgpu.barrier_wait(prior_bar.at[wg])
+                    plgpu.barrier_wait(epilogue_bar.at[wg])
                 if cfg.row_mask:
                     acc, m, l = masked_rows(acc, m, l)
                 if cfg.prior:
