@@ -188,9 +188,9 @@ def test_prior_in_launch_lowers_for_cuda(kind, persistent, with_prior, masked):
 
 @pytest.mark.parametrize("wrap", ["q", "2d"])
 def test_boundary_row_kinds_merged_in_launch_with_the_kernel_emulated(monkeypatch, wrap):
-    """A boundary wrapper's row kinds (`RowSplit`) through `attend` on the Mosaic kernel (emulated), each kind's parts
-    merged onto the result so far on that kind's rows: in one pass, or with ``merge_in_launch`` in the launches that
-    can take it (a row mask in the launch); against `attend` on the reference."""
+    """A boundary wrapper's row kinds (`RowSplit`) through `attend` on the Mosaic kernel (emulated) with
+    ``merge_in_launch``: each kind's parts merged onto the result so far on that kind's rows in the launches that can
+    take it (a row mask in the launch); against `attend` on the reference."""
     from mmjax.sparse.layouts import KernelOptions, attend
     from mmjax.sparse.modality import Modality
     from mmjax.sparse.patterns import AShape, Grid, QBoundary, TwoDBoundary
@@ -211,9 +211,6 @@ def test_boundary_row_kinds_merged_in_launch_with_the_kernel_emulated(monkeypatc
     text = AShape(sink=64, local=128)
     w = QBoundary({"video": g}, default=text) if wrap == "q" else TwoDBoundary({("video", "video"): g}, default=text)
     layout = w.build_layout(q, k, modality=mod)
-    ref = attend(q, k, v, layout, KernelOptions(implementation="reference"))
-    for merge_in_launch in (False, True):
-        masks.clear()
-        got = attend(q, k, v, layout, KernelOptions(implementation="mosaic_gpu", merge_in_launch=merge_in_launch))
-        _close(got, ref)
-        assert any(masks) == merge_in_launch
+    got = attend(q, k, v, layout, KernelOptions(implementation="mosaic_gpu", merge_in_launch=True))
+    _close(got, attend(q, k, v, layout, KernelOptions(implementation="reference")))
+    assert any(masks)
