@@ -38,8 +38,8 @@
 # through the reference and the kernel, `phase_mass_bench.py`);
 # `prior` (the Mosaic GPU tests of a prior result and a row mask merged in and the pattern GPU tests, then Grid and
 # Grid(frame) at 128k, 7 samples, attend as it is and with KernelOptions(merge_in_launch=True), each with a profiler
-# trace by kernel, then Grid(frame) inside QBoundary and TwoDBoundary over 1,000 text tokens, the video and a 64-token
-# question, both ways, 5 samples);
+# trace by kernel) and `prior-boundary` (Grid(frame) inside QBoundary and TwoDBoundary over 1,000 text tokens, the
+# video and a 64-token question, both ways, 5 samples);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
 # closed over and as a jit argument, `attend_compile_time.py --kernels real`).
 # Results and logs go to $OUT/<part>/; the exit status is the benchmark's.
@@ -136,9 +136,9 @@ case $part in
       tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py tests/sparse/test_patterns_gpu.py \
       -k "prior or test_patterns_gpu" 2>&1 | tail -3; \
       timeout 240 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
-      --split 0 --skip-parts --reps 7 --batch-s 0.15 --merge-in-launch --patterns Grid "Grid(frame)"; \
-      for b in q 2d; do
-        timeout 150 python3 tools/pattern_parts_profile.py --out "$OUT/$part/$b" --seq-len 131072 --skip-triton \
+      --split 0 --skip-parts --reps 7 --batch-s 0.15 --merge-in-launch --patterns Grid "Grid(frame)" ;;
+  prior-boundary) for b in q 2d; do
+        timeout 200 python3 tools/pattern_parts_profile.py --out "$OUT/$part/$b" --seq-len 131072 --skip-triton \
           --split 0 --skip-parts --no-trace --reps 5 --batch-s 0.15 --merge-in-launch --patterns "Grid(frame)" \
           --boundary $b --text 1000 --question 64
       done ;;
