@@ -66,7 +66,7 @@ def block_sparse_attention(
       prior: None, or (out ``[B, T, N, D]`` in q's dtype, lse float32 ``[B, N, T]``): attention of the same queries
         over keys the layout does not list; the result is `merge.merge_attention` of it with the layout's.
       merge_in_launch: on the Mosaic GPU kernel, merge the prior in before the kernel's store where its rows are
-        the original rows (`block_sparse_attention_mosaic_gpu`; not yet run on a GPU, so off by default); else,
+        the original rows (`block_sparse_attention_mosaic_gpu`; off by default: barely faster where measured); else,
         and on the other implementations, it is merged afterwards.
 
     Returns:
@@ -99,11 +99,11 @@ def block_sparse_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, layou
     float32. ``row_mask``: None, or bool ``[B, T]``: the layouts are for those rows alone, the others keep the prior
     (or the empty result, out 0 / lse -inf, without one), whatever the layouts list there (a `RowSplit`'s kinds).
 
-    ``merge_in_launch`` (off by default: not yet run on a GPU): the layouts that run on the Mosaic GPU kernel and can
-    take a prior in their launch (`mosaic_gpu.prior_in_launch`: their rows are the original rows or strided boxes of
-    them) run last, in turn, each merging the result so far in before its store, on the mask's rows, so no merge
-    pass reads their outputs again; the others are merged first as above. Arguments as in `block_sparse_attention`
-    (no Triton launch parameters); ``layouts`` a non-empty sequence of `BlockLayout`."""
+    ``merge_in_launch`` (off by default: barely faster where measured): the layouts that run on the Mosaic GPU
+    kernel and can take a prior in their launch (`mosaic_gpu.prior_in_launch`: their rows are the original rows or
+    strided boxes of them) run last, in turn, each merging the result so far in before its store, on the mask's
+    rows, so no merge pass reads their outputs again; the others are merged first as above. Arguments as in
+    `block_sparse_attention` (no Triton launch parameters); ``layouts`` a non-empty sequence of `BlockLayout`."""
     layouts = list(layouts)
     if not layouts:
         raise ValueError("layouts: expected at least one BlockLayout; received none")
