@@ -150,44 +150,55 @@ def emulated_launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, prior=None
     `merge_attention` of the prior with that; with ``row_mask`` (int32 ``[B, N, Tp]``, the blocks' row order) the
     rows off the mask get the prior (or the empty result) whatever the blocks list there."""
     out, lse = _emulated(q_in, k_in, v_in, blocks, count, q_pos, k_pos, **kw)
+    if prior is None and row_mask is None:
+        return out, lse
+    o = _in_block_order(out, kw)  # merged in the blocks' row order, as the kernel does
     if row_mask is not None:  # the kernel drops its own result off the mask (out 0, lse -inf)
         lse = jnp.where(row_mask != 0, lse, -jnp.inf)
-        off = jnp.transpose(row_mask == 0, (0, 2, 1))  # [B, Tp, N] in the blocks' row order
-        if kw.get("row_stride"):
-            b, _, st, n, _ = q_in.shape
-            rows = (kw["q_box"][..., None] + st * jnp.arange(kw["block_q"])).reshape(kw["q_box"].shape[:2] + (-1,))
-            rows = jnp.transpose(jnp.broadcast_to(rows, (b, n, rows.shape[-1])), (0, 2, 1))
-            off = jnp.zeros_like(off).at[jnp.arange(b)[:, None, None], rows, jnp.arange(n)].set(off)  # original order
-        out = jnp.where(off.reshape(out.shape[:-1] + (1,)), 0, out)
-    if prior is None:
-        return out, lse
+        o = jnp.where(jnp.transpose(row_mask == 0, (0, 2, 1))[..., None], 0, o)
+    if prior is not None:
+        o, lse = merge_attention(_in_block_order(prior[0], kw), prior[1], o, lse)
+    return _from_block_order(o, out, kw), lse
+
+
+def _box_rows(q_in, q_box, block_q: int) -> jax.Array:
+    """int ``[B, N, Tp]``: the original row of each row of the blocks, q_in in `strided_rows`' view."""
+    b, _, st, n, _ = q_in.shape
+    rows = (q_box[..., None] + st * jnp.arange(block_q)).reshape(q_box.shape[:2] + (-1,))
+    return jnp.broadcast_to(rows, (b, n, rows.shape[-1]))
+
+
+def _in_block_order(x, kw: dict) -> jax.Array:
+    """x shaped like the launch's q_in (with ``row_stride``, the original rows viewed) -> ``[B, Tp, N, D]`` in the
+    blocks' row order."""
     if not kw.get("row_stride"):
-        return merge_attention(prior[0], prior[1], out, lse)
-    b, _, st, n, _ = q_in.shape  # merged in the original row order, the lses taken there from the blocks' order
-    rows = (kw["q_box"][..., None] + st * jnp.arange(kw["block_q"])).reshape(kw["q_box"].shape[:2] + (-1,))
-    rows = jnp.broadcast_to(rows, (b, n, rows.shape[-1]))  # [B, N, Tp]: the original row of each block row
-    inv = jnp.argsort(rows, axis=-1)
-    flat = lambda x: x.reshape(b, -1, *x.shape[-2:])  # noqa: E731
-    merged, lse = merge_attention(flat(prior[0]), jnp.take_along_axis(prior[1], inv, axis=-1), flat(out),
-                                  jnp.take_along_axis(lse, inv, axis=-1))
-    return merged.reshape(out.shape), jnp.take_along_axis(lse, rows, axis=-1)
+        return x
+    rows = _box_rows(x, kw["q_box"], kw["block_q"])
+    flat = x.reshape(x.shape[0], -1, *x.shape[-2:])
+    return jnp.take_along_axis(flat, jnp.transpose(rows, (0, 2, 1))[..., None], axis=1)
+
+
+def _from_block_order(y, like, kw: dict) -> jax.Array:
+    """`_in_block_order` undone: y ``[B, Tp, N, D]`` in the blocks' row order -> shaped like ``like``."""
+    if not kw.get("row_stride"):
+        return y
+    rows = _box_rows(like, kw["q_box"], kw["block_q"])
+    b, n = rows.shape[:2]
+    flat = jnp.zeros((b, rows.shape[-1], n, y.shape[-1]), y.dtype)
+    placed = flat.at[jnp.arange(b)[:, None, None], rows, jnp.arange(n)[None, :, None]].set(
+        jnp.transpose(y, (0, 2, 1, 3)))
+    return placed.reshape(like.shape)
 
 
 def _emulated(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups, block_k, block_q, kv_len, causal,
               gap, window, sm_scale, q_offset, ranges=None, q_box=None, row_stride=0, **_):
     """`emulated_launch` without a prior."""
     if row_stride:
-        b, f, st, n, dp = q_in.shape
-        rows = (q_box[..., None] + st * jnp.arange(block_q)).reshape(q_box.shape[:2] + (-1,))  # [B|1, N|1, Tp]
-        rows = jnp.broadcast_to(rows, (b, n, rows.shape[-1]))
-        flat = q_in.reshape(b, f * st, n, dp)
-        gathered = jnp.take_along_axis(flat, jnp.transpose(rows, (0, 2, 1))[..., None], axis=1)
-        out, lse = emulated_launch(gathered, k_in, v_in, blocks, count, q_pos, k_pos, groups=groups, block_k=block_k,
-                                   block_q=block_q, kv_len=kv_len, causal=causal, gap=gap, window=window,
-                                   sm_scale=sm_scale, q_offset=q_offset, ranges=ranges)
-        bi, hi = jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None]
-        placed = jnp.zeros_like(flat).at[bi, rows, hi].set(jnp.transpose(out, (0, 2, 1, 3)))
-        return placed.reshape(q_in.shape), lse
+        boxes = {"row_stride": row_stride, "q_box": q_box, "block_q": block_q}
+        out, lse = emulated_launch(_in_block_order(q_in, boxes), k_in, v_in, blocks, count, q_pos, k_pos,
+                                   groups=groups, block_k=block_k, block_q=block_q, kv_len=kv_len, causal=causal,
+                                   gap=gap, window=window, sm_scale=sm_scale, q_offset=q_offset, ranges=ranges)
+        return _from_block_order(out, q_in, boxes), lse
     b, tp, n, dp = q_in.shape
     sp = k_in.shape[1]
     nqb = count.shape[2]
