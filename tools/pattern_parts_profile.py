@@ -342,26 +342,20 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
     layout = jax.jit(lambda q, k: pat.build_layout(q, k, modality=modality))(q, k)
     density = float(np.mean(np.asarray(layout.density())))
     row = {"pattern": repr(pat), "density": density}
-    for impl in (None,) if args.skip_triton else (None, "triton"):
-        opts = KernelOptions(implementation=impl)
+    forms = {"default": KernelOptions()}
+    if not args.skip_triton:
+        forms["triton"] = KernelOptions(implementation="triton")
+    if args.merge_in_launch:  # each Mosaic part merging the result so far in before its store
+        forms["merge_in_launch"] = KernelOptions(merge_in_launch=True)
+    for key, opts in forms.items():
         run = jax.jit(lambda q, k, v, lay, opts=opts: attend(q, k, v, lay, opts)).lower(q, k, v, layout).compile()
         t = timed(lambda: run(q, k, v, layout), args)
-        key = impl or "default"
         row[f"attend_ms_{key}"] = t
         row[f"attend_temp_gib_{key}"] = run.memory_analysis().temp_size_in_bytes / 2**30  # the call's own temporaries
         row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
         print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
               f"cuDNN's TFLOP/s, temporaries {row[f'attend_temp_gib_{key}']:.2f} GiB", flush=True)
-    if args.merge_in_launch:  # the same call, each Mosaic part merging the result so far in before its store
-        opts = KernelOptions(merge_in_launch=True)
-        run = jax.jit(lambda q, k, v, lay: attend(q, k, v, lay, opts)).lower(q, k, v, layout).compile()
-        t = timed(lambda: run(q, k, v, layout), args)
-        row["attend_ms_merge_in_launch"] = t
-        row["attend_temp_gib_merge_in_launch"] = run.memory_analysis().temp_size_in_bytes / 2**30
-        row["of_cudnn_tflops_merge_in_launch"] = density * t_cudnn / t
-        print(f"{name}: merged in launch {t:.2f} ms = {density * t_cudnn / t:.2f} of cuDNN's TFLOP/s, temporaries "
-              f"{row['attend_temp_gib_merge_in_launch']:.2f} GiB", flush=True)
-        if not args.no_trace:
+        if key == "merge_in_launch" and not args.no_trace:  # (the default form is traced at the end)
             with tempfile.TemporaryDirectory() as d:
                 row["trace_merge_in_launch"] = traced(lambda: run(q, k, v, layout), d)
         del run
