@@ -11,6 +11,7 @@ import pytest
 
 from pallas_kernels import BlockLayout, block_sparse_attention
 from pallas_kernels.block_sparse import block_sparse_attention_rows
+from pallas_kernels.block_sparse.merge import merge_onto
 from pallas_kernels.block_sparse.mosaic_gpu import block_sparse_attention_mosaic_gpu
 from pallas_kernels.platform import is_sm90
 from tests.pallas_kernels.block_sparse.test_rows import range_layout, strided_layout
@@ -421,8 +422,6 @@ def test_mosaic_prior_matches_merge_attention(case):
     whose rows are gathered), on the rows of a row mask for "masked-*" (the others keep the prior) and a mask with
     no prior ("mask-alone": the others empty): against `merge.merge_onto` of the prior with the pass's own result,
     with the prior's empty rows (lse -inf) holding NaN in out, which must add nothing."""
-    from pallas_kernels.block_sparse.merge import merge_onto
-
     t, n = 4096, 8
     rng = np.random.default_rng(len(case))
     q, k, v = random_qkv(31, 1, t, t, n, 2, 128, jnp.bfloat16)

@@ -9,6 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mmjax.sparse.layouts import KernelOptions, attend
+from mmjax.sparse.modality import Modality
+from mmjax.sparse.patterns import AShape, Grid, QBoundary, TwoDBoundary
 from pallas_kernels.block_sparse import (
     api,
     block_sparse_attention,
@@ -191,10 +194,6 @@ def test_boundary_row_kinds_merged_in_launch_with_the_kernel_emulated(monkeypatc
     """A boundary wrapper's row kinds (`RowSplit`) through `attend` on the Mosaic kernel (emulated) with
     ``merge_in_launch``: each kind's parts merged onto the result so far on that kind's rows in the launches that can
     take it (a row mask in the launch); against `attend` on the reference."""
-    from mmjax.sparse.layouts import KernelOptions, attend
-    from mmjax.sparse.modality import Modality
-    from mmjax.sparse.patterns import AShape, Grid, QBoundary, TwoDBoundary
-
     masks = []
     monkeypatch.setattr(mosaic_gpu, "launch", lambda *a, **kw: masks.append(kw.get("row_mask") is not None)
                         or emulated_launch(*a, **kw))
