@@ -43,6 +43,7 @@ import functools
 import gc
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -337,6 +338,14 @@ def pattern_attend_rows(name, pat, q, k, v, t_cudnn, args, modality, row) -> Non
         jax.clear_caches()
 
 
+COPY_OP = re.compile(r"^\s*(?:ROOT )?(\S+) = (\S+) (copy|copy-start)\(")
+
+
+def hlo_copies(text: str) -> list[list[str]]:
+    """The copies in an optimized HLO module's text (what a trace shows as memcpy kernels): [[name, shape], ...]."""
+    return [[m.group(1), m.group(2)] for m in map(COPY_OP.match, text.splitlines()) if m]
+
+
 def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
     """One pattern's row of the result (module docstring)."""
     layout = jax.jit(lambda q, k: pat.build_layout(q, k, modality=modality))(q, k)
@@ -352,9 +361,11 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
         t = timed(lambda: run(q, k, v, layout), args)
         row[f"attend_ms_{key}"] = t
         row[f"attend_temp_gib_{key}"] = run.memory_analysis().temp_size_in_bytes / 2**30  # the call's own temporaries
+        row[f"hlo_copies_{key}"] = hlo_copies(run.as_text())
         row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
         print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
-              f"cuDNN's TFLOP/s, temporaries {row[f'attend_temp_gib_{key}']:.2f} GiB", flush=True)
+              f"cuDNN's TFLOP/s, temporaries {row[f'attend_temp_gib_{key}']:.2f} GiB, HLO copies "
+              f"{row[f'hlo_copies_{key}']}", flush=True)
         if key == "merge_in_launch" and not args.no_trace:  # (the default form is traced at the end)
             with tempfile.TemporaryDirectory() as d:
                 row["trace_merge_in_launch"] = traced(lambda: run(q, k, v, layout), d)
