@@ -5,7 +5,8 @@ non-finite key poisoning (`pallas_kernels.nonfinite.poison_keys`) and the persis
 call with the poisoning only when some value is not finite (``poison=None``, a device-side ``lax.cond``) and,
 where the persistent grid runs, with its items placed by XLA's sort (`item_order(method="sort")`, the form before
 `stable_descending_order`) and in two static orders instead of sorted (heads fastest; index order);
-the compile time of both poison forms; and the item orders on MInference's top-100 mask (`top100_orders`). With
+the call with the consumers free of the schedule barrier (``pingpong=False``); the compile time of both poison
+forms; and the item orders on MInference's top-100 mask (`top100_orders`). With
 ``--order-traces``, a profiler trace of each item-order form alone (its device time, not its dispatch).
 
 Run on a GPU: ``python tools/short_work_trace.py --out DIR [--len 32768]``; B = 1, 28 / 4 heads, D = 128, bf16,
@@ -148,6 +149,7 @@ def top100_orders(s: int) -> dict:
                        ("ms_identity_order", identity_order), ("ms_kv_major_order", kv_major_order(8)),
                        ("ms_again", None)):
         out[key] = with_order(order, lambda: ms(lambda f=mosaic(persistent=True): f(q, k, v, lay)))
+    out["ms_no_pingpong"] = ms(lambda f=mosaic(persistent=True, pingpong=False): f(q, k, v, lay))
     print(f"top-100 mask at {s}: {out}", flush=True)
     return out
 
@@ -155,7 +157,8 @@ def top100_orders(s: int) -> dict:
 FORMS = (("ms", "default (items placed by counting)"), ("ms_poison_auto", "poison=None"),
          ("ms_sort_order", "items placed by XLA's sort"),
          ("ms_static_order", "heads fastest"), ("ms_identity_order", "index order"),
-         ("ms_kv_major_order", "key / value heads slowest, each longest first"), ("ms_again", "default again"))
+         ("ms_kv_major_order", "key / value heads slowest, each longest first"), ("ms_again", "default again"),
+         ("ms_no_pingpong", "pingpong=False"))
 
 
 def figure(result: dict):
@@ -214,6 +217,8 @@ def main() -> int:
         if not args.orders_only:
             auto = mosaic(poison=None)
             row["ms_poison_auto"] = ms(lambda: auto(q, k, v, lay))
+        free = mosaic(pingpong=False)  # the consumers without the schedule barrier (item ends not in lockstep)
+        row["ms_no_pingpong"] = ms(lambda: free(q, k, v, lay))
         if row["persistent"]:  # the persistent grid with items in a static order instead of sorted
             for name, order in (("sort", sort_order), ("static", static_order), ("identity", identity_order),
                                 ("kv_major", kv_major_order(KV_HEADS))):
@@ -233,7 +238,8 @@ def main() -> int:
               f"{row.get('ms_poison_auto', nan):.3f} ms, "
               f"static / identity order {row.get('ms_static_order', nan):.3f} / "
               f"{row.get('ms_identity_order', nan):.3f} ms, key / value heads slowest "
-              f"{row.get('ms_kv_major_order', nan):.3f} ms; the default again {row.get('ms_again', nan):.3f} ms",
+              f"{row.get('ms_kv_major_order', nan):.3f} ms, pingpong=False {row['ms_no_pingpong']:.3f} ms; "
+              f"the default again {row.get('ms_again', nan):.3f} ms",
               flush=True)
         result["rows"].append(row)
     result["top100"] = top100_orders(s)
