@@ -32,11 +32,13 @@ RANK_ORDER_ITEMS = 8192
 
 
 def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: int, pair: bool,
-               heads_first: bool = False, method: str = "auto") -> jax.Array:
+               heads_first: bool = False, method: str = "auto", groups: int = 0) -> jax.Array:
     """The persistent grid's item order: int32 ``[batch * heads * ctas]`` item indices (item w is batch ``w // (heads
     * ctas)``, head ``w // ctas % heads``, 128-row block ``ctas - 1 - w % ctas``; ``heads_first``: head ``w %
     heads``, block ``ctas - 1 - w // heads % ctas``), most steps first (stably: equal items keep that
-    order: query blocks (or heads) fastest, the last rows first). count int32 ``[B|1, N|1, nq]``;
+    order: query blocks (or heads) fastest, the last rows first). ``groups`` > 0: the query heads of one key / value
+    head (``groups`` consecutive heads) and batch go together, key / value heads slowest, each group's items most
+    steps first, so the items running at once read one key / value head's tiles. count int32 ``[B|1, N|1, nq]``;
     an item's steps are its list's (``block_q`` 128) or the longer of its two 64-row blocks' lists, in entries or
     (``pair``) pairs of entries. ``method``: "sort" (``jnp.argsort``), "rank" (`stable_descending_order`, the same
     order), "auto" (default): "rank" up to `RANK_ORDER_ITEMS` items."""
@@ -49,6 +51,13 @@ def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: 
     if block_q == WG_ROWS:  # two query blocks per item (a missing last one has no steps)
         steps = jnp.pad(steps, ((0, 0), (0, 0), (0, 2 * ctas - nq))).reshape(batch, heads, ctas, 2).max(-1)
     cost = steps[..., ::-1]  # [batch, heads, ctas], the last rows first
+    if groups:
+        if heads % groups:
+            raise ValueError(f"groups: expected a divisor of heads={heads} (query heads per key / value head); "
+                             f"received {groups}")
+        rank = heads // groups * batch - 1 - (jnp.arange(batch)[:, None] * (heads // groups)
+                                              + jnp.arange(heads)[None, :] // groups)  # earlier groups higher
+        cost = rank[..., None] * (jnp.max(cost) + 1) + cost
     cost = (jnp.swapaxes(cost, 1, 2) if heads_first else cost).reshape(-1)  # by item index
     if method == "auto":
         method = "rank" if cost.shape[0] <= RANK_ORDER_ITEMS else "sort"

@@ -316,6 +316,33 @@ def test_item_order_heads_first_decodes_items_with_the_heads_fastest():
     assert np.asarray(same).tolist() == list(range(6))
 
 
+def test_item_order_groups_runs_each_key_value_head_longest_first_before_the_next():
+    """`item_order(groups=g)`: the items of batch 0's first g query heads (key / value head 0) come first, then key /
+    value head 1's, ..., batch by batch; within a group most steps first, ties in item order; the same order by
+    counting and by XLA's sort, with heads fastest too; a group size that does not divide the heads is named."""
+    rng = np.random.default_rng(3)
+    b, n, g, ctas = 2, 6, 3, 5
+    count = jnp.asarray(rng.integers(0, 7, (b, n, ctas)), jnp.int32)
+    c = np.asarray(count)
+    for heads_first in (False, True):
+        kw = dict(block_q=128, ctas=ctas, batch=b, heads=n, pair=False, heads_first=heads_first, groups=g)
+        order = np.asarray(item_order(count, **kw))
+        assert sorted(order.tolist()) == list(range(b * n * ctas))
+        head = order % n if heads_first else order // ctas % n
+        block = ctas - 1 - (order // n % ctas if heads_first else order % ctas)
+        batch = order // (n * ctas)
+        group = batch * (n // g) + head // g
+        assert np.all(np.diff(group) >= 0), group
+        for x in range(b * n // g):
+            mine = order[group == x]
+            steps = c[batch[group == x], head[group == x], block[group == x]]
+            assert np.all(np.diff(steps) <= 0), steps
+            assert all(t == sorted(t) for t in [[w for w, st in zip(mine, steps) if st == v] for v in set(steps)])
+        np.testing.assert_array_equal(order, np.asarray(item_order(count, method="sort", **kw)))
+    with pytest.raises(ValueError, match="groups: expected a divisor of heads=6"):
+        item_order(count, block_q=128, ctas=ctas, batch=b, heads=n, pair=False, groups=4)
+
+
 def test_item_order_by_counting_is_the_sorts_order():
     """`item_order(method="rank")` (`stable_descending_order`, the default up to `RANK_ORDER_ITEMS` items) gives
     XLA's stable sort's order on random counts with many ties, few ties and one value, for every item layout; an
