@@ -40,6 +40,8 @@
 # Grid(frame) at 128k, 7 samples, attend as it is and with KernelOptions(merge_in_launch=True), each with a profiler
 # trace by kernel) and `prior-boundary` (Grid(frame) inside QBoundary and TwoDBoundary over 1,000 text tokens, the
 # video and a 64-token question, both ways, 5 samples);
+# `prior-copies` (Grid(frame) at 128k with and without merge_in_launch, once, each form's HLO copies with the lines
+# that define and use them);
 # `kv-major` (the Mosaic GPU tests of per-head key orders and of the persistent grid, then the persistent grid's item
 # orders at 32k with `short_work_trace.py --orders-only`, the key / value heads slowest among them);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
@@ -97,6 +99,8 @@ case $part in
         --indexes block --select "mosaic_gpu: same 64x64 mask" ;;
   short-rows) timeout 200 python3 tools/short_work_trace.py --out "$OUT/$part" --orders-only; \
       timeout 360 python3 tools/bench_mosaic_gpu.py --out "$OUT/$part" --lens 32768,131072 --skip-checks ;;
+  prior-copies) timeout 240 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
+      --split 0 --skip-parts --no-trace --reps 1 --merge-in-launch --hlo-copy-context --patterns "Grid(frame)" ;;
   kv-major) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
       tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py -k "per_head_key_orders or persistent" 2>&1 | tail -3; \
       timeout 330 python3 tools/short_work_trace.py --out "$OUT/$part" --orders-only ;;

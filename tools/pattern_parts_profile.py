@@ -205,6 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--pattern-attend", action="store_true",
                    help="also time the pattern's own attend (estimation, layout and attention in one jit) with the "
                         "input's frame size known; for Grid with searched strides also with frame_first=False")
+    p.add_argument("--hlo-copy-context", action="store_true",
+                   help="print each attend form's HLO copies with the lines that define their operands and use them")
     p.add_argument("--merge-in-launch", action="store_true",
                    help="also time attend with KernelOptions(merge_in_launch=True): a LayoutSet's parts on the Mosaic "
                         "kernel each merging the result so far in before their store (traced too unless --no-trace)")
@@ -346,6 +348,25 @@ def hlo_copies(text: str) -> list[list[str]]:
     return [[m.group(1), m.group(2)] for m in map(COPY_OP.match, text.splitlines()) if m]
 
 
+def hlo_copy_context(text: str, width: int = 400) -> list[str]:
+    """Each copy's line in an optimized HLO module's text with the line that defines its operand and the lines
+    that use it (each cut to ``width`` characters): why XLA inserted it."""
+    lines = text.splitlines()
+    out = []
+    for line in lines:
+        m = COPY_OP.match(line)
+        if not m:
+            continue
+        operand = re.search(r"(?:copy|copy-start)\(\S+ (%?[\w.\-]+)\)", line)
+        src = operand.group(1) if operand else None
+        out.append("COPY " + line.strip()[:width])
+        out += ["  FROM " + x.strip()[:width] for x in lines
+                if src and re.match(rf"^\s*(?:ROOT )?{re.escape(src)} = ", x)]
+        out += ["  USED " + x.strip()[:width] for x in lines
+                if re.search(rf"[ (,]{re.escape(m.group(1))}[,)]", x) and x is not line]
+    return out
+
+
 def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
     """One pattern's row of the result (module docstring)."""
     layout = jax.jit(lambda q, k: pat.build_layout(q, k, modality=modality))(q, k)
@@ -362,6 +383,9 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
         row[f"attend_ms_{key}"] = t
         row[f"attend_temp_gib_{key}"] = run.memory_analysis().temp_size_in_bytes / 2**30  # the call's own temporaries
         row[f"hlo_copies_{key}"] = hlo_copies(run.as_text())
+        if args.hlo_copy_context:
+            row[f"hlo_copy_context_{key}"] = hlo_copy_context(run.as_text())
+            print("\n".join(row[f"hlo_copy_context_{key}"]), flush=True)
         row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
         print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
               f"cuDNN's TFLOP/s, temporaries {row[f'attend_temp_gib_{key}']:.2f} GiB, HLO copies "
