@@ -38,7 +38,9 @@ def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: 
     heads``, block ``ctas - 1 - w // heads % ctas``), most steps first (stably: equal items keep that
     order: query blocks (or heads) fastest, the last rows first). ``groups`` > 0: the query heads of one key / value
     head (``groups`` consecutive heads) and batch go together, key / value heads slowest, each group's items most
-    steps first, so the items running at once read one key / value head's tiles. count int32 ``[B|1, N|1, nq]``;
+    steps first, so the items running at once read one key / value head's tiles. Not used by `launch`: one H100,
+    2026-12-08, 32k (`short-work-trace-kv-major_*`), 1-2% on random 10% / 3% layouts (within the default's spread),
+    6-9% slower on MInference's top-100 mask. count int32 ``[B|1, N|1, nq]``;
     an item's steps are its list's (``block_q`` 128) or the longer of its two 64-row blocks' lists, in entries or
     (``pair``) pairs of entries. ``method``: "sort" (``jnp.argsort``), "rank" (`stable_descending_order`, the same
     order), "auto" (default): "rank" up to `RANK_ORDER_ITEMS` items."""
