@@ -353,7 +353,7 @@ def hlo_copy_context(text: str, width: int = 400) -> list[str]:
     that use it (each cut to ``width`` characters): why XLA inserted it."""
     lines = text.splitlines()
     out = []
-    for line in lines:
+    for i, line in enumerate(lines):
         m = COPY_OP.match(line)
         if not m:
             continue
@@ -362,8 +362,8 @@ def hlo_copy_context(text: str, width: int = 400) -> list[str]:
         out.append("COPY " + line.strip()[:width])
         out += ["  FROM " + x.strip()[:width] for x in lines
                 if src and re.match(rf"^\s*(?:ROOT )?{re.escape(src)} = ", x)]
-        out += ["  USED " + x.strip()[:width] for x in lines
-                if re.search(rf"[ (,]{re.escape(m.group(1))}[,)]", x) and x is not line]
+        out += ["  USED " + x.strip()[:width] for j, x in enumerate(lines)
+                if j != i and re.search(rf"[ (,]{re.escape(m.group(1))}[,)]", x)]
     return out
 
 

@@ -4,7 +4,8 @@ Mosaic GPU kernel reaches 0.60-0.86 of cuDNN's TFLOP/s): a `jax.profiler` trace 
 non-finite key poisoning (`pallas_kernels.nonfinite.poison_keys`) and the persistent grid's item order; and the
 call with the poisoning only when some value is not finite (``poison=None``, a device-side ``lax.cond``) and,
 where the persistent grid runs, with its items placed by XLA's sort (`item_order(method="sort")`, the form before
-`stable_descending_order`) and in two static orders instead of sorted (heads fastest; index order);
+`stable_descending_order`), in two static orders instead of sorted (heads fastest; index order) and with the key /
+value heads slowest (`kv_major_order`);
 the call with the consumers free of the schedule barrier (``pingpong=False``); the compile time of both poison
 forms; and the item orders on MInference's top-100 mask (`top100_orders`). With
 ``--order-traces``, a profiler trace of each item-order form alone (its device time, not its dispatch).
