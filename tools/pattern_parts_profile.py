@@ -382,9 +382,10 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
         t = timed(lambda: run(q, k, v, layout), args)
         row[f"attend_ms_{key}"] = t
         row[f"attend_temp_gib_{key}"] = run.memory_analysis().temp_size_in_bytes / 2**30  # the call's own temporaries
-        row[f"hlo_copies_{key}"] = hlo_copies(run.as_text())
+        hlo = run.as_text()
+        row[f"hlo_copies_{key}"] = hlo_copies(hlo)
         if args.hlo_copy_context:
-            row[f"hlo_copy_context_{key}"] = hlo_copy_context(run.as_text())
+            row[f"hlo_copy_context_{key}"] = hlo_copy_context(hlo)
             print("\n".join(row[f"hlo_copy_context_{key}"]), flush=True)
         row[f"of_cudnn_tflops_{key}"] = density * t_cudnn / t
         print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "

@@ -53,13 +53,14 @@ def item_order(count: jax.Array, *, block_q: int, ctas: int, batch: int, heads: 
     if block_q == WG_ROWS:  # two query blocks per item (a missing last one has no steps)
         steps = jnp.pad(steps, ((0, 0), (0, 0), (0, 2 * ctas - nq))).reshape(batch, heads, ctas, 2).max(-1)
     cost = steps[..., ::-1]  # [batch, heads, ctas], the last rows first
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
+        raise ValueError(f"groups: expected an int >= 0 (0: no grouping); received {groups!r}")
     if groups:
         if heads % groups:
             raise ValueError(f"groups: expected a divisor of heads={heads} (query heads per key / value head); "
                              f"received {groups}")
-        rank = heads // groups * batch - 1 - (jnp.arange(batch)[:, None] * (heads // groups)
-                                              + jnp.arange(heads)[None, :] // groups)  # earlier groups higher
-        cost = rank[..., None] * (jnp.max(cost) + 1) + cost
+        group = (jnp.arange(batch)[:, None] * heads + jnp.arange(heads)) // groups  # [batch, heads], in item order
+        cost = (batch * heads // groups - 1 - group)[..., None] * (jnp.max(cost) + 1) + cost  # earlier groups first
     cost = (jnp.swapaxes(cost, 1, 2) if heads_first else cost).reshape(-1)  # by item index
     if method == "auto":
         method = "rank" if cost.shape[0] <= RANK_ORDER_ITEMS else "sort"
