@@ -139,6 +139,10 @@ def merge_rows(out: jax.Array, lse: jax.Array, rows: jax.Array, out_rows: jax.Ar
     b, t, n, _ = out.shape
     o_old, l_old = gather_rows(out, lse, rows)
     o_new, l_new = merge_attention(o_old, l_old, out_rows.astype(out.dtype), lse_rows)
+    # The merged rows are computed before, not inside, the scatter's fusion: XLA on the GPU scatters into the
+    # operand's buffer only if nothing else in that fusion reads it, so a gather of out fused there (as when out is
+    # a kernel's output, which no fusion can take the gather into) costs a copy of the whole out.
+    o_new, l_new = jax.lax.optimization_barrier((o_new, l_new))
     bi, ri, ni = _row_index(rows, b, n)
     return (out.at[bi, ri, ni].set(o_new, mode="drop"),
             lse.at[bi, ni, ri].set(jnp.einsum("bnr->brn", l_new), mode="drop"))

@@ -2,6 +2,8 @@
 reference, the row merges, and the Mosaic GPU rows pass (chunked lists, gathered rows) with its kernel emulated on
 the CPU (the kernel itself runs in test_mosaic_gpu_gpu.py)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,6 +104,20 @@ def test_row_merges_match_merge_attention_on_whole_results():
     got = merge_rows(out, lse, rows, o_r, l_r)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_merge_rows_merges_before_its_scatters():
+    """The rows are gathered and merged before an optimization barrier and scattered after it, so no scatter's
+    fusion reads out elsewhere (XLA on the GPU then scatters in place, not into a copy of out)."""
+    rng = np.random.default_rng(3)
+    out, lse = _partial(rng, 1, 16, 2, 8)
+    o_r, l_r = _partial(rng, 1, 4, 2, 8)
+    rows = jnp.asarray(np.stack([rng.permutation(16)[:4] for _ in range(2)])[None], jnp.int32)
+    text = jax.jit(merge_rows).lower(out, lse, rows, o_r, l_r).as_text()
+    ops = re.findall(r"(?<!#)stablehlo\.(gather|scatter|optimization_barrier)\b", text)
+    assert ops.count("optimization_barrier") == 1, ops
+    cut = ops.index("optimization_barrier")
+    assert ops[:cut] == ["gather", "gather"] and ops[cut + 1:] == ["scatter", "scatter"], ops
 
 
 def test_merge_chunks_is_merge_attention_in_turn():
