@@ -37,9 +37,10 @@
 # slash multiples: the per-stride XLA loop, the kernel for the vertical side only, and one call over both stacked
 # through the reference and the kernel, `phase_mass_bench.py`);
 # `prior` (the Mosaic GPU tests of a prior result and a row mask merged in and the pattern GPU tests, then Grid and
-# Grid(frame) at 128k, 7 samples, attend as it is and with KernelOptions(merge_in_launch=True), each with a profiler
-# trace by kernel) and `prior-boundary` (Grid(frame) inside QBoundary and TwoDBoundary over 1,000 text tokens, the
-# video and a 64-token question, both ways, 5 samples);
+# Grid(frame) at 128k, 7 samples, attend as it is and with KernelOptions(merge_in_launch=True), the latter with the
+# layout's parts in its order and reversed (the band, not the lines, taking the prior), each with a profiler trace
+# by kernel) and `prior-boundary` (Grid(frame) inside QBoundary and TwoDBoundary over 1,000 text tokens, the video
+# and a 64-token question, the three ways, 5 samples);
 # `prior-copies` (Grid(frame) at 128k with and without merge_in_launch, once, each form's HLO copies with the lines
 # that define and use them);
 # `kv-major` (the Mosaic GPU tests of per-head key orders and of the persistent grid, then the persistent grid's item
@@ -144,10 +145,10 @@ case $part in
   prior) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
       tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py tests/sparse/test_patterns_gpu.py \
       -k "prior or test_patterns_gpu" 2>&1 | tail -3; \
-      timeout 240 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
+      timeout 300 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
       --split 0 --skip-parts --reps 7 --batch-s 0.15 --merge-in-launch --patterns Grid "Grid(frame)" ;;
   prior-boundary) for b in q 2d; do
-        timeout 200 python3 tools/pattern_parts_profile.py --out "$OUT/$part/$b" --seq-len 131072 --skip-triton \
+        timeout 270 python3 tools/pattern_parts_profile.py --out "$OUT/$part/$b" --seq-len 131072 --skip-triton \
           --split 0 --skip-parts --no-trace --reps 5 --batch-s 0.15 --merge-in-launch --patterns "Grid(frame)" \
           --boundary $b --text 1000 --question 64
       done ;;

@@ -59,7 +59,7 @@ from jsonl_log import write_atomic  # noqa: E402
 
 from mmjax.drivers.bench import trace_summary  # noqa: E402
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
-from mmjax.sparse.layouts import KernelOptions, attend, block_parts, map_parts  # noqa: E402
+from mmjax.sparse.layouts import KernelOptions, LayoutSet, RowSplit, attend, block_parts, map_parts  # noqa: E402
 from mmjax.sparse.modality import Modality  # noqa: E402
 from mmjax.sparse.patterns import AShape, Grid, KBoundary, QBoundary, TwoDBoundary  # noqa: E402
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
@@ -209,7 +209,8 @@ def main(argv=None) -> int:
                    help="print each attend form's HLO copies with the lines that define their operands and use them")
     p.add_argument("--merge-in-launch", action="store_true",
                    help="also time attend with KernelOptions(merge_in_launch=True): a LayoutSet's parts on the Mosaic "
-                        "kernel each merging the result so far in before their store (traced too unless --no-trace)")
+                        "kernel each merging the result so far in before their store, in the layout's order and in "
+                        "reverse (`reversed_parts`; traced too unless --no-trace)")
     p.add_argument("--mask-ab", action="store_true",
                    help="also time attend with the position mask on every entry (no `visible_entries` skip)")
     args = p.parse_args(argv)
@@ -248,6 +249,8 @@ def main(argv=None) -> int:
 
 
 FORMS = (("attend_ms_default", "default"), ("attend_ms_triton", "Triton"),
+         ("attend_ms_merge_in_launch", "merge_in_launch"),
+         ("attend_ms_merge_in_launch_reversed", "merge_in_launch, parts reversed"),
          ("pattern_attend_ms", "pattern attend (frame known)"),
          ("pattern_attend_ms_frame_first_off", "pattern attend, frame_first=False"),
          ("attend_ms_without_q_block_range", "without q_block_range"),
@@ -367,6 +370,20 @@ def hlo_copy_context(text: str, width: int = 400) -> list[str]:
     return out
 
 
+def reversed_parts(layout):
+    """``layout`` with each `LayoutSet`'s parts in the reverse order (inside a `RowSplit`, each kind's), or
+    ``layout`` itself where no set has two parts. The parts' key sets are disjoint, so attention is the same; with
+    merge_in_launch the launches run in the other order, so the other part merges the result so far in (Grid's
+    band, on the persistent grid at 128k, instead of its lines, one CTA per item there)."""
+    if isinstance(layout, LayoutSet) and len(layout.parts) > 1:
+        return LayoutSet(tuple(reversed(layout.parts)))
+    if isinstance(layout, RowSplit):
+        parts = tuple(reversed_parts(p) for p in layout.parts)
+        if any(a is not b for a, b in zip(parts, layout.parts)):
+            return dataclasses.replace(layout, parts=parts)
+    return layout
+
+
 def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
     """One pattern's row of the result (module docstring)."""
     layout = jax.jit(lambda q, k: pat.build_layout(q, k, modality=modality))(q, k)
@@ -377,9 +394,12 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
         forms["triton"] = KernelOptions(implementation="triton")
     if args.merge_in_launch:  # each Mosaic part merging the result so far in before its store
         forms["merge_in_launch"] = KernelOptions(merge_in_launch=True)
+        if reversed_parts(layout) is not layout:
+            forms["merge_in_launch_reversed"] = KernelOptions(merge_in_launch=True)
     for key, opts in forms.items():
-        run = jax.jit(lambda q, k, v, lay, opts=opts: attend(q, k, v, lay, opts)).lower(q, k, v, layout).compile()
-        t = timed(lambda: run(q, k, v, layout), args)
+        lay = reversed_parts(layout) if key == "merge_in_launch_reversed" else layout
+        run = jax.jit(lambda q, k, v, lay, opts=opts: attend(q, k, v, lay, opts)).lower(q, k, v, lay).compile()
+        t = timed(lambda: run(q, k, v, lay), args)
         row[f"attend_ms_{key}"] = t
         row[f"attend_temp_gib_{key}"] = run.memory_analysis().temp_size_in_bytes / 2**30  # the call's own temporaries
         hlo = run.as_text()
@@ -391,9 +411,9 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
         print(f"{name}: density {density:.4f} attend ({key}) {t:.2f} ms = {density * t_cudnn / t:.2f} of "
               f"cuDNN's TFLOP/s, temporaries {row[f'attend_temp_gib_{key}']:.2f} GiB, HLO copies "
               f"{row[f'hlo_copies_{key}']}", flush=True)
-        if key == "merge_in_launch" and not args.no_trace:  # (the default form is traced at the end)
+        if key.startswith("merge_in_launch") and not args.no_trace:  # (the default form is traced at the end)
             with tempfile.TemporaryDirectory() as d:
-                row["trace_merge_in_launch"] = traced(lambda: run(q, k, v, layout), d)
+                row[f"trace_{key}"] = traced(lambda: run(q, k, v, lay), d)
         del run
     if args.pattern_attend:
         pattern_attend_rows(name, pat, q, k, v, t_cudnn, args, modality, row)
