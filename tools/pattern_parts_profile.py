@@ -9,7 +9,9 @@ On `bench patterns`' video-like input (B = 1, 28 / 4 heads, D = 128, bf16, causa
   and XLA's plan of the call's temporaries (``attend_temp_gib_*``: gathers, partial outputs and merges, not the
   inputs);
   where a part names a ``q_block_range``, also without it (the part over all rows, merged over all rows); with
-  ``--mask-ab`` also with the position mask on every entry (no `mosaic_gpu.visible_entries` skip);
+  ``--mask-ab`` also with the position mask on every entry (no `mosaic_gpu.visible_entries` skip); with
+  ``--merge-in-launch`` also with ``KernelOptions(merge_in_launch=True)``, the parts in the layout's order and
+  reversed (`reversed_parts`), with XLA's copies in each form's plan (``hlo_copies_*``);
 * each `BlockLayout` part alone (`block_sparse_attention`, the implementation it picks, with its own gathers):
   density, work items, list lengths, time; and the Mosaic GPU kernel on the persistent grid where it takes the part
   (and on one CTA per work item where the kernel's default is the persistent grid, `auto_persistent`),
@@ -394,10 +396,11 @@ def profile_pattern(name, pat, q, k, v, t_cudnn, args, modality=None) -> dict:
         forms["triton"] = KernelOptions(implementation="triton")
     if args.merge_in_launch:  # each Mosaic part merging the result so far in before its store
         forms["merge_in_launch"] = KernelOptions(merge_in_launch=True)
-        if reversed_parts(layout) is not layout:
-            forms["merge_in_launch_reversed"] = KernelOptions(merge_in_launch=True)
+    reverse = reversed_parts(layout)
+    if args.merge_in_launch and reverse is not layout:
+        forms["merge_in_launch_reversed"] = KernelOptions(merge_in_launch=True)
     for key, opts in forms.items():
-        lay = reversed_parts(layout) if key == "merge_in_launch_reversed" else layout
+        lay = reverse if key == "merge_in_launch_reversed" else layout
         run = jax.jit(lambda q, k, v, lay, opts=opts: attend(q, k, v, lay, opts)).lower(q, k, v, lay).compile()
         t = timed(lambda: run(q, k, v, lay), args)
         row[f"attend_ms_{key}"] = t
