@@ -43,6 +43,8 @@
 # and a 64-token question, the three ways, 5 samples);
 # `prior-copies` (Grid(frame) at 128k with and without merge_in_launch, once, each form's HLO copies with the lines
 # that define and use them);
+# `item-regions` (Mosaic GPU's profiler over random 3% at 32k, 128- and 64-key blocks, 4 query heads of one key /
+# value head, with the kernel's `item` / `plan` / `finish` regions: where the cycles outside the named regions went);
 # `kv-major` (the Mosaic GPU tests of per-head key orders and of the persistent grid, then the persistent grid's item
 # orders at 32k with `short_work_trace.py --orders-only`, the key / value heads slowest among them);
 # `compile-real` (attend's compile time at 128k with the real Mosaic kernels, Grid and Grid(frame), the layout
@@ -102,6 +104,9 @@ case $part in
       timeout 360 python3 tools/bench_mosaic_gpu.py --out "$OUT/$part" --lens 32768,131072 --skip-checks ;;
   prior-copies) timeout 240 python3 tools/pattern_parts_profile.py --out "$OUT/$part" --seq-len 131072 --skip-triton \
       --split 0 --skip-parts --no-trace --reps 1 --merge-in-launch --hlo-copy-context --patterns "Grid(frame)" ;;
+  item-regions) for bk in 128 64; do
+        timeout 200 python3 tools/mosaic_profile.py --out "$OUT/$part/bk$bk" --random 0.03 --block-k $bk --heads 4
+      done ;;
   kv-major) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
       tests/pallas_kernels/block_sparse/test_mosaic_gpu_gpu.py -k "per_head_key_orders or persistent" 2>&1 | tail -3; \
       timeout 330 python3 tools/short_work_trace.py --out "$OUT/$part" --orders-only ;;

@@ -13,7 +13,11 @@ time of the profiled call (compile and trace dump included), and from the trace,
 producer) and per named region of the kernel (``qk`` with its ``sched`` handshake, ``softmax`` with its parts,
 ``wait_v``, ``pv`` with ``next_k``; the producer's ``k_free`` / ``v_free`` waits): ranges, mean and median SM
 cycles, and the region's share of the role's cycles (from each warpgroup's first to its last event); "outside" is
-the share of no top-level region (an item's scalar loads, its loop and branch overhead).
+the share of no top-level region (loop and branch overhead, the barrier arrivals between regions). Since
+2026-12-08 the kernel also names ``item`` (an item's order entry and list lengths, scalar global loads), ``plan``
+(each step's list entries and mask decision) and ``finish`` (the row sums, and the prior / row mask merged in),
+which the profile below counted as outside: about three more ranges an item and one a step, so a trace with many
+items a CTA reaches ``--ranges`` sooner (fewer ``--heads`` keep it whole).
 
 Random 3% at 32k, 7 / 1 heads, the persistent grid (one H200, 2026-11-28, `mosaic-profile-random3-32k-*-items_*`):
 of each consumer's cycles, softmax 37.7% (1,655 cycles a 128-key step: its parts 1,314), ``qk`` 26.5% (22.1% of it

@@ -322,14 +322,15 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
 
             def run_item(t, done):
                 """Item t of this CTA; ``done``: K/V stages of this consumer's ring used by earlier items."""
-                it = Item.of(t)
-                row0 = it.cta * BLOCK_Q + wg * WG_ROWS
-                if epilogue:  # (the prior into the O tile, once the last item's stores have read it)
-                    if cfg.persistent and cfg.prior:
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    load_epilogue(it, row0)
-                count = it.steps(wg)  # steps of this consumer's list
-                steps = jnp.maximum(it.steps(0), it.steps(1)) if split else count
+                with jax.named_scope("item"):  # the item's order entry and list lengths (scalar global loads)
+                    it = Item.of(t)
+                    row0 = it.cta * BLOCK_Q + wg * WG_ROWS
+                    if epilogue:  # (the prior into the O tile, once the last item's stores have read it)
+                        if cfg.persistent and cfg.prior:
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        load_epilogue(it, row0)
+                    count = it.steps(wg)  # steps of this consumer's list
+                    steps = jnp.maximum(it.steps(0), it.steps(1)) if split else count
                 if cfg.persistent:  # this item's Q was loaded during the last one; the next one's loads after the
                     # last S = Q K^T of this one (`prefetch_q`)
                     nxt = Item.of(jnp.minimum(t + 1, my_items - 1))
@@ -447,7 +448,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 def step(j, carry):
                     acc, m, l = carry
                     ks, vs = k_stage(j), v_stage(j)
-                    plan = mask_plan(j)  # before S = Q K^T is issued
+                    with jax.named_scope("plan"):
+                        plan = mask_plan(j)  # before S = Q K^T is issued
                     with jax.named_scope("qk"):  # (named regions: the profiler's ranges, see `launch`)
                         s = fa3.qk(q_smem, k_smem.at[ks], pp, kt)
                     plgpu.barrier_arrive(k_free.at[ks])
@@ -491,7 +493,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                     def first(_):
                         """Step 0's S and softmax (count > 0); O is still 0: nothing to rescale."""
                         ks = k_stage(0)
-                        plan = mask_plan(0)
+                        with jax.named_scope("plan"):
+                            plan = mask_plan(0)
                         plgpu.barrier_wait(k_bar.at[ks])
                         s = fa3.qk(q_smem, k_smem.at[ks], pp, kt)
                         plgpu.barrier_arrive(k_free.at[ks])
@@ -502,7 +505,8 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                         """Step j + 1's S, then step j's P V; step j + 1's softmax while P V runs."""
                         acc, m, l, p = carry
                         vs, ks = v_stage(j), k_stage(j + 1)
-                        plan = mask_plan(j + 1)
+                        with jax.named_scope("plan"):
+                            plan = mask_plan(j + 1)
                         plgpu.barrier_wait(k_bar.at[ks])
                         plgpu.barrier_wait(v_bar.at[vs])
                         acc, sm = fa3.qk_then_pv(acc, p, v_smem.at[vs], q_smem, k_smem.at[ks], kt,
@@ -560,13 +564,14 @@ def _kernel(q_ref, k_ref, v_ref, blocks_ref, count_ref, *refs, cfg: MosaicConfig
                 with jax.named_scope("resync"):
                     pl.when(wg == 0)(handshake)
 
-                l = fa3.row_sums(l)
-                if epilogue:
-                    plgpu.barrier_wait(epilogue_bar.at[wg])
-                if cfg.row_mask:
-                    acc, m, l = masked_rows(acc, m, l)
-                if cfg.prior:
-                    acc, m, l = merged_with_prior(acc, m, l)
+                with jax.named_scope("finish"):  # the row sums; the prior and row mask merged in
+                    l = fa3.row_sums(l)
+                    if epilogue:
+                        plgpu.barrier_wait(epilogue_bar.at[wg])
+                    if cfg.row_mask:
+                        acc, m, l = masked_rows(acc, m, l)
+                    if cfg.prior:
+                        acc, m, l = merged_with_prior(acc, m, l)
                 with jax.named_scope("write"):
                     if cfg.persistent and not cfg.prior:  # the last item's stores have read o_smem / l_smem
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -720,12 +725,14 @@ def launch(q_in, k_in, v_in, blocks, count, q_pos, k_pos, *, groups: int, num_kv
         (`MosaicConfig.prior`).
       row_mask: None, or int32 ``[B, N, Tp]`` in q_in's row order, nonzero on the rows the layout is for; the others
         get the prior (or the empty result) whatever the layout lists there (`MosaicConfig.row_mask`).
-      profile: None, or (ranges, directory): Mosaic GPU's profiler records the kernel's named regions (``qk``,
-        ``softmax``, ``wait_v``, ``pv`` / ``next_k`` per consumer step; per item ``wait_q``, ``wait_first_k``,
-        ``offset`` / ``resync`` (the second consumer's half-step lag, taken at its start and made up at its end)
-        and ``write`` (O and lse out); ``k_free`` / ``v_free`` waits of the producer), at most ``ranges`` per
-        warpgroup and CTA (in shared memory, next to the kernel's), into a Chrome trace ``<ns>-trace.json`` in the
-        directory (timestamps in SM clock cycles / 1000; `tools/mosaic_profile.py`).
+      profile: None, or (ranges, directory): Mosaic GPU's profiler records the kernel's named regions (``plan``
+        (the step's list entries and mask decision), ``qk``, ``softmax``, ``wait_v``, ``pv`` / ``next_k`` per
+        consumer step; per item ``item`` (its order entry and list lengths), ``wait_q``, ``wait_first_k``,
+        ``offset`` / ``resync`` (the second consumer's half-step lag, taken at its start and made up at its end),
+        ``finish`` (row sums, prior and row mask) and ``write`` (O and lse out); ``k_free`` / ``v_free`` waits of
+        the producer), at most ``ranges`` per warpgroup and CTA (in shared memory, next to the kernel's), into a
+        Chrome trace ``<ns>-trace.json`` in the directory (timestamps in SM clock cycles / 1000;
+        `tools/mosaic_profile.py`).
 
     Returns:
       out ``[B, Tp, N, Dp]`` in q's dtype and lse ``[B, N, Tp]`` float32, in row order of q_in (``row_stride``: out
