@@ -61,7 +61,15 @@ from jsonl_log import write_atomic  # noqa: E402
 
 from mmjax.drivers.bench import trace_summary  # noqa: E402
 from mmjax.drivers.bench.patterns import frame_grid_patterns, gpu_patterns  # noqa: E402
-from mmjax.sparse.layouts import KernelOptions, LayoutSet, RowSplit, attend, block_parts, map_parts  # noqa: E402
+from mmjax.sparse.layouts import (  # noqa: E402
+    KernelOptions,
+    LayoutSet,
+    RowSplit,
+    attend,
+    block_parts,
+    map_parts,
+    with_parts,
+)
 from mmjax.sparse.modality import Modality  # noqa: E402
 from mmjax.sparse.patterns import AShape, Grid, KBoundary, QBoundary, TwoDBoundary  # noqa: E402
 from mmjax.sparse.synthetic import video_qkv  # noqa: E402
@@ -378,7 +386,7 @@ def reversed_parts(layout):
     merge_in_launch the launches run in the other order, so the other part merges the result so far in (Grid's
     band, on the persistent grid at 128k, instead of its lines, one CTA per item there)."""
     if isinstance(layout, LayoutSet) and len(layout.parts) > 1:
-        return LayoutSet(tuple(reversed(layout.parts)))
+        return with_parts(layout, layout.parts[::-1])
     if isinstance(layout, RowSplit):
         parts = tuple(reversed_parts(p) for p in layout.parts)
         if any(a is not b for a, b in zip(parts, layout.parts)):
